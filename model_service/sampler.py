@@ -1,0 +1,176 @@
+"""Next-token sampling for a batch of requests, each with its own sampling options.
+
+Semantics follow `radixkv.v1.SamplingParams`:
+
+- `temperature == 0` is greedy: exactly `torch.argmax` of the logits (first index on ties, as
+  `transformers`' greedy search). `top_k == 1` is greedy too (same argmax, so ties behave the same).
+- Otherwise, in this order (as `transformers`' logits warpers): divide the logits by the
+  temperature; keep the `top_k` largest (0 = disabled; ties with the k-th value are kept); keep
+  the smallest set of most likely tokens whose probability mass reaches `top_p` (the most likely
+  token is always kept; 1.0 = disabled), computed on the distribution left after top-k; sample
+  from the renormalised rest.
+- Sampling is a per-row exponential race: `argmax(probs / q)` with `q ~ Exp(1)` i.i.d. per vocab
+  entry, which picks token i with probability `probs[i]`. Each row draws its `q` from its own
+  `torch.Generator`, so a seeded request's tokens depend only on its seed, its logits and its
+  options, never on which other requests share the batch or on its row index.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Sampler", "SamplingOptions", "make_generator"]
+
+_MAX_SEED = 2**64 - 1
+
+
+@dataclass(slots=True)
+class SamplingOptions:
+    """One request's sampling options, validated on construction.
+
+    `temperature`: 0 = greedy, must be finite and >= 0. `top_p`: in (0, 1], 1 = disabled.
+    `top_k`: >= 0, 0 = disabled. `seed`: in [0, 2**64) or None (see `make_generator`).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def from_params(cls, temperature: float | None = None, top_p: float | None = None,
+                    top_k: int = 0, seed: int | None = None) -> SamplingOptions:
+        """Builds options from the proto's optional fields: unset (None) temperature and top_p
+        mean 1.0. Raises ValueError on bad values."""
+        return cls(temperature=1.0 if temperature is None else float(temperature),
+                   top_p=1.0 if top_p is None else float(top_p),
+                   top_k=int(top_k), seed=seed)
+
+    def validate(self) -> None:
+        """Raises ValueError with a message naming the field when any value is out of range."""
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
+            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool):
+            raise ValueError(f"top_p must be a number, got {self.top_p!r}")
+        if not 0.0 < self.top_p <= 1.0:  # also rejects nan
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed <= _MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the next token is the argmax of the logits (temperature 0 or top_k 1)."""
+        return self.temperature == 0 or self.top_k == 1
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """A request's random generator on `device`: seeded with `seed`, so the request's sampled
+    tokens are reproducible. For `seed=None` returns None: the request then draws from torch's
+    global generator of the device (not reproducible, and cheaper, since the sampler draws all
+    such rows of a batch at once)."""
+    if seed is None:
+        return None
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= _MAX_SEED:
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    """Picks one next token per row of a logits batch. Stateless; one instance can serve all steps."""
+
+    def sample(self, logits: torch.Tensor, options: list[SamplingOptions],
+               generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Returns the next token id of every row: int64 tensor [batch] on `logits.device`.
+
+        `logits`: [batch, vocab] (float32 expected; other float dtypes are upcast for sampling).
+        `options[i]` and `generators[i]` belong to row i; a None generator uses torch's global
+        generator. Greedy rows consume no random numbers; every sampled row consumes exactly
+        `vocab` exponential draws from its generator per call.
+        """
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        batch = logits.shape[0]
+        if len(options) != batch or len(generators) != batch:
+            raise ValueError(f"need one option and one generator per row: batch {batch}, "
+                             f"{len(options)} options, {len(generators)} generators")
+        greedy = [opt.is_greedy for opt in options]
+        if all(greedy):
+            return logits.argmax(dim=-1)
+
+        device = logits.device
+        sampled_rows = [i for i, g in enumerate(greedy) if not g]
+        sampled_opts = [options[i] for i in sampled_rows]
+        if len(sampled_rows) == batch:
+            tokens = self._sample_rows(logits, sampled_opts, generators)
+        else:
+            tokens = logits.argmax(dim=-1)
+            index = torch.tensor(sampled_rows, dtype=torch.long, device=device)
+            tokens[index] = self._sample_rows(logits[index], sampled_opts,
+                                              [generators[i] for i in sampled_rows])
+        return tokens
+
+    def _sample_rows(self, logits: torch.Tensor, options: list[SamplingOptions],
+                     generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Samples every row of `logits` (all non-greedy) with temperature, top-k and top-p."""
+        device = logits.device
+        rows, vocab = logits.shape
+        scores = logits.to(torch.float32, copy=True)
+        temperatures = torch.tensor([opt.temperature for opt in options], dtype=torch.float32,
+                                    device=device)
+        scores.div_(temperatures.unsqueeze(1))
+
+        top_ks = [min(opt.top_k, vocab) if opt.top_k > 0 else vocab for opt in options]
+        if min(top_ks) < vocab:
+            max_k = max(top_ks)
+            top_values = scores.topk(max_k, dim=-1, sorted=True).values  # [rows, max_k], descending
+            k_index = torch.tensor(top_ks, dtype=torch.long, device=device).sub_(1).unsqueeze(1)
+            threshold = top_values.gather(1, k_index)  # the k-th largest score of each row
+            scores.masked_fill_(scores < threshold, -math.inf)
+
+        top_ps = [opt.top_p for opt in options]
+        if min(top_ps) < 1.0:
+            sorted_scores, order = scores.sort(dim=-1, descending=True)
+            sorted_probs = sorted_scores.softmax(dim=-1)
+            mass_before = sorted_probs.cumsum(dim=-1).sub_(sorted_probs)  # mass of more likely tokens
+            top_p = torch.tensor(top_ps, dtype=torch.float32, device=device).unsqueeze(1)
+            drop_sorted = mass_before >= top_p
+            drop_sorted[:, 0] = False  # the most likely token always stays
+            drop_sorted &= top_p < 1.0  # rows with top_p 1 keep everything despite rounding
+            drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+            scores.masked_fill_(drop, -math.inf)
+
+        probs = scores.softmax(dim=-1)
+        race = self._exponentials(rows, vocab, generators, device)
+        return probs.div_(race).argmax(dim=-1)
+
+    @staticmethod
+    def _exponentials(rows: int, vocab: int, generators: list[torch.Generator | None],
+                      device: torch.device) -> torch.Tensor:
+        """[rows, vocab] i.i.d. Exp(1) draws; row i from `generators[i]` (rows without one are
+        drawn together from the global generator). Clamped away from 0 so `probs / q` stays finite."""
+        race = torch.empty(rows, vocab, dtype=torch.float32, device=device)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if len(unseeded) == rows:
+            race.exponential_()
+        else:
+            if unseeded:
+                index = torch.tensor(unseeded, dtype=torch.long, device=device)
+                race[index] = torch.empty(len(unseeded), vocab, dtype=torch.float32,
+                                          device=device).exponential_()
+            for i, generator in enumerate(generators):
+                if generator is not None:
+                    race[i].exponential_(generator=generator)
+        return race.clamp_(min=torch.finfo(torch.float32).tiny)

@@ -1,0 +1,26 @@
+"""radixkv Python client: ``RadixKVClient`` (blocking), ``AsyncRadixKVClient`` (asyncio) and
+the ``python -m client`` command line."""
+
+from .aio import AsyncRadixKVClient
+from .channel import RetryPolicy
+from .errors import RadixKVError
+from .messages import ChatMessage, GenerateOptions
+from .results import GenerateChunk, GenerateResult, ModelInfo, PoolStats, TokenizeResult, Usage
+from .sync import DEFAULT_CACHE_ADDR, DEFAULT_MODEL_ADDR, RadixKVClient
+
+__all__ = [
+    "DEFAULT_CACHE_ADDR",
+    "DEFAULT_MODEL_ADDR",
+    "AsyncRadixKVClient",
+    "ChatMessage",
+    "GenerateChunk",
+    "GenerateOptions",
+    "GenerateResult",
+    "ModelInfo",
+    "PoolStats",
+    "RadixKVClient",
+    "RadixKVError",
+    "RetryPolicy",
+    "TokenizeResult",
+    "Usage",
+]

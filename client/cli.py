@@ -1,0 +1,240 @@
+"""The ``python -m client`` command line: generate, stats, tokenize, info.
+
+Output is for people by default and JSON with ``--json``. A failed call exits non-zero with
+``error: CODE_NAME: message`` on stderr (never a traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from .errors import RadixKVError
+from .messages import GenerateOptions
+from .results import PoolStats
+from .sync import DEFAULT_CACHE_ADDR, DEFAULT_MODEL_ADDR, RadixKVClient
+
+EXIT_RPC_ERROR = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+UNARY_TIMEOUT_S = 30.0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.command(args)
+    except RadixKVError as error:
+        print(f"error: {error.code_name}: {error.message}", file=sys.stderr)
+        return EXIT_RPC_ERROR
+    except (ValueError, OSError) as error:  # bad input, unreadable certificate file ...
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m client", description="radixkv command line client")
+    commands = parser.add_subparsers(dest="name", required=True, metavar="COMMAND")
+
+    model_conn = _connection_parser("--addr", DEFAULT_MODEL_ADDR, "model service")
+    cache_conn = _connection_parser("--cache-addr", DEFAULT_CACHE_ADDR, "cache service")
+
+    gen = commands.add_parser(
+        "generate",
+        parents=[model_conn],
+        help="generate a completion",
+        description="Prints the completion text of PROMPT (only the text, or one JSON object with --json).",
+    )
+    gen.add_argument("prompt", metavar="PROMPT", help="prompt text ('-' reads it from stdin)")
+    gen.add_argument("--max-tokens", type=int, help="most tokens to generate (server default: 128)")
+    gen.add_argument("--temperature", type=float, help="0 is greedy (server default: 1.0)")
+    gen.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
+    gen.add_argument("--top-k", type=int, help="keep only the k most likely tokens (0: off)")
+    gen.add_argument("--seed", type=int, help="sampler seed: same seed, same output")
+    gen.add_argument(
+        "--stop", action="append", default=[], metavar="STR", help="stop before this string (repeatable)"
+    )
+    gen.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
+    gen.add_argument("--namespace", default="", help="cache namespace (prefixes are not shared across)")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="send PROMPT as one user chat message (through the model's chat template)",
+    )
+    gen.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    gen.add_argument(
+        "--json", action="store_true", help="print one JSON object (with --stream: one JSON object per chunk)"
+    )
+    gen.set_defaults(command=cmd_generate, default_timeout=None)
+
+    stats = commands.add_parser(
+        "stats",
+        parents=[cache_conn],
+        help="cache service block accounting per pool",
+        description="Prints each KV pool's blocks, hit rate and evictions as a table.",
+    )
+    stats.add_argument("--pool", default="", help="only this pool id")
+    stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    stats.set_defaults(command=cmd_stats, default_timeout=UNARY_TIMEOUT_S)
+
+    tok = commands.add_parser(
+        "tokenize",
+        parents=[model_conn],
+        help="token ids of a text",
+        description="Prints the token ids of TEXT, space separated.",
+    )
+    tok.add_argument("text", metavar="TEXT", help="text ('-' reads it from stdin)")
+    tok.add_argument("--chat", action="store_true", help="tokenize TEXT as one user chat message")
+    tok.add_argument("--json", action="store_true", help="print token ids and token strings as JSON")
+    tok.set_defaults(command=cmd_tokenize, default_timeout=UNARY_TIMEOUT_S)
+
+    info = commands.add_parser("info", parents=[model_conn], help="the served model and KV pool")
+    info.add_argument("--json", action="store_true", help="print JSON")
+    info.set_defaults(command=cmd_info, default_timeout=UNARY_TIMEOUT_S)
+    return parser
+
+
+def _connection_parser(flag: str, default: str, what: str) -> argparse.ArgumentParser:
+    conn = argparse.ArgumentParser(add_help=False)
+    conn.add_argument(
+        flag, dest="addr", default=default, metavar="HOST:PORT", help=f"{what} address (default {default})"
+    )
+    conn.add_argument(
+        "--timeout",
+        type=float,
+        metavar="S",
+        help="seconds before the call fails with DEADLINE_EXCEEDED "
+        f"(default: none for generate, {UNARY_TIMEOUT_S:g} otherwise)",
+    )
+    conn.add_argument("--tls", action="store_true", help="connect with TLS (system root certificates)")
+    conn.add_argument("--root-certs", metavar="PEM", help="root certificates file for TLS (implies --tls)")
+    conn.add_argument(
+        "--token",
+        default=os.environ.get("RADIXKV_TOKEN"),
+        help="bearer token sent as 'authorization: Bearer ...' (default: $RADIXKV_TOKEN)",
+    )
+    return conn
+
+
+def _client(args: argparse.Namespace, *, cache: bool = False) -> RadixKVClient:
+    timeout = args.timeout if args.timeout is not None else args.default_timeout
+    common = dict(timeout=timeout, tls=args.tls, root_certificates=args.root_certs, token=args.token)
+    if cache:
+        return RadixKVClient(cache_addr=args.addr, **common)  # type: ignore[arg-type]
+    return RadixKVClient(args.addr, **common)  # type: ignore[arg-type]
+
+
+def _text_arg(value: str) -> str:
+    return sys.stdin.read() if value == "-" else value
+
+
+# ---------------------------------------------------------------------------- commands
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = _text_arg(args.prompt)
+    options = GenerateOptions(stop=args.stop, ignore_eos=args.ignore_eos, namespace=args.namespace)
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)  # type: ignore[literal-required]
+    if args.chat:
+        options["messages"] = [{"role": "user", "content": prompt}]
+    text_prompt = None if args.chat else prompt
+    with _client(args) as client:
+        if not args.stream:
+            result = client.generate(text_prompt, **options)
+            print(json.dumps(result.to_dict()) if args.json else result.text)
+            return 0
+        for chunk in client.stream(text_prompt, **options):
+            if args.json:
+                print(json.dumps(dataclasses.asdict(chunk)), flush=True)
+            else:
+                print(chunk.text, end="", flush=True)
+        if not args.json:
+            print()
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with _client(args, cache=True) as client:
+        pools = client.stats(args.pool)
+    if args.json:
+        print(json.dumps({"pools": [dataclasses.asdict(p) for p in pools]}, indent=2))
+    elif not pools:
+        print("no KV pools registered (is a model service connected to this cache service?)")
+    else:
+        print(format_stats_table(pools))
+    return 0
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    text = _text_arg(args.text)
+    with _client(args) as client:
+        if args.chat:
+            result = client.tokenize(messages=[{"role": "user", "content": text}])
+        else:
+            result = client.tokenize(text)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result)))
+    else:
+        print(" ".join(str(t) for t in result.token_ids))
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        info = dataclasses.asdict(client.model_info())
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        width = max(len(k) for k in info)
+        for key, value in info.items():
+            print(f"{key:<{width}}  {value}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- formatting
+
+STATS_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("POOL", "pool_id"),
+    ("BLOCKS", "num_blocks"),
+    ("FREE", "num_free_blocks"),
+    ("CACHED", "num_cached_blocks"),
+    ("LOCKED", "num_locked_blocks"),
+    ("PRIVATE", "num_private_blocks"),
+    ("RUNNING", "num_running_requests"),
+    ("HIT RATE", "hit_rate"),
+    ("HIT/QUERIED TOKENS", "hit_tokens"),
+    ("EVICTED", "num_evicted_blocks"),
+)
+
+
+def format_stats_table(pools: Sequence[PoolStats]) -> str:
+    """An aligned text table, one row per pool."""
+    rows = [[title for title, _ in STATS_COLUMNS]]
+    for pool in pools:
+        row = []
+        for _, name in STATS_COLUMNS:
+            value = getattr(pool, name)
+            if name == "hit_rate":
+                row.append(f"{value:.1%}")
+            elif name == "hit_tokens":
+                row.append(f"{pool.hit_tokens}/{pool.queried_tokens}")
+            else:
+                row.append(str(value))
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(STATS_COLUMNS))]
+    lines = []
+    for row in rows:
+        cells = [
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)

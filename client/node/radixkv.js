@@ -1,0 +1,201 @@
+#!/usr/bin/env node
+// radixkv Node.js client: loads the repo's protos/*.proto at run time with @grpc/proto-loader
+// (no generated code), streams ModelService.Generate and reads CacheManager.Stats.
+//
+//   node client/node/radixkv.js generate --addr 127.0.0.1:50052 "Once upon a time" --max-tokens 32
+//   node client/node/radixkv.js stats --addr 127.0.0.1:50051
+//
+// As a library: const { connect } = require('./radixkv'); see connect() below.
+'use strict';
+
+const path = require('node:path');
+const grpc = require('@grpc/grpc-js');
+const protoLoader = require('@grpc/proto-loader');
+
+const PROTO_DIR = path.resolve(__dirname, '..', '..', 'protos');
+const LOADER_OPTIONS = {
+  keepCase: true, // field names exactly as in the .proto files (max_tokens, token_ids ...)
+  longs: Number, // uint64 counters fit a double for any realistic value
+  enums: String, // finish_reason: "FINISH_REASON_STOP"
+  defaults: true, // unset fields present with their default values
+  oneofs: true, // a virtual field naming the set member of each oneof (e.g. "input")
+  includeDirs: [PROTO_DIR],
+};
+
+// Same policy as the Python client: gRPC's own retries on UNAVAILABLE. A streaming Generate is
+// committed (no longer retried) once the server's first response arrives.
+const SERVICE_CONFIG = {
+  methodConfig: [
+    {
+      name: [{ service: 'radixkv.v1.ModelService' }, { service: 'radixkv.v1.CacheManager', method: 'Stats' }],
+      retryPolicy: {
+        maxAttempts: 5,
+        initialBackoff: '0.1s',
+        maxBackoff: '2s',
+        backoffMultiplier: 2,
+        retryableStatusCodes: ['UNAVAILABLE'],
+      },
+    },
+  ],
+};
+
+/** Loads cache.proto and model.proto; returns the radixkv.v1 package object. */
+function loadProtos() {
+  const definition = protoLoader.loadSync(['cache.proto', 'model.proto'], LOADER_OPTIONS);
+  return grpc.loadPackageDefinition(definition).radixkv.v1;
+}
+
+/**
+ * Opens stubs: { model, cache } (each only if its address is given).
+ * options.token: sent as "authorization: Bearer <token>"; options.rootCerts: PEM Buffer (TLS).
+ */
+function connect({ modelAddr, cacheAddr, token, rootCerts, tls } = {}) {
+  const v1 = loadProtos();
+  const creds = rootCerts || tls ? grpc.credentials.createSsl(rootCerts || null) : grpc.credentials.createInsecure();
+  const channelOptions = { 'grpc.service_config': JSON.stringify(SERVICE_CONFIG), 'grpc.enable_retries': 1 };
+  const metadata = new grpc.Metadata();
+  if (token) metadata.set('authorization', `Bearer ${token}`);
+  return {
+    model: modelAddr ? new v1.ModelService(modelAddr, creds, channelOptions) : null,
+    cache: cacheAddr ? new v1.CacheManager(cacheAddr, creds, channelOptions) : null,
+    metadata,
+  };
+}
+
+function deadline(timeoutS) {
+  return timeoutS ? { deadline: Date.now() + timeoutS * 1000 } : {};
+}
+
+/** Streams a completion: calls onChunk(GenerateResponse) per message; resolves with the last one. */
+function generate(conn, request, { timeoutS, onChunk } = {}) {
+  return new Promise((resolve, reject) => {
+    let last = null;
+    const call = conn.model.Generate(request, conn.metadata, deadline(timeoutS));
+    call.on('data', (chunk) => {
+      last = chunk;
+      if (onChunk) onChunk(chunk);
+    });
+    call.on('error', reject);
+    call.on('end', () => resolve(last));
+  });
+}
+
+/** CacheManager.Stats: resolves with { pools: [...] }. */
+function stats(conn, poolId = '', { timeoutS } = {}) {
+  return new Promise((resolve, reject) => {
+    conn.cache.Stats({ pool_id: poolId }, conn.metadata, deadline(timeoutS), (err, res) =>
+      err ? reject(err) : resolve(res),
+    );
+  });
+}
+
+// ------------------------------------------------------------------------------------- CLI
+
+const USAGE = `usage:
+  radixkv.js generate "PROMPT" [--addr HOST:PORT] [--max-tokens N] [--temperature T] [--top-p P]
+                               [--top-k K] [--seed S] [--stop STR]... [--chat] [--timeout S]
+  radixkv.js stats [--addr HOST:PORT] [--pool ID] [--timeout S]
+options for both: --token TOKEN (or $RADIXKV_TOKEN), --root-certs PEM, --tls`;
+
+const FLAGS = {
+  '--addr': 'string',
+  '--max-tokens': 'int',
+  '--temperature': 'float',
+  '--top-p': 'float',
+  '--top-k': 'int',
+  '--seed': 'int',
+  '--stop': 'list',
+  '--pool': 'string',
+  '--timeout': 'float',
+  '--token': 'string',
+  '--root-certs': 'string',
+  '--chat': 'bool',
+  '--tls': 'bool',
+};
+
+function parseArgs(argv) {
+  const opts = { positional: [], '--stop': [] };
+  for (let i = 0; i < argv.length; i++) {
+    const arg = argv[i];
+    if (arg === '-h' || arg === '--help') throw new UsageError('');
+    const kind = FLAGS[arg];
+    if (!kind) {
+      if (arg.startsWith('--')) throw new UsageError(`unknown option ${arg}`);
+      opts.positional.push(arg);
+      continue;
+    }
+    if (kind === 'bool') {
+      opts[arg] = true;
+      continue;
+    }
+    if (i + 1 >= argv.length) throw new UsageError(`${arg} needs a value`);
+    const raw = argv[++i];
+    const value = kind === 'int' ? Number.parseInt(raw, 10) : kind === 'float' ? Number.parseFloat(raw) : raw;
+    if (typeof value === 'number' && Number.isNaN(value)) throw new UsageError(`${arg}: not a number: ${raw}`);
+    if (kind === 'list') opts[arg].push(value);
+    else opts[arg] = value;
+  }
+  return opts;
+}
+
+class UsageError extends Error {}
+
+function generateRequest(prompt, opts) {
+  const sampling = { stop: opts['--stop'], top_k: opts['--top-k'] || 0 };
+  if (opts['--temperature'] !== undefined) sampling.temperature = opts['--temperature'];
+  if (opts['--top-p'] !== undefined) sampling.top_p = opts['--top-p'];
+  if (opts['--seed'] !== undefined) sampling.seed = opts['--seed'];
+  if (opts['--max-tokens'] !== undefined) sampling.max_tokens = opts['--max-tokens'];
+  const request = { sampling };
+  if (opts['--chat']) request.chat = { messages: [{ role: 'user', content: prompt }] };
+  else request.prompt = prompt;
+  return request;
+}
+
+async function main(argv) {
+  const [command, ...rest] = argv;
+  const opts = parseArgs(rest);
+  const token = opts['--token'] || process.env.RADIXKV_TOKEN;
+  const rootCerts = opts['--root-certs'] ? require('node:fs').readFileSync(opts['--root-certs']) : undefined;
+  const timeoutS = opts['--timeout'];
+  if (command === 'generate') {
+    if (opts.positional.length !== 1) throw new UsageError('generate takes one PROMPT');
+    const conn = connect({ modelAddr: opts['--addr'] || '127.0.0.1:50052', token, rootCerts, tls: opts['--tls'] });
+    const request = generateRequest(opts.positional[0], opts);
+    await generate(conn, request, { timeoutS, onChunk: (chunk) => process.stdout.write(chunk.text) });
+    process.stdout.write('\n');
+    conn.model.close();
+  } else if (command === 'stats') {
+    const conn = connect({ cacheAddr: opts['--addr'] || '127.0.0.1:50051', token, rootCerts, tls: opts['--tls'] });
+    const response = await stats(conn, opts['--pool'] || '', { timeoutS: timeoutS || 30 });
+    process.stdout.write(`${JSON.stringify(response, null, 2)}\n`);
+    conn.cache.close();
+  } else {
+    throw new UsageError(command ? `unknown command ${command}` : '');
+  }
+}
+
+function statusName(code) {
+  return Object.keys(grpc.status).find((name) => grpc.status[name] === code) || `CODE_${code}`;
+}
+
+if (require.main === module) {
+  main(process.argv.slice(2)).then(
+    () => process.exit(0),
+    (err) => {
+      if (err instanceof UsageError) {
+        if (err.message) process.stderr.write(`error: ${err.message}\n`);
+        process.stderr.write(`${USAGE}\n`);
+        process.exit(2);
+      }
+      if (typeof err.code === 'number') {
+        process.stderr.write(`error: ${statusName(err.code)}: ${err.details}\n`);
+      } else {
+        process.stderr.write(`error: ${err.message}\n`);
+      }
+      process.exit(1);
+    },
+  );
+}
+
+module.exports = { loadProtos, connect, generate, stats, generateRequest, LOADER_OPTIONS, SERVICE_CONFIG };

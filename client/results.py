@@ -1,0 +1,155 @@
+"""Plain dataclasses for what the servers answer, built from the protobuf messages."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from google.protobuf.message import Message
+
+from protos import cache_pb2, model_pb2
+
+T = TypeVar("T")
+
+
+def from_proto(cls: type[T], message: Message) -> T:
+    """Builds dataclass ``cls`` from the same-named fields of ``message`` (repeated -> list)."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        value = getattr(message, f.name)
+        values[f.name] = list(value) if not isinstance(value, (str, bytes, int, float, bool)) else value
+    return cls(**values)
+
+
+def finish_reason_name(reason: int) -> str | None:
+    """``FINISH_REASON_STOP`` -> ``"stop"``; unspecified (not the last message) -> None."""
+    if reason == model_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    return model_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts and timings of one Generate call (sent with its last message)."""
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+    time_to_first_token: float = 0.0
+    total_time: float = 0.0
+    num_preemptions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateChunk:
+    """One streamed Generate message: the text and token ids new since the previous chunk.
+
+    ``finish_reason`` ("stop", "length", "abort"), ``matched_stop`` and ``usage`` are set on
+    the last chunk only.
+    """
+
+    text: str
+    token_ids: list[int]
+    request_id: str = ""
+    finish_reason: str | None = None
+    matched_stop: str = ""
+    usage: Usage | None = None
+
+    @classmethod
+    def from_proto(cls, message: model_pb2.GenerateResponse) -> GenerateChunk:
+        reason = finish_reason_name(message.finish_reason)
+        return cls(
+            text=message.text,
+            token_ids=list(message.token_ids),
+            request_id=message.request_id,
+            finish_reason=reason,
+            matched_stop=message.matched_stop,
+            usage=from_proto(Usage, message.usage) if message.HasField("usage") else None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """A whole completion: the chunks of a Generate stream joined."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    matched_stop: str = ""
+    usage: Usage = field(default_factory=Usage)
+    request_id: str = ""
+
+    @classmethod
+    def from_chunks(cls, chunks: list[GenerateChunk]) -> GenerateResult:
+        last = chunks[-1] if chunks else GenerateChunk(text="", token_ids=[])
+        return cls(
+            text="".join(c.text for c in chunks),
+            token_ids=[t for c in chunks for t in c.token_ids],
+            finish_reason=last.finish_reason,
+            matched_stop=last.matched_stop,
+            usage=last.usage or Usage(),
+            request_id=next((c.request_id for c in chunks if c.request_id), ""),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeResult:
+    """Token ids of a text (or chat), and the token strings, one per id."""
+
+    token_ids: list[int]
+    tokens: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The served model and its KV pool (ModelService.ModelInfo)."""
+
+    model_name: str
+    model_fingerprint: str
+    vocab_size: int
+    max_context_tokens: int
+    eos_token_ids: list[int]
+    dtype: str
+    device: str
+    attention_backend: str
+    block_size: int
+    num_blocks: int
+    pool_id: str
+    cache_addr: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """One KV pool as the cache service sees it (CacheManager.Stats)."""
+
+    pool_id: str
+    worker_id: str
+    epoch: int
+    model_fingerprint: str
+    block_size: int
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_locked_blocks: int
+    num_evictable_blocks: int
+    num_private_blocks: int
+    num_running_requests: int
+    queried_tokens: int
+    hit_tokens: int
+    hit_rate: float
+    num_evicted_blocks: int
+    num_admitted: int
+    num_finished: int
+    num_released: int
+    lease_remaining_seconds: float
+
+
+def pool_stats_list(response: cache_pb2.StatsResponse) -> list[PoolStats]:
+    return [from_proto(PoolStats, pool) for pool in response.pools]

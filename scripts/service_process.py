@@ -1,0 +1,184 @@
+"""One radixkv server (``python -m cache_service`` / ``python -m model_service``) run as a
+child process: started in its own process group, its output passed line by line to a sink,
+its address read from its ``... listening on HOST:PORT`` line, its readiness from the
+standard gRPC health service, and stopped with SIGTERM, then SIGKILL after a grace period.
+
+Used by ``scripts/serve.py`` (``make run``) and by the client tests' fixtures.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+LISTENING = re.compile(r"\blistening on (\S+):(\d+)\s*$")
+_PR_SET_PDEATHSIG = 1
+
+Sink = Callable[[str], None]
+
+
+class ServiceError(RuntimeError):
+    """A service did not start, or died."""
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True if ``host:port`` cannot be bound because something already uses it.
+
+    SO_REUSEADDR makes a socket in TIME_WAIT (a server that just stopped) not count.
+    gRPC servers bind with SO_REUSEPORT, so without this check a second server would share
+    the port silently instead of failing.
+    """
+    if port == 0:
+        return False
+    for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(sockaddr)
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    return True
+                raise
+    return False
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec function asking Linux to SIGTERM the child when this process dies (even by
+    SIGKILL), so a killed launcher leaves no orphan servers. None where prctl is missing."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+class ServiceProcess:
+    """A started service. ``name`` is its module (``"cache_service"``)."""
+
+    def __init__(self, name: str, args: Sequence[str], sink: Sink, *, cwd: str | None = None) -> None:
+        self.name = name
+        self.argv = [sys.executable, "-u", "-m", name, *args]
+        self._sink = sink
+        self._listening = threading.Event()
+        self.addr: str | None = None
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            errors="replace",
+            cwd=cwd,
+            env=env,
+            process_group=0,  # Ctrl-C at the terminal reaches the launcher only; it stops us in order
+            preexec_fn=_die_with_parent(),
+        )
+        self._pump = threading.Thread(target=self._read_output, name=f"{name}-output", daemon=True)
+        self._pump.start()
+
+    def _read_output(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            match = LISTENING.search(line)
+            if match and not self._listening.is_set():
+                self.addr = f"{match.group(1)}:{match.group(2)}"
+                self._listening.set()
+            self._sink(line)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_listening(self, timeout_s: float, stop: threading.Event | None = None) -> str:
+        """Waits for the ``listening on HOST:PORT`` line; returns ``HOST:PORT``."""
+        deadline = time.monotonic() + timeout_s
+        while not self._listening.wait(0.1):
+            self._check_alive(stop)
+            if time.monotonic() > deadline:
+                raise ServiceError(f"{self.name} printed no 'listening on' line within {timeout_s:g} s")
+        assert self.addr is not None
+        return self.addr
+
+    def wait_serving(
+        self,
+        timeout_s: float,
+        *,
+        stop: threading.Event | None = None,
+        progress: Callable[[float], None] | None = None,
+        progress_every_s: float = 10.0,
+    ) -> None:
+        """Polls grpc.health.v1 Check("") until SERVING; ``progress(elapsed_s)`` now and then."""
+        addr = self.addr or self.wait_listening(timeout_s, stop)
+        start = time.monotonic()
+        next_progress = start + progress_every_s
+        with grpc.insecure_channel(addr) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while True:
+                self._check_alive(stop)
+                try:
+                    reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass  # not up yet (UNAVAILABLE) or health not registered yet
+                now = time.monotonic()
+                if now - start > timeout_s:
+                    raise ServiceError(f"{self.name} at {addr} was not SERVING within {timeout_s:g} s")
+                if progress is not None and now >= next_progress:
+                    progress(now - start)
+                    next_progress = now + progress_every_s
+                time.sleep(0.25)
+
+    def _check_alive(self, stop: threading.Event | None) -> None:
+        if stop is not None and stop.is_set():
+            raise ServiceError(f"stopped while waiting for {self.name}")
+        code = self.proc.poll()
+        if code is not None:
+            raise ServiceError(f"{self.name} exited with code {code} while starting")
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM the process group, wait up to ``grace_s``, then SIGKILL it. Returns the exit
+        code (negative: killed by that signal)."""
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self._sink(f"did not stop within {grace_s:g} s after SIGTERM; sending SIGKILL")
+            self._signal_group(signal.SIGKILL)
+            self.proc.wait(10.0)
+        self._signal_group(signal.SIGKILL)  # anything the service itself started
+        self._pump.join(2.0)
+        return self.proc.returncode
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -1,0 +1,1 @@
+"""radixkv cache manager: block allocator, radix tree, pools and the gRPC service."""

@@ -1,0 +1,34 @@
+"""`python -m cache_service --port N`: run the radixkv cache manager."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from cache_service.server import serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cache_service", description="radixkv cache manager (gRPC)")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0: pick a free one)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--lease-seconds", type=float, default=30.0, help="pool lease length")
+    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (off when not given)")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = parser.parse_args(argv)
+    if args.lease_seconds <= 0:
+        parser.error("--lease-seconds must be > 0")
+    if not 0 <= args.port <= 65535:
+        parser.error("--port must be in [0, 65535]")
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return asyncio.run(serve(args.host, args.port, args.lease_seconds, args.metrics_port))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

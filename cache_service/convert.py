@@ -1,0 +1,90 @@
+"""Translation between cache.proto messages and the core's plain data."""
+
+from __future__ import annotations
+
+from cache_service.events import AllCleared, BlockRemoved, BlockStored, CacheEvent
+from cache_service.schema import Admit, Extend, Finish, PoolStats, StepInput, StepResult
+from protos import cache_pb2
+
+
+def _finish(msg: cache_pb2.Finish) -> Finish:
+    return Finish(msg.request_id, msg.output_token_ids, msg.num_computed_tokens, msg.block_table)
+
+
+def step_input(msg: cache_pb2.StepRequest) -> StepInput:
+    # Repeated fields are passed through as read-only sequences; the pool copies what it keeps.
+    return StepInput(
+        releases=[_finish(f) for f in msg.releases],
+        finishes=[_finish(f) for f in msg.finishes],
+        extends=[Extend(e.request_id, e.num_tokens) for e in msg.extends],
+        admits=[Admit(a.request_id, a.token_ids, a.namespace, a.num_lookahead_tokens) for a in msg.admits],
+    )
+
+
+def step_response(result: StepResult) -> cache_pb2.StepResponse:
+    admitted, no_space = cache_pb2.ADMIT_STATUS_ADMITTED, cache_pb2.ADMIT_STATUS_NO_SPACE
+    return cache_pb2.StepResponse(
+        admits=[
+            cache_pb2.AdmitResult(
+                request_id=a.request_id,
+                status=admitted if a.admitted else no_space,
+                cached_tokens=a.cached_tokens,
+                block_table=a.block_table,
+            )
+            for a in result.admits
+        ],
+        extends=[
+            cache_pb2.ExtendResult(request_id=e.request_id, ok=e.ok, new_block_ids=e.new_block_ids)
+            for e in result.extends
+        ],
+        num_evicted_blocks=result.num_evicted_blocks,
+        num_free_blocks=result.num_free_blocks,
+    )
+
+
+def pool_stats(s: PoolStats) -> cache_pb2.PoolStats:
+    return cache_pb2.PoolStats(
+        pool_id=s.pool_id,
+        worker_id=s.worker_id,
+        epoch=s.epoch,
+        model_fingerprint=s.model_fingerprint,
+        block_size=s.block_size,
+        num_blocks=s.num_blocks,
+        num_free_blocks=s.num_free_blocks,
+        num_cached_blocks=s.num_cached_blocks,
+        num_locked_blocks=s.num_locked_blocks,
+        num_evictable_blocks=s.num_evictable_blocks,
+        num_private_blocks=s.num_private_blocks,
+        num_running_requests=s.num_running_requests,
+        queried_tokens=s.queried_tokens,
+        hit_tokens=s.hit_tokens,
+        hit_rate=s.hit_rate,
+        num_evicted_blocks=s.num_evicted_blocks,
+        num_admitted=s.num_admitted,
+        num_finished=s.num_finished,
+        num_released=s.num_released,
+        lease_remaining_seconds=s.lease_remaining_seconds,
+    )
+
+
+def cache_event(ev: CacheEvent) -> cache_pb2.CacheEvent:
+    msg = cache_pb2.CacheEvent(
+        sequence=ev.sequence, pool_id=ev.pool_id, timestamp=ev.timestamp, is_snapshot=ev.is_snapshot
+    )
+    p = ev.payload
+    if isinstance(p, BlockStored):
+        msg.stored.CopyFrom(
+            cache_pb2.BlockStored(
+                block_hashes=p.block_hashes,
+                parent_block_hash=p.parent_block_hash,
+                token_ids=p.token_ids,
+                block_size=p.block_size,
+                namespace=p.namespace,
+                block_ids=p.block_ids,
+            )
+        )
+    elif isinstance(p, BlockRemoved):
+        msg.removed.CopyFrom(cache_pb2.BlockRemoved(block_hashes=p.block_hashes, block_ids=p.block_ids))
+    elif isinstance(p, AllCleared):
+        msg.cleared.SetInParent()
+    return msg

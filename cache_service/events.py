@@ -1,0 +1,147 @@
+"""KV events: what entered and left each pool's tree, with server-wide sequence numbers.
+
+Routers mirror the trees from these (the vLLM / SGLang / Dynamo KV-event model). The log keeps
+a bounded replay buffer; a consumer that lost its place rebuilds from a snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cache_service.errors import OutOfRange
+from cache_service.radix_tree import RadixTree, TreeNode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class BlockStored:
+    block_hashes: list[int]
+    parent_block_hash: int
+    token_ids: list[int]
+    block_size: int
+    namespace: str
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    block_hashes: list[int]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class AllCleared:
+    pass
+
+
+EventPayload = BlockStored | BlockRemoved | AllCleared
+
+
+@dataclass(slots=True)
+class CacheEvent:
+    sequence: int
+    pool_id: str
+    timestamp: float
+    payload: EventPayload
+    is_snapshot: bool = False
+
+
+Subscriber = Callable[[CacheEvent], None]
+
+
+def stored_from_node(node: TreeNode, block_size: int) -> BlockStored:
+    """The BlockStored event describing all pages of one tree node."""
+    parent = node.parent
+    return BlockStored(
+        block_hashes=list(node.hashes),
+        parent_block_hash=parent.last_hash if parent is not None else 0,
+        token_ids=list(node.key),
+        block_size=block_size,
+        namespace=node.namespace,
+        block_ids=list(node.value),
+    )
+
+
+def tree_snapshot(pool_id: str, tree: RadixTree, sequence: int, timestamp: float) -> list[CacheEvent]:
+    """The tree's content as BlockStored events, parents before children.
+
+    Every snapshot event carries `sequence`: the state is that after event `sequence`, so live
+    events to apply next start at `sequence + 1`.
+    """
+    return [
+        CacheEvent(sequence, pool_id, timestamp, stored_from_node(node, tree.page_size), is_snapshot=True)
+        for node in tree.iter_nodes()
+    ]
+
+
+class EventLog:
+    """Global sequence numbers, a bounded replay buffer and synchronous subscribers."""
+
+    def __init__(self, capacity: int = 65536, clock: Callable[[], float] = time.time) -> None:
+        if capacity <= 0:
+            raise ValueError("capacity must be > 0")
+        self.capacity = capacity
+        self.last_sequence = 0
+        self._buffer: deque[CacheEvent] = deque(maxlen=capacity)
+        self._subscribers: dict[int, Subscriber] = {}
+        self._next_subscriber = 0
+        self._clock = clock
+
+    def now(self) -> float:
+        return self._clock()
+
+    def publish(self, pool_id: str, payload: EventPayload) -> CacheEvent:
+        """Number, buffer and deliver one event to every subscriber."""
+        self.last_sequence += 1
+        event = CacheEvent(self.last_sequence, pool_id, self._clock(), payload)
+        self._buffer.append(event)
+        for key, callback in list(self._subscribers.items()):
+            try:
+                callback(event)
+            except Exception:  # a broken subscriber must not break the cache
+                log.exception("event subscriber failed; unsubscribing it")
+                self._subscribers.pop(key, None)
+        return event
+
+    @property
+    def oldest_sequence(self) -> int:
+        """Smallest sequence still replayable (last_sequence + 1 when the buffer is empty)."""
+        return self._buffer[0].sequence if self._buffer else self.last_sequence + 1
+
+    def replay(self, start_sequence: int, pool_id: str = "") -> list[CacheEvent]:
+        """Buffered events with sequence >= start_sequence (of one pool when pool_id is set).
+
+        Raises OutOfRange when that sequence was already dropped from the buffer, or is beyond
+        the next one (e.g. a consumer of a previous server instance).
+        """
+        if start_sequence < self.oldest_sequence:
+            raise OutOfRange(
+                f"sequence {start_sequence} is no longer buffered (oldest {self.oldest_sequence}); "
+                "resubscribe with snapshot"
+            )
+        if start_sequence > self.last_sequence + 1:
+            raise OutOfRange(
+                f"sequence {start_sequence} is ahead of this server (last {self.last_sequence}); "
+                "resubscribe with snapshot"
+            )
+        skip = start_sequence - self.oldest_sequence
+        events = list(self._buffer)[skip:]
+        if pool_id:
+            events = [e for e in events if e.pool_id == pool_id]
+        return events
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """Call `callback(event)` for every later event; returns the unsubscribe function."""
+        key = self._next_subscriber
+        self._next_subscriber += 1
+        self._subscribers[key] = callback
+        return lambda: self._subscribers.pop(key, None)
+
+    @property
+    def num_subscribers(self) -> int:
+        return len(self._subscribers)

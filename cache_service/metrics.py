@@ -1,0 +1,97 @@
+"""Prometheus metrics of the cache service (served only when --metrics-port is given).
+
+Per-pool numbers are read from the pools at scrape time by a custom collector, so the hot path
+pays nothing for them. The scrape runs on prometheus-client's HTTP thread: it only reads ints
+and copies the pool dict, which is safe under the GIL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from cache_service.pool_registry import PoolRegistry
+
+
+class PoolCollector(Collector):
+    """Block accounting, token hit counters and request counters of every live pool."""
+
+    def __init__(self, pools: PoolRegistry) -> None:
+        self._pools = pools
+
+    def collect(self) -> Iterator[Metric]:
+        pools = list(self._pools.pools.values())
+        blocks = GaugeMetricFamily(
+            "radixkv_cache_blocks", "KV blocks by state (free, cached, locked, evictable, private)",
+            labels=["pool", "state"],
+        )
+        total = GaugeMetricFamily("radixkv_cache_blocks_total", "KV blocks in the pool", labels=["pool"])
+        running = GaugeMetricFamily("radixkv_cache_running_requests", "Requests holding blocks", labels=["pool"])
+        hit_rate = GaugeMetricFamily("radixkv_cache_hit_rate", "hit_tokens / queried_tokens", labels=["pool"])
+        counters = {
+            name: CounterMetricFamily(f"radixkv_cache_{name}", doc, labels=["pool"])
+            for name, doc in [
+                ("queried_tokens", "Prompt tokens looked up by admissions"),
+                ("hit_tokens", "Prompt tokens found cached by admissions"),
+                ("evicted_blocks", "Blocks evicted from the tree"),
+                ("requests_admitted", "Requests admitted"),
+                ("requests_finished", "Requests finished"),
+                ("requests_released", "Requests released (preempted)"),
+            ]
+        }
+        for pool in pools:
+            s = pool.stats()
+            pid = s.pool_id
+            for state, value in [
+                ("free", s.num_free_blocks),
+                ("cached", s.num_cached_blocks),
+                ("locked", s.num_locked_blocks),
+                ("evictable", s.num_evictable_blocks),
+                ("private", s.num_private_blocks),
+            ]:
+                blocks.add_metric([pid, state], value)
+            total.add_metric([pid], s.num_blocks)
+            running.add_metric([pid], s.num_running_requests)
+            hit_rate.add_metric([pid], s.hit_rate)
+            for name, value in [
+                ("queried_tokens", s.queried_tokens),
+                ("hit_tokens", s.hit_tokens),
+                ("evicted_blocks", s.num_evicted_blocks),
+                ("requests_admitted", s.num_admitted),
+                ("requests_finished", s.num_finished),
+                ("requests_released", s.num_released),
+            ]:
+                counters[name].add_metric([pid], value)
+        yield from (blocks, total, running, hit_rate, *counters.values())
+
+
+class Metrics:
+    """A private registry (several servers may live in one test process) and RPC metrics."""
+
+    def __init__(self, pools: PoolRegistry) -> None:
+        self.registry = CollectorRegistry()
+        self.step_latency = Histogram(
+            "radixkv_cache_step_seconds", "Step RPC handling time in the server",
+            buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25),
+            registry=self.registry,
+        )
+        self.rpc_errors = Counter(
+            "radixkv_cache_rpc_errors", "RPCs answered with an error status", ["method", "code"],
+            registry=self.registry,
+        )
+        self.registry.register(PoolCollector(pools))
+        self._http = None
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Start the /metrics HTTP endpoint; returns the bound port."""
+        self._http, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
+
+    def stop(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,387 @@
+"""One model replica's KV pool: allocator + radix tree + live requests + counters.
+
+A request's block table has two parts: the first `num_cached_pages` blocks came from the tree
+(tree-owned; the request holds a lock on their path and one refcount on each block), the rest
+are private to the request until it finishes. On finish/release the computed full pages are
+inserted into the tree: private pages that another request cached meanwhile are freed as
+duplicates, the others change owner to the tree; the partial tail page and unused blocks are
+freed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+from cache_service.block_allocator import BlockAllocator
+from cache_service.errors import (
+    FailedPrecondition,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from cache_service.events import AllCleared, BlockRemoved, EventLog, stored_from_node
+from cache_service.radix_tree import RadixTree, TreeNode
+from cache_service.schema import (
+    Admit,
+    AdmitResult,
+    ClearResult,
+    Extend,
+    ExtendResult,
+    Finish,
+    MatchInfo,
+    PoolStats,
+    StepInput,
+    StepResult,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    namespace: str
+    prompt: tuple[int, ...]
+    last_node: TreeNode | None  # deepest locked tree node (None or a root: nothing locked)
+    num_cached_pages: int  # block_table[:num_cached_pages] is tree-owned, the rest private
+    block_table: list[int]
+
+
+class Pool:
+    """Allocator, tree and request table of one pool; implements `Step` semantics.
+
+    All methods are synchronous and not thread-safe: call them from one thread (the server's
+    event loop). A `step` is validated whole first; on error nothing is applied.
+    """
+
+    def __init__(
+        self,
+        pool_id: str,
+        epoch: int,
+        num_blocks: int,
+        block_size: int,
+        model_fingerprint: str = "",
+        vocab_size: int = 0,
+        events: EventLog | None = None,
+        max_finished_ids: int = 65536,
+    ) -> None:
+        self.pool_id = pool_id
+        self.worker_id = pool_id
+        self.epoch = epoch
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.model_fingerprint = model_fingerprint
+        self.vocab_size = vocab_size
+        self.lease_deadline = float("inf")  # managed by the registry
+        self.allocator = BlockAllocator(num_blocks)
+        self.tree = RadixTree(block_size)
+        self.requests: dict[str, RequestState] = {}
+        self.num_private_blocks = 0
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+        self.num_evicted_blocks = 0
+        self.num_admitted = 0
+        self.num_finished = 0
+        self.num_released = 0
+        self._events = events
+        self._finished_ids: OrderedDict[str, None] = OrderedDict()
+        self._max_finished_ids = max_finished_ids
+
+    # ------------------------------------------------------------------ step
+
+    def step(self, step: StepInput) -> StepResult:
+        """Validate the whole step, then apply releases+finishes, extends, admits (FCFS)."""
+        self._validate(step)
+        evicted_before = self.num_evicted_blocks
+        for item in step.releases:
+            self._finish(item, released=True)
+        for item in step.finishes:
+            self._finish(item, released=False)
+        extends = [self._extend(item) for item in step.extends]
+        admits: list[AdmitResult] = []
+        full = False
+        for item in step.admits:
+            result = AdmitResult(item.request_id, False, 0, []) if full else self._admit(item)
+            full = not result.admitted
+            admits.append(result)
+        return StepResult(
+            admits, extends, self.num_evicted_blocks - evicted_before, self.allocator.num_free_blocks
+        )
+
+    def _validate(self, step: StepInput) -> None:
+        seen: set[str] = set()
+        for item in chain(step.releases, step.finishes, step.extends, step.admits):
+            rid = item.request_id
+            if not rid:
+                raise InvalidArgument("request_id must be non-empty")
+            if rid in seen:
+                raise InvalidArgument(f"request {rid!r} appears more than once in the step")
+            seen.add(rid)
+        bs = self.block_size
+        for item in chain(step.releases, step.finishes):
+            req = self._live_request(item.request_id)
+            self._check_token_ids(item.output_token_ids, item.request_id)
+            total = len(req.prompt) + len(item.output_token_ids)
+            if item.num_computed_tokens < 0 or item.num_computed_tokens > total:
+                raise InvalidArgument(
+                    f"request {item.request_id!r}: num_computed_tokens {item.num_computed_tokens} "
+                    f"outside [0, {total}] (prompt + output tokens)"
+                )
+            if item.num_computed_tokens > len(req.block_table) * bs:
+                raise InvalidArgument(
+                    f"request {item.request_id!r}: num_computed_tokens {item.num_computed_tokens} "
+                    f"exceeds its {len(req.block_table)} blocks"
+                )
+            if item.block_table and list(item.block_table) != req.block_table:
+                raise FailedPrecondition(
+                    f"request {item.request_id!r}: block_table does not match the blocks the cache "
+                    "gave this request"
+                )
+        for item in step.extends:
+            self._live_request(item.request_id)
+            if item.num_tokens < 0:
+                raise InvalidArgument(f"request {item.request_id!r}: num_tokens must be >= 0")
+            self._check_fits(item.request_id, item.num_tokens)
+        for item in step.admits:
+            rid = item.request_id
+            if rid in self.requests:
+                raise InvalidArgument(f"request {rid!r} is already running in pool {self.pool_id!r}")
+            if not item.token_ids:
+                raise InvalidArgument(f"request {rid!r}: token_ids must be non-empty")
+            if item.num_lookahead_tokens < 0:
+                raise InvalidArgument(f"request {rid!r}: num_lookahead_tokens must be >= 0")
+            self._check_token_ids(item.token_ids, rid)
+            self._check_fits(rid, len(item.token_ids) + item.num_lookahead_tokens)
+
+    def _live_request(self, request_id: str) -> RequestState:
+        req = self.requests.get(request_id)
+        if req is not None:
+            return req
+        if request_id in self._finished_ids:
+            raise FailedPrecondition(f"request {request_id!r} was already finished or released")
+        raise NotFound(f"request {request_id!r} is not running in pool {self.pool_id!r}")
+
+    def _check_token_ids(self, token_ids: Sequence[int], request_id: str) -> None:
+        if not token_ids:
+            return
+        if min(token_ids) < 0:
+            raise InvalidArgument(f"request {request_id!r}: negative token id")
+        if self.vocab_size and max(token_ids) >= self.vocab_size:
+            raise InvalidArgument(
+                f"request {request_id!r}: token id {max(token_ids)} >= vocab_size {self.vocab_size}"
+            )
+
+    def _check_fits(self, request_id: str, num_tokens: int) -> None:
+        pages = -(-num_tokens // self.block_size)
+        if pages > self.num_blocks:
+            raise ResourceExhausted(
+                f"request {request_id!r} needs {pages} blocks ({num_tokens} tokens); the pool has "
+                f"{self.num_blocks} in all"
+            )
+
+    # ------------------------------------------------------------------ items
+
+    def _admit(self, item: Admit) -> AdmitResult:
+        bs = self.block_size
+        tokens = tuple(item.token_ids)
+        max_cached = (len(tokens) - 1) // bs * bs  # at least one prompt token is computed
+        match = self.tree.match_prefix(tokens[:max_cached], item.namespace)
+        num_cached = len(match.block_ids)
+        num_fresh = -(-(len(tokens) + item.num_lookahead_tokens) // bs) - num_cached
+        self.tree.inc_lock_ref(match.last_node)  # before evicting, so our own prefix stays
+        if not self._make_free(num_fresh):
+            self.tree.dec_lock_ref(match.last_node)
+            log.debug("admit no_space pool=%s request=%s need=%d", self.pool_id, item.request_id, num_fresh)
+            return AdmitResult(item.request_id, False, 0, [])
+        self.allocator.incref(match.block_ids)
+        table = match.block_ids + self.allocator.allocate(num_fresh)
+        self.requests[item.request_id] = RequestState(
+            item.request_id, item.namespace, tokens, match.last_node, num_cached, table
+        )
+        self._finished_ids.pop(item.request_id, None)
+        self.num_private_blocks += num_fresh
+        self.num_admitted += 1
+        self.queried_tokens += len(tokens)
+        self.hit_tokens += num_cached * bs
+        log.debug(
+            "admit pool=%s request=%s tokens=%d cached=%d fresh=%d",
+            self.pool_id, item.request_id, len(tokens), num_cached * bs, num_fresh,
+        )
+        return AdmitResult(item.request_id, True, num_cached * bs, list(table))
+
+    def _extend(self, item: Extend) -> ExtendResult:
+        req = self.requests[item.request_id]
+        need = -(-item.num_tokens // self.block_size) - len(req.block_table)
+        if need <= 0:
+            return ExtendResult(item.request_id, True, [])
+        if not self._make_free(need):
+            return ExtendResult(item.request_id, False, [])
+        fresh = self.allocator.allocate(need)
+        req.block_table.extend(fresh)
+        self.num_private_blocks += need
+        return ExtendResult(item.request_id, True, fresh)
+
+    def _finish(self, item: Finish, released: bool) -> None:
+        req = self.requests.pop(item.request_id)
+        bs = self.block_size
+        table = req.block_table
+        cached = req.num_cached_pages
+        full_pages = item.num_computed_tokens // bs
+        existing = cached
+        if full_pages > cached:
+            tokens = req.prompt + tuple(item.output_token_ids)
+            result = self.tree.insert(tokens[: full_pages * bs], table[:full_pages], req.namespace)
+            existing = result.num_existing_pages
+            if existing < cached:  # the request's own prefix is locked, so it must still be there
+                raise IntegrityError(f"request {req.request_id!r}: locked prefix vanished from the tree")
+            if result.new_node is not None and self._events is not None:
+                self._events.publish(self.pool_id, stored_from_node(result.new_node, bs))
+        # This request's reference on its shared pages, its pages another request cached first,
+        # and its uncomputed / partial tail blocks. Pages [existing, full_pages) now belong to
+        # the tree with the request's reference.
+        self.allocator.free(chain(table[:existing], table[max(full_pages, cached) :]))
+        self.tree.dec_lock_ref(req.last_node)
+        self.num_private_blocks -= len(table) - cached
+        self._finished_ids[req.request_id] = None
+        if len(self._finished_ids) > self._max_finished_ids:
+            self._finished_ids.popitem(last=False)
+        if released:
+            self.num_released += 1
+        else:
+            self.num_finished += 1
+        log.debug(
+            "%s pool=%s request=%s computed=%d cached_pages=%d inserted_pages=%d",
+            "release" if released else "finish", self.pool_id, req.request_id,
+            item.num_computed_tokens, cached, max(0, full_pages - existing),
+        )
+
+    # ------------------------------------------------------------------ eviction
+
+    def _make_free(self, n: int) -> bool:
+        """Ensure `n` free blocks, evicting LRU unlocked pages; False (and no eviction) if impossible."""
+        short = n - self.allocator.num_free_blocks
+        if short <= 0:
+            return True
+        if short > self.tree.evictable_size:
+            return False
+        self._evict(short)
+        return True
+
+    def _evict(self, num_blocks: int, clearing: bool = False) -> int:
+        evicted = self.tree.evict(num_blocks)
+        if not evicted:
+            return 0
+        blocks = [b for node in evicted for b in node.block_ids]
+        self.allocator.free(blocks)
+        self.num_evicted_blocks += len(blocks)
+        if self._events is not None:
+            if clearing and self.tree.total_size == 0:
+                self._events.publish(self.pool_id, AllCleared())
+            else:
+                hashes = [h for node in evicted for h in node.hashes]
+                self._events.publish(self.pool_id, BlockRemoved(hashes, blocks))
+        log.debug("evict pool=%s blocks=%d", self.pool_id, len(blocks))
+        return len(blocks)
+
+    def evict(self, num_blocks: int) -> int:
+        """Admin: evict up to `num_blocks` unlocked cached blocks, LRU first."""
+        if num_blocks < 0:
+            raise InvalidArgument("num_blocks must be >= 0")
+        return self._evict(min(num_blocks, self.tree.evictable_size))
+
+    def clear(self) -> ClearResult:
+        """Admin: evict every unlocked cached block."""
+        evicted = self._evict(self.tree.evictable_size, clearing=True)
+        return ClearResult(evicted, self.tree.protected_size)
+
+    def retire(self) -> None:
+        """Drop every request (locks and private blocks) and the whole tree (lease expiry)."""
+        for rid in list(self.requests):
+            req = self.requests.pop(rid)
+            self.allocator.free(req.block_table)
+            self.tree.dec_lock_ref(req.last_node)
+            self.num_private_blocks -= len(req.block_table) - req.num_cached_pages
+            self._finished_ids[rid] = None
+        evicted = self.tree.evict_all()
+        blocks = [b for node in evicted for b in node.block_ids]
+        self.allocator.free(blocks)
+        self.num_evicted_blocks += len(blocks)
+        if self._events is not None:
+            self._events.publish(self.pool_id, AllCleared())
+
+    # ------------------------------------------------------------------ queries
+
+    def match(self, token_ids: Sequence[int], namespace: str = "") -> MatchInfo:
+        """Read-only longest cached page-aligned prefix: no lock, no split, no LRU touch."""
+        result = self.tree.peek_prefix(token_ids, namespace)
+        return MatchInfo(result.num_tokens, result.block_ids)
+
+    def stats(self, lease_remaining_seconds: float = 0.0) -> PoolStats:
+        tree = self.tree
+        return PoolStats(
+            pool_id=self.pool_id,
+            worker_id=self.worker_id,
+            epoch=self.epoch,
+            model_fingerprint=self.model_fingerprint,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            num_free_blocks=self.allocator.num_free_blocks,
+            num_cached_blocks=tree.total_size,
+            num_locked_blocks=tree.protected_size,
+            num_evictable_blocks=tree.evictable_size,
+            num_private_blocks=self.num_private_blocks,
+            num_running_requests=len(self.requests),
+            queried_tokens=self.queried_tokens,
+            hit_tokens=self.hit_tokens,
+            num_evicted_blocks=self.num_evicted_blocks,
+            num_admitted=self.num_admitted,
+            num_finished=self.num_finished,
+            num_released=self.num_released,
+            lease_remaining_seconds=lease_remaining_seconds,
+        )
+
+    def check_integrity(self) -> None:
+        """Assert every accounting invariant; raises IntegrityError on the first violation."""
+        self.allocator.check_integrity()
+        tree_blocks = self.tree.check_integrity()
+        free = set(self.allocator.free_block_ids())
+        private: list[int] = []
+        sharers: dict[int, int] = {}
+        for req in self.requests.values():
+            cached = req.num_cached_pages
+            shared = req.block_table[:cached]
+            private.extend(req.block_table[cached:])
+            for b in shared:
+                sharers[b] = sharers.get(b, 0) + 1
+            if cached:
+                node = req.last_node
+                if node is None or not node.in_tree or node.lock_ref <= 0:
+                    raise IntegrityError(f"request {req.request_id!r}: its cached path is not locked")
+                peek = self.tree.peek_prefix(req.prompt[: cached * self.block_size], req.namespace)
+                if peek.block_ids != shared:
+                    raise IntegrityError(f"request {req.request_id!r}: cached pages differ from the tree")
+        tree_set, private_set = set(tree_blocks), set(private)
+        if len(private_set) != len(private):
+            raise IntegrityError("a private block is held twice")
+        if tree_set & private_set or free & tree_set or free & private_set:
+            raise IntegrityError("a block is in two places (free / tree / private)")
+        if len(free) + len(tree_set) + len(private_set) != self.num_blocks:
+            raise IntegrityError(
+                f"free {len(free)} + tree {len(tree_set)} + private {len(private_set)} != {self.num_blocks}"
+            )
+        if len(private) != self.num_private_blocks:
+            raise IntegrityError(f"private counter {self.num_private_blocks} != {len(private)}")
+        if not set(sharers) <= tree_set:
+            raise IntegrityError("a request shares a block the tree does not own")
+        refcount = self.allocator.refcount
+        for b in private:
+            if refcount(b) != 1:
+                raise IntegrityError(f"private block {b} has refcount {refcount(b)}")
+        for b in tree_blocks:
+            if refcount(b) != 1 + sharers.get(b, 0):
+                raise IntegrityError(f"cached block {b} has refcount {refcount(b)}")

@@ -1,0 +1,139 @@
+"""Registered pools with epochs and leases.
+
+pool_id == worker_id. Every registration gets a fresh epoch, unique across server restarts
+(seeded from the wall clock in ns, then strictly increasing). Calls must echo the epoch:
+a mismatch means the caller talks about a pool that no longer exists (FAILED_PRECONDITION).
+
+Leases: a pool RPC (Step, Heartbeat, Evict, Clear) with the right epoch renews the lease.
+When it runs out (checked by `expire_leases()` periodically and on every call) the pool is
+retired whole: its requests' locks and private blocks are reclaimed and its tree is dropped
+too, because the replica that held the KV tensors is presumed gone and must re-register
+(a new, empty pool) before it may write anything again. A tombstone remembers retired pool
+ids so late calls get FAILED_PRECONDITION rather than NOT_FOUND.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from cache_service.errors import FailedPrecondition, InvalidArgument, NotFound
+from cache_service.events import EventLog
+from cache_service.pool import Pool
+
+log = logging.getLogger(__name__)
+
+MAX_NUM_BLOCKS = 1 << 24
+MAX_BLOCK_SIZE = 1 << 16
+
+
+class PoolRegistry:
+    """All pools of one cache server, keyed by pool_id (== worker_id)."""
+
+    def __init__(
+        self,
+        lease_seconds: float = 30.0,
+        events: EventLog | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_tombstones: int = 4096,
+    ) -> None:
+        if lease_seconds <= 0:
+            raise ValueError("lease_seconds must be > 0")
+        self.lease_seconds = lease_seconds
+        self.events = events if events is not None else EventLog()
+        self.pools: dict[str, Pool] = {}
+        self._clock = clock
+        self._last_epoch = 0
+        self._tombstones: OrderedDict[str, str] = OrderedDict()  # pool_id -> why it went away
+        self._max_tombstones = max_tombstones
+
+    def _new_epoch(self) -> int:
+        self._last_epoch = max(time.time_ns(), self._last_epoch + 1)
+        return self._last_epoch
+
+    def register(
+        self,
+        worker_id: str,
+        num_blocks: int,
+        block_size: int,
+        model_fingerprint: str = "",
+        vocab_size: int = 0,
+    ) -> Pool:
+        """Create the pool of `worker_id`, retiring any previous one of the same worker."""
+        if not worker_id:
+            raise InvalidArgument("worker_id must be non-empty")
+        if not 0 < num_blocks <= MAX_NUM_BLOCKS:
+            raise InvalidArgument(f"num_blocks must be in [1, {MAX_NUM_BLOCKS}], got {num_blocks}")
+        if not 0 < block_size <= MAX_BLOCK_SIZE:
+            raise InvalidArgument(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
+        if vocab_size < 0:
+            raise InvalidArgument("vocab_size must be >= 0")
+        if worker_id in self.pools:
+            self._retire(worker_id, "re-registered")
+        pool = Pool(
+            worker_id, self._new_epoch(), num_blocks, block_size, model_fingerprint, vocab_size, self.events
+        )
+        pool.lease_deadline = self._clock() + self.lease_seconds
+        self.pools[worker_id] = pool
+        self._tombstones.pop(worker_id, None)
+        log.info(
+            "pool registered pool=%s epoch=%d num_blocks=%d block_size=%d fingerprint=%s",
+            worker_id, pool.epoch, num_blocks, block_size, model_fingerprint,
+        )
+        return pool
+
+    def get(self, pool_id: str, epoch: int) -> Pool:
+        """The live pool for a pool RPC; checks the epoch and lease, and renews the lease."""
+        pool = self.pools.get(pool_id)
+        if pool is None:
+            why = self._tombstones.get(pool_id)
+            if why is not None:
+                raise FailedPrecondition(f"pool {pool_id!r} is gone ({why}); re-register")
+            raise NotFound(f"unknown pool {pool_id!r}; register it first")
+        if epoch != pool.epoch:
+            raise FailedPrecondition(f"stale epoch for pool {pool_id!r}; re-register")
+        now = self._clock()
+        if now >= pool.lease_deadline:
+            self._retire(pool_id, "lease expired")
+            raise FailedPrecondition(f"lease of pool {pool_id!r} expired; re-register")
+        pool.lease_deadline = now + self.lease_seconds
+        return pool
+
+    def peek(self, pool_id: str) -> Pool:
+        """The pool for a read-only call (Stats, Match, WatchEvents): no epoch, no renewal."""
+        pool = self.pools.get(pool_id)
+        if pool is None:
+            raise NotFound(f"unknown pool {pool_id!r}")
+        return pool
+
+    def heartbeat(self, pool_id: str, epoch: int) -> float:
+        """Renew the lease; returns its length in seconds."""
+        self.get(pool_id, epoch)
+        return self.lease_seconds
+
+    def lease_remaining(self, pool: Pool) -> float:
+        return max(0.0, pool.lease_deadline - self._clock())
+
+    def expire_leases(self) -> list[str]:
+        """Retire every pool whose lease ran out; returns their ids."""
+        now = self._clock()
+        expired = [pid for pid, pool in self.pools.items() if now >= pool.lease_deadline]
+        for pid in expired:
+            self._retire(pid, "lease expired")
+        return expired
+
+    def _retire(self, pool_id: str, why: str) -> None:
+        pool = self.pools.pop(pool_id)
+        running = len(pool.requests)
+        pool.retire()
+        self._tombstones[pool_id] = why
+        self._tombstones.move_to_end(pool_id)
+        if len(self._tombstones) > self._max_tombstones:
+            self._tombstones.popitem(last=False)
+        log.info("pool retired pool=%s epoch=%d reason=%s running_requests=%d", pool_id, pool.epoch, why, running)
+
+    def check_integrity(self) -> None:
+        for pool in self.pools.values():
+            pool.check_integrity()

@@ -1,0 +1,94 @@
+"""Plain data in and out of the cache core (the domain side of cache.proto's messages)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+@dataclass(slots=True)
+class Admit:
+    request_id: str
+    token_ids: Sequence[int]
+    namespace: str = ""
+    num_lookahead_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Extend:
+    request_id: str
+    num_tokens: int  # total tokens the request must be able to hold
+
+
+@dataclass(slots=True)
+class Finish:
+    request_id: str
+    output_token_ids: Sequence[int] = ()
+    num_computed_tokens: int = 0
+    block_table: Sequence[int] = ()  # empty: no consistency check
+
+
+@dataclass(slots=True)
+class StepInput:
+    releases: list[Finish] = field(default_factory=list)
+    finishes: list[Finish] = field(default_factory=list)
+    extends: list[Extend] = field(default_factory=list)
+    admits: list[Admit] = field(default_factory=list)
+
+
+class AdmitResult(NamedTuple):
+    request_id: str
+    admitted: bool
+    cached_tokens: int
+    block_table: list[int]
+
+
+class ExtendResult(NamedTuple):
+    request_id: str
+    ok: bool
+    new_block_ids: list[int]
+
+
+class StepResult(NamedTuple):
+    admits: list[AdmitResult]
+    extends: list[ExtendResult]
+    num_evicted_blocks: int
+    num_free_blocks: int
+
+
+class MatchInfo(NamedTuple):
+    matched_tokens: int
+    block_ids: list[int]
+
+
+class ClearResult(NamedTuple):
+    num_evicted_blocks: int
+    num_locked_blocks: int
+
+
+@dataclass(slots=True)
+class PoolStats:
+    pool_id: str
+    worker_id: str
+    epoch: int
+    model_fingerprint: str
+    block_size: int
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_locked_blocks: int
+    num_evictable_blocks: int
+    num_private_blocks: int
+    num_running_requests: int
+    queried_tokens: int
+    hit_tokens: int
+    num_evicted_blocks: int
+    num_admitted: int
+    num_finished: int
+    num_released: int
+    lease_remaining_seconds: float
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0

@@ -1,0 +1,108 @@
+"""The grpc.aio server: CacheManager + standard health + reflection, leases, graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cache_service.metrics import Metrics
+from cache_service.pool_registry import PoolRegistry
+from cache_service.servicer import SERVICE_NAME, CacheManagerServicer
+from protos import cache_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
+
+def format_address(host: str, port: int) -> str:
+    """host:port, bracketing IPv6 literals."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+async def create_server(
+    address: str,
+    registry: PoolRegistry | None = None,
+    metrics: Metrics | None = None,
+    health_servicer: health.aio.HealthServicer | None = None,
+) -> tuple[grpc.aio.Server, int]:
+    """Build (not start) a server bound to `address`; returns it and the bound port.
+
+    Port 0 picks a free port. Raises RuntimeError when the address cannot be bound (in use).
+    Call from inside a running event loop.
+    """
+    registry = registry if registry is not None else PoolRegistry()
+    health_servicer = health_servicer if health_servicer is not None else health.aio.HealthServicer()
+    # so_reuseport off: a second server on a busy port must fail, not silently share it.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    cache_pb2_grpc.add_CacheManagerServicer_to_server(CacheManagerServicer(registry, metrics), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME], server)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    port = server.add_insecure_port(address)
+    return server, port
+
+
+async def expire_leases_forever(registry: PoolRegistry, interval: float) -> None:
+    """Background task: retire pools whose lease ran out."""
+    while True:
+        await asyncio.sleep(interval)
+        for pool_id in registry.expire_leases():
+            log.warning("lease expired pool=%s: its requests and cached blocks were reclaimed", pool_id)
+
+
+async def serve(
+    host: str = "127.0.0.1",
+    port: int = 50051,
+    lease_seconds: float = 30.0,
+    metrics_port: int | None = None,
+    grace_seconds: float = 2.0,
+) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit code."""
+    registry = PoolRegistry(lease_seconds=lease_seconds)
+    metrics = Metrics(registry) if metrics_port is not None else None
+    health_servicer = health.aio.HealthServicer()
+    address = format_address(host, port)
+    try:
+        server, bound = await create_server(address, registry, metrics, health_servicer)
+    except RuntimeError as err:
+        print(f"cache_service: cannot listen on {address} (port in use?): {err}", file=sys.stderr, flush=True)
+        return 1
+    if metrics is not None:
+        try:
+            metrics_bound = metrics.serve(metrics_port, host)
+        except OSError as err:
+            print(f"cache_service: cannot serve metrics on port {metrics_port}: {err}", file=sys.stderr, flush=True)
+            return 1
+        log.info("metrics on http://%s/metrics", format_address(host, metrics_bound))
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    expiry = asyncio.create_task(expire_leases_forever(registry, min(1.0, lease_seconds / 4)))
+    try:
+        await server.start()
+        print(f"cache_service listening on {format_address(host, bound)}", flush=True)
+        log.info("lease_seconds=%s", lease_seconds)
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        expiry.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await expiry
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace_seconds)
+        if metrics is not None:
+            metrics.stop()
+    return 0

@@ -1,0 +1,161 @@
+"""TorchAttentionBackend against naive dense causal attention, and its KV writes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from model_service.attention.torch_backend import TorchAttentionBackend
+from tests.attention.paged_case import make_case, reference_attention
+
+SMOLLM2 = dict(num_q_heads=9, num_kv_heads=3, head_dim=64)
+
+
+def run_backend(case, *, num_q_heads, num_kv_heads, head_dim, block_size, scale):
+    backend = TorchAttentionBackend(num_q_heads, num_kv_heads, head_dim, block_size,
+                                    torch.float32, torch.device("cpu"))
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    backend.plan(case.layout)
+    out = backend.forward(case.q, case.k, case.v, k_cache, v_cache, scale)
+    return backend, out, k_cache, v_cache
+
+
+def check_case(seq_lens, query_lens, *, block_size, num_q_heads, num_kv_heads, head_dim, seed=0):
+    case = make_case(seq_lens, query_lens, block_size=block_size, num_q_heads=num_q_heads,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim, seed=seed)
+    scale = 1.0 / math.sqrt(head_dim)
+    backend, out, k_cache, v_cache = run_backend(case, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                                 head_dim=head_dim, block_size=block_size, scale=scale)
+    assert out.shape == (sum(query_lens), num_q_heads, head_dim)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, reference_attention(case, scale).float(), rtol=1e-5, atol=2e-6)
+    k_exp, v_exp = case.expected_caches()
+    assert torch.equal(k_cache, k_exp), "K written to the wrong slots or other slots changed"
+    assert torch.equal(v_cache, v_exp), "V written to the wrong slots or other slots changed"
+    return backend
+
+
+SCENARIOS = {
+    # name: (seq_lens, query_lens)
+    "prefill_single_no_prefix": ([37], [37]),
+    "prefill_single_unaligned_prefix": ([41], [9]),
+    "prefill_single_one_new_token_after_prefix": ([23, 50], [23, 2]),
+    "prefill_batch_ragged_prefixes": ([37, 16, 70, 5], [37, 3, 11, 5]),
+    "decode_single": ([33], [1]),
+    "decode_batch_equal_lengths": ([21, 21, 21], [1, 1, 1]),
+    "decode_batch_ragged": ([1, 16, 17, 64, 33], [1, 1, 1, 1, 1]),
+    "mixed_prefill_and_decode": ([40, 17, 9, 80, 3], [1, 12, 1, 7, 3]),
+    "mixed_one_prefill_many_decodes": ([30, 31, 32, 50], [1, 1, 1, 50]),
+}
+
+
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_matches_dense_reference_gqa(name, block_size):
+    seq_lens, query_lens = SCENARIOS[name]
+    check_case(seq_lens, query_lens, block_size=block_size, **SMOLLM2)
+
+
+@pytest.mark.parametrize("heads", [(4, 4, 32), (8, 1, 16)])
+def test_matches_dense_reference_mha_and_mqa(heads):
+    hq, hkv, d = heads
+    check_case([40, 17, 9, 26], [1, 12, 1, 26], block_size=4, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    seqs=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 24)), min_size=1, max_size=5),
+    block_size=st.sampled_from([1, 3, 5, 16]),
+    heads=st.sampled_from([(9, 3, 64), (4, 2, 8), (2, 2, 16)]),
+    decode_only=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_batches_property(seqs, block_size, heads, decode_only, seed):
+    """Any mix of cached prefix (0..40, unaligned) and new tokens matches the reference."""
+    query_lens = [1 if decode_only else ql for _, ql in seqs]
+    seq_lens = [prefix + ql for (prefix, _), ql in zip(seqs, query_lens, strict=True)]
+    hq, hkv, d = heads
+    check_case(seq_lens, query_lens, block_size=block_size, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+               seed=seed)
+
+
+def test_single_sequence_matches_dense_sdpa_bitwise():
+    """One sequence uses the very SDPA call dense (HF sdpa) attention makes: same bits."""
+    hq, hkv, d, bs = 9, 3, 64, 16
+    scale = 1.0 / math.sqrt(d)
+    # Prefill without cached prefix.
+    case = make_case([45], [45], block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, seed=1)
+    _, out, _, _ = run_backend(case, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, scale=scale)
+    dense = F.scaled_dot_product_attention(
+        case.q.transpose(0, 1).unsqueeze(0), case.full_k[0].transpose(0, 1).unsqueeze(0).contiguous(),
+        case.full_v[0].transpose(0, 1).unsqueeze(0).contiguous(), is_causal=True, scale=scale, enable_gqa=True)
+    assert torch.equal(out, dense[0].transpose(0, 1))
+    # Decode over a context gathered from shuffled blocks.
+    case = make_case([45], [1], block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, seed=2)
+    _, out, _, _ = run_backend(case, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, scale=scale)
+    dense = F.scaled_dot_product_attention(
+        case.q.unsqueeze(2), case.full_k[0].transpose(0, 1).unsqueeze(0).contiguous(),
+        case.full_v[0].transpose(0, 1).unsqueeze(0).contiguous(), scale=scale, enable_gqa=True)
+    assert torch.equal(out, dense[:, :, 0])
+
+
+def test_fast_paths_are_planned():
+    mk = dict(block_size=16, seed=0, **SMOLLM2)
+    backend = TorchAttentionBackend(9, 3, 64, 16, torch.float32, torch.device("cpu"))
+    backend.plan(make_case([30], [30], **mk).layout)
+    (g,) = backend._groups
+    assert g.block_ids is None and g.is_causal and g.attn_mask is None  # dense causal, no gather
+    backend.plan(make_case([20, 20, 20], [1, 1, 1], **mk).layout)
+    (g,) = backend._groups
+    assert g.attn_mask is None and g.num_ctx_blocks == 2 and g.kv_len == 20  # equal lengths: no mask
+    backend.plan(make_case([20, 33], [1, 1], **mk).layout)
+    (g,) = backend._groups
+    assert g.attn_mask is not None and g.attn_mask.shape == (2, 1, 1, 33)  # key padding only
+    backend.plan(make_case([20, 33, 40], [1, 30, 1], **mk).layout)
+    assert [grp.max_query_len for grp in backend._groups] == [1, 30]  # decode rows not padded to 30
+
+
+def test_plan_is_shared_by_layers():
+    """plan() once, forward() per layer with that layer's own cache and tensors."""
+    hq, hkv, d, bs = 9, 3, 64, 5
+    seq_lens, query_lens = [40, 17, 9, 30], [1, 12, 1, 7]
+    cases = [make_case(seq_lens, query_lens, block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                       seed=layer, layout_seed=7) for layer in range(3)]
+    assert all(torch.equal(c.layout.slot_mapping, cases[0].layout.slot_mapping) for c in cases)
+    backend = TorchAttentionBackend(hq, hkv, d, bs, torch.float32, torch.device("cpu"))
+    backend.plan(cases[0].layout)
+    for case in cases:
+        k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+        out = backend.forward(case.q, case.k, case.v, k_cache, v_cache, 0.125)
+        torch.testing.assert_close(out, reference_attention(case, 0.125).float(), rtol=1e-5, atol=2e-6)
+        k_exp, v_exp = case.expected_caches()
+        assert torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp)
+
+
+def test_forward_before_plan_raises():
+    backend = TorchAttentionBackend(2, 1, 8, 4, torch.float32, torch.device("cpu"))
+    x = torch.zeros(1, 2, 8)
+    with pytest.raises(RuntimeError, match="plan"):
+        backend.forward(x, x[:, :1], x[:, :1], torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8), 1.0)
+
+
+def test_non_contiguous_inputs():
+    """q/k/v as the model hands them over: transposed views of [1, H, T, D] tensors."""
+    hq, hkv, d, bs = 9, 3, 64, 16
+    case = make_case([12, 40], [12, 5], block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+    q = case.q.transpose(0, 1).contiguous().transpose(0, 1)
+    k = case.k.transpose(0, 1).contiguous().transpose(0, 1)
+    v = case.v.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not q.is_contiguous()
+    backend = TorchAttentionBackend(hq, hkv, d, bs, torch.float32, torch.device("cpu"))
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    backend.plan(case.layout)
+    out = backend.forward(q, k, v, k_cache, v_cache, 0.125)
+    torch.testing.assert_close(out, reference_attention(case, 0.125).float(), rtol=1e-5, atol=2e-6)
+    k_exp, v_exp = case.expected_caches()
+    assert torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp)

@@ -15,7 +15,7 @@ const protoLoader = require('@grpc/proto-loader');
 const PROTO_DIR = path.resolve(__dirname, '..', '..', 'protos');
 const LOADER_OPTIONS = {
   keepCase: true, // field names exactly as in the .proto files (max_tokens, token_ids ...)
-  longs: Number, // uint64 counters fit a double for any realistic value
+  longs: String, // uint64 as decimal strings, lossless (epochs use all 64 bits), as proto3 JSON does
   enums: String, // finish_reason: "FINISH_REASON_STOP"
   defaults: true, // unset fields present with their default values
   oneofs: true, // a virtual field naming the set member of each oneof (e.g. "input")

@@ -96,7 +96,10 @@ def test_timeout_raises_deadline_exceeded(fake):
 
 
 def test_client_default_timeout_applies_to_every_call(fake):
-    with RadixKVClient(fake(Script(delay_s=2.0)), timeout=0.3) as client, pytest.raises(RadixKVError) as raised:
+    with (
+        RadixKVClient(fake(Script(delay_s=2.0)), timeout=0.3) as client,
+        pytest.raises(RadixKVError) as raised,
+    ):
         client.model_info()
     assert raised.value.code_name == "DEADLINE_EXCEEDED"
 

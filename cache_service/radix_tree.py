@@ -330,6 +330,18 @@ class RadixTree:
                 yield node
                 stack.extend(node.children.values())
 
+    def iter_pages(self) -> Iterator[tuple[str, tuple[int, ...], int]]:
+        """(namespace, tokens of the whole prefix up to and including the page, block id) per page."""
+        ps = self.page_size
+        for ns, root in list(self._roots.items()):
+            stack = [(child, ()) for child in root.children.values()]
+            while stack:
+                node, prefix = stack.pop()
+                for i, block in enumerate(node.value):
+                    yield ns, prefix + node.key[: (i + 1) * ps], block
+                full = prefix + node.key
+                stack.extend((child, full) for child in node.children.values())
+
     def check_integrity(self, check_hashes: bool = True) -> list[int]:
         """Verify structure, counters and the heap; returns every block id the tree owns."""
         ps = self.page_size

@@ -1,0 +1,60 @@
+"""Event log: sequence numbers, bounded replay, subscribers, tree snapshots."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache_service.errors import OutOfRange
+from cache_service.events import AllCleared, BlockRemoved, EventLog, tree_snapshot
+from cache_service.radix_tree import RadixTree
+
+
+def test_sequences_and_bounded_replay() -> None:
+    log = EventLog(capacity=3)
+    for i in range(5):
+        log.publish(f"p{i % 2}", BlockRemoved([i], [i]))
+    assert log.last_sequence == 5 and log.oldest_sequence == 3
+    assert [e.sequence for e in log.replay(3)] == [3, 4, 5]
+    assert [e.sequence for e in log.replay(4, pool_id="p1")] == [4]
+    assert log.replay(6) == []  # the next sequence: nothing yet, not an error
+    with pytest.raises(OutOfRange):
+        log.replay(2)  # dropped from the buffer
+    with pytest.raises(OutOfRange):
+        log.replay(7)  # never produced (e.g. a consumer of a previous server)
+
+
+def test_subscribers_get_events_in_order_until_unsubscribed() -> None:
+    log = EventLog()
+    got = []
+    unsubscribe = log.subscribe(got.append)
+    log.publish("p", AllCleared())
+    log.publish("p", AllCleared())
+    unsubscribe()
+    log.publish("p", AllCleared())
+    assert [e.sequence for e in got] == [1, 2] and log.num_subscribers == 0
+
+
+def test_failing_subscriber_is_dropped_without_breaking_publish() -> None:
+    log = EventLog()
+
+    def broken(event):
+        raise RuntimeError("boom")
+
+    log.subscribe(broken)
+    log.publish("p", AllCleared())
+    assert log.num_subscribers == 0 and log.last_sequence == 1
+
+
+def test_tree_snapshot_lists_parents_first() -> None:
+    tree = RadixTree(2)
+    tree.insert([1, 1, 2, 2], [10, 11])
+    tree.insert([1, 1, 3, 3], [10, 12], namespace="")
+    tree.insert([5, 5], [20], namespace="t")
+    events = tree_snapshot("p", tree, sequence=7, timestamp=1.0)
+    assert all(e.is_snapshot and e.sequence == 7 for e in events)
+    known = {0}
+    for e in events:
+        assert e.payload.parent_block_hash in known  # parent already described
+        known.update(e.payload.block_hashes)
+    ids = sorted(b for e in events for b in e.payload.block_ids)
+    assert ids == [10, 11, 12, 20]

@@ -1,0 +1,253 @@
+"""Pool: Step semantics (admit / extend / finish / release), accounting, and bad input.
+
+Every pool here is a CheckedPool: check_integrity() runs after every call, failed or not.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cache_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from cache_service.events import AllCleared, BlockRemoved, BlockStored, EventLog
+from cache_service.schema import Admit, Extend, Finish, StepInput
+
+
+def admit(pool, rid, tokens, namespace="", lookahead=0):
+    (result,) = pool.step(StepInput(admits=[Admit(rid, tokens, namespace, lookahead)])).admits
+    return result
+
+
+def finish(pool, rid, computed, output=(), release=False):
+    item = Finish(rid, list(output), computed)
+    return pool.step(StepInput(releases=[item]) if release else StepInput(finishes=[item]))
+
+
+def test_page_alignment_20_tokens_cache_one_page(make_pool) -> None:
+    pool = make_pool(num_blocks=8, block_size=16)
+    prompt = list(range(20))
+    first = admit(pool, "a", prompt)
+    assert first.admitted and first.cached_tokens == 0 and len(first.block_table) == 2
+    finish(pool, "a", computed=20)
+    stats = pool.stats()
+    assert stats.num_cached_blocks == 1 and stats.num_free_blocks == 7  # the partial page was freed
+    second = admit(pool, "b", prompt)
+    assert second.cached_tokens == 16 and second.block_table[0] == first.block_table[0]
+
+
+def test_at_least_one_prompt_token_is_recomputed(make_pool) -> None:
+    pool = make_pool(num_blocks=8, block_size=4)
+    prompt = list(range(8))  # exactly two pages
+    admit(pool, "a", prompt)
+    finish(pool, "a", computed=8)
+    assert pool.stats().num_cached_blocks == 2
+    again = admit(pool, "b", prompt)
+    assert again.cached_tokens == 4  # not 8: the last page is recomputed so logits exist
+    longer = admit(pool, "c", prompt + [99])
+    assert longer.cached_tokens == 8
+
+
+def test_two_requests_share_a_prefix(make_pool) -> None:
+    pool = make_pool(num_blocks=16, block_size=4)
+    admit(pool, "a", list(range(12)))
+    finish(pool, "a", computed=12)
+    results = pool.step(
+        StepInput(admits=[Admit("b", list(range(8)) + [50, 51, 52]), Admit("c", list(range(12)) + [60])])
+    ).admits
+    b, c = results
+    assert b.cached_tokens == 8 and c.cached_tokens == 12
+    assert b.block_table[:2] == c.block_table[:2]
+    stats = pool.stats()
+    assert stats.num_locked_blocks == 3 and stats.num_running_requests == 2
+    assert stats.hit_tokens == 20 and stats.queried_tokens == 12 + 11 + 13
+
+
+def test_duplicates_freed_on_insert(make_pool) -> None:
+    pool = make_pool(num_blocks=16, block_size=4)
+    prompt = list(range(9))
+    a = admit(pool, "a", prompt)
+    b = admit(pool, "b", prompt)  # both miss: a has not finished yet
+    assert b.cached_tokens == 0 and set(a.block_table).isdisjoint(b.block_table)
+    finish(pool, "a", computed=9)
+    finish(pool, "b", computed=9)  # b's two full pages are duplicates of a's
+    stats = pool.stats()
+    assert stats.num_cached_blocks == 2 and stats.num_free_blocks == 14
+    assert pool.match(prompt).block_ids == a.block_table[:2]
+
+
+def test_matched_pages_are_not_freed_as_duplicates(make_pool) -> None:
+    pool = make_pool(num_blocks=16, block_size=4)
+    admit(pool, "a", list(range(8)))
+    finish(pool, "a", computed=8)
+    b = admit(pool, "b", list(range(8)) + [8, 9, 10, 11, 12])
+    assert b.cached_tokens == 8
+    finish(pool, "b", computed=13, output=[13, 14])  # computed 13 of 15 tokens -> 3 full pages
+    stats = pool.stats()
+    assert stats.num_cached_blocks == 3 and stats.num_private_blocks == 0
+    assert pool.match(list(range(13))).block_ids == b.block_table[:3]
+
+
+def test_output_tokens_are_cached_on_finish(make_pool) -> None:
+    pool = make_pool(num_blocks=16, block_size=4)
+    admit(pool, "a", [1, 2, 3], lookahead=5)
+    assert len(pool.requests["a"].block_table) == 2
+    finish(pool, "a", computed=8, output=[4, 5, 6, 7, 8])
+    assert pool.match([1, 2, 3, 4, 5, 6, 7, 8]).matched_tokens == 8
+
+
+def test_released_request_hits_its_own_pages_when_readmitted(make_pool) -> None:
+    pool = make_pool(num_blocks=8, block_size=4)
+    first = admit(pool, "a", list(range(10)))
+    finish(pool, "a", computed=10, output=[], release=True)
+    again = admit(pool, "a", list(range(10)))  # same id again after a release is fine
+    assert again.admitted and again.cached_tokens == 8 and again.block_table[:2] == first.block_table[:2]
+    assert pool.stats().num_released == 1
+
+
+def test_freed_blocks_are_reusable_in_the_same_step(make_pool) -> None:
+    pool = make_pool(num_blocks=4, block_size=4)
+    admit(pool, "a", list(range(16)))
+    assert pool.stats().num_free_blocks == 0
+    result = pool.step(StepInput(finishes=[Finish("a", [], 0)], admits=[Admit("b", [7] * 16)]))
+    assert result.admits[0].admitted and result.num_free_blocks == 0
+
+
+def test_admission_evicts_lru_and_no_space_is_fcfs(make_pool) -> None:
+    pool = make_pool(num_blocks=6, block_size=4)
+    for rid, base in (("a", 100), ("b", 200)):
+        admit(pool, rid, [base + i for i in range(9)])
+        finish(pool, rid, computed=9)
+    assert pool.stats().num_evictable_blocks == 4
+    result = pool.step(StepInput(admits=[Admit("c", list(range(16)))]))
+    assert result.admits[0].admitted and result.num_evicted_blocks == 2
+    assert pool.match([100 + i for i in range(8)]).matched_tokens == 0  # a was least recent
+    assert pool.match([200 + i for i in range(8)]).matched_tokens == 8
+    result = pool.step(
+        StepInput(admits=[Admit("d", list(range(300, 316))), Admit("e", [1]), Admit("f", [2])])
+    )
+    assert [r.admitted for r in result.admits] == [False, False, False]  # e, f would fit: FCFS
+    assert result.num_evicted_blocks == 0  # nothing taken for a request that cannot fit
+    assert pool.stats().num_evictable_blocks == 2
+
+
+def test_extend_adds_blocks_and_reports_shortage(make_pool) -> None:
+    pool = make_pool(num_blocks=4, block_size=4)
+    admit(pool, "a", [1, 2, 3])
+    (ext,) = pool.step(StepInput(extends=[Extend("a", 4)])).extends
+    assert ext.ok and ext.new_block_ids == []  # already covered
+    (ext,) = pool.step(StepInput(extends=[Extend("a", 9)])).extends
+    assert ext.ok and len(ext.new_block_ids) == 2
+    assert pool.requests["a"].block_table[1:] == ext.new_block_ids
+    admit(pool, "b", [5])
+    (ext,) = pool.step(StepInput(extends=[Extend("a", 13)])).extends
+    assert not ext.ok and ext.new_block_ids == []
+    assert pool.stats().num_free_blocks == 0
+
+
+def test_extend_evicts_unlocked_cache(make_pool) -> None:
+    pool = make_pool(num_blocks=4, block_size=4)
+    admit(pool, "a", list(range(9)))
+    finish(pool, "a", computed=9)  # 2 cached pages
+    admit(pool, "b", [50])
+    result = pool.step(StepInput(extends=[Extend("b", 12)]))
+    assert result.extends[0].ok and result.num_evicted_blocks == 1
+
+
+def test_finish_with_matching_block_table_check(make_pool) -> None:
+    pool = make_pool(num_blocks=8, block_size=4)
+    a = admit(pool, "a", list(range(6)))
+    pool.step(StepInput(finishes=[Finish("a", [], 6, a.block_table)]))
+    assert pool.stats().num_cached_blocks == 1
+
+
+def test_clear_keeps_locked_blocks(make_pool) -> None:
+    pool = make_pool(num_blocks=8, block_size=4)
+    admit(pool, "a", list(range(9)))
+    finish(pool, "a", computed=9)
+    admit(pool, "b", list(range(5)) + [77])  # locks the first page
+    admit(pool, "c", [9] * 9)
+    finish(pool, "c", computed=9)
+    result = pool.clear()
+    assert result.num_evicted_blocks == 3 and result.num_locked_blocks == 1
+    assert pool.evict(5) == 0
+
+
+def test_retire_reclaims_everything(make_pool) -> None:
+    pool = make_pool(num_blocks=8, block_size=4)
+    admit(pool, "a", list(range(9)))
+    finish(pool, "a", computed=9)
+    admit(pool, "b", list(range(9)) + [1, 2, 3, 4])
+    pool.retire()
+    stats = pool.stats()
+    assert stats.num_free_blocks == 8 and stats.num_running_requests == 0 and stats.num_cached_blocks == 0
+
+
+def test_events_stored_removed_cleared(make_pool) -> None:
+    log = EventLog()
+    seen = []
+    log.subscribe(seen.append)
+    pool = make_pool(num_blocks=4, block_size=4, events=log)
+    a = admit(pool, "a", list(range(9)))
+    finish(pool, "a", computed=9)
+    admit(pool, "b", [1] * 16)  # evicts both cached pages
+    finish(pool, "b", computed=16)
+    pool.clear()
+    kinds = [type(e.payload) for e in seen]
+    assert kinds == [BlockStored, BlockRemoved, BlockStored, AllCleared]
+    assert [e.sequence for e in seen] == [1, 2, 3, 4]
+    stored = seen[0].payload
+    assert stored.block_ids == a.block_table[:2] and stored.token_ids == list(range(8))
+    assert stored.parent_block_hash == 0
+    assert seen[1].payload.block_hashes == stored.block_hashes
+    assert seen[1].payload.block_ids == stored.block_ids
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+def _populated(make_pool, vocab_size=0):
+    pool = make_pool(num_blocks=8, block_size=4, vocab_size=vocab_size)
+    admit(pool, "done", list(range(6)))
+    finish(pool, "done", computed=6)
+    admit(pool, "live", list(range(10)))
+    return pool
+
+
+BAD_STEPS = [
+    ("empty prompt", InvalidArgument, StepInput(admits=[Admit("x", [])])),
+    ("token out of vocab", InvalidArgument, StepInput(admits=[Admit("x", [1, 2, 1000])])),
+    ("output token out of vocab", InvalidArgument, StepInput(finishes=[Finish("live", [5000], 10)])),
+    ("empty request id", InvalidArgument, StepInput(admits=[Admit("", [1])])),
+    ("duplicate ids", InvalidArgument, StepInput(admits=[Admit("x", [1]), Admit("x", [2])])),
+    ("finish and extend one id", InvalidArgument, StepInput(finishes=[Finish("live")], extends=[Extend("live", 12)])),
+    ("admit of a live id", InvalidArgument, StepInput(admits=[Admit("live", [1])])),
+    ("computed beyond tokens", InvalidArgument, StepInput(finishes=[Finish("live", [1], 12)])),
+    ("computed beyond blocks", InvalidArgument, StepInput(finishes=[Finish("live", [1] * 10, 13)])),
+    ("unknown finish", NotFound, StepInput(finishes=[Finish("ghost")])),
+    ("unknown release", NotFound, StepInput(releases=[Finish("ghost")])),
+    ("unknown extend", NotFound, StepInput(extends=[Extend("ghost", 5)])),
+    ("finish twice", FailedPrecondition, StepInput(finishes=[Finish("done", [], 6)])),
+    ("extend finished", FailedPrecondition, StepInput(extends=[Extend("done", 20)])),
+    ("foreign block table", FailedPrecondition, StepInput(finishes=[Finish("live", [], 10, [0, 1, 7])])),
+    ("too large prompt", ResourceExhausted, StepInput(admits=[Admit("x", [1] * 33)])),
+    ("too large lookahead", ResourceExhausted, StepInput(admits=[Admit("x", [1], "", 40)])),
+    ("too large extend", ResourceExhausted, StepInput(extends=[Extend("live", 33)])),
+]
+
+
+@pytest.mark.parametrize("name,error,step", BAD_STEPS, ids=[b[0] for b in BAD_STEPS])
+def test_bad_step_is_rejected_whole(make_pool, name, error, step) -> None:
+    pool = _populated(make_pool, vocab_size=1000)
+    # A valid admit rides along in front of the bad item: it must not be applied either.
+    step.admits.insert(0, Admit("innocent", [3, 3, 3, 3, 3]))
+    before = (pool.stats(), list(pool.requests), pool.allocator.free_block_ids())
+    with pytest.raises(error):
+        pool.step(step)
+    assert (pool.stats(), list(pool.requests), pool.allocator.free_block_ids()) == before
+
+
+def test_error_messages_name_the_request(make_pool) -> None:
+    pool = _populated(make_pool)
+    with pytest.raises(NotFound, match="ghost"):
+        pool.step(StepInput(finishes=[Finish("ghost")]))
+    with pytest.raises(FailedPrecondition, match="already finished"):
+        pool.step(StepInput(finishes=[Finish("done")]))

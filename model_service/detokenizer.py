@@ -74,8 +74,8 @@ class IncrementalDetokenizer:
     `skip_special_tokens`: passed to `tokenizer.decode` (special tokens render as nothing).
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str] | tuple[str, ...] = (),
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
+                 stop: list[str] | tuple[str, ...] = (), skip_special_tokens: bool = True) -> None:
         for s in stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")

@@ -1,0 +1,79 @@
+"""`python -m model_service --port N --cache-addr HOST:PORT`: serve a model with radixkv."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+import sys
+
+from model_service.server import DTYPES, ModelServiceConfig, serve
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+          "g": 2**30, "gb": 10**9, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512MiB', '2GiB', '1.5G' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 1073741824, 512MiB, 2GiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m model_service", description="radixkv model service (gRPC)")
+    p.add_argument("--port", type=int, default=50052, help="gRPC port (0: pick a free one)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--cache-addr", default="127.0.0.1:50051", help="cache manager address HOST:PORT")
+    p.add_argument("--model", default=None,
+                   help="local HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=positive_int, default=None, help="KV pool size in blocks")
+    size.add_argument("--kv-cache-memory", type=parse_bytes, default=1 << 30,
+                      help="KV pool size in bytes when --num-blocks is not given (default 1GiB)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                   help="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--attention", choices=["auto", "torch", "flashinfer"], default="auto",
+                   help="attention backend (auto: flashinfer on CUDA when installed)")
+    p.add_argument("--max-batch-tokens", type=positive_int, default=2048,
+                   help="token budget per scheduler step (longer prompts are prefilled in chunks)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=64, help="most requests running at once")
+    p.add_argument("--max-waiting", type=positive_int, default=1024,
+                   help="waiting queue bound; beyond it Generate fails with RESOURCE_EXHAUSTED")
+    p.add_argument("--worker-id", default=None, help="pool name at the cache manager (default model-HOST-PORT)")
+    p.add_argument("--cache-timeout", type=float, default=10.0, help="deadline of each cache manager RPC (s)")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (off when not given)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ModelServiceConfig(
+        host=args.host, port=args.port, cache_addr=args.cache_addr, model=args.model, block_size=args.block_size,
+        num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory, device=args.device, dtype=args.dtype,
+        attention=args.attention, max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
+        max_waiting=args.max_waiting, metrics_port=args.metrics_port, worker_id=args.worker_id,
+        cache_timeout=args.cache_timeout)
+    try:
+        return asyncio.run(serve(config))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"model_service: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The model service's side of the cache-manager protocol: register, one Step per scheduler step,
+heartbeat. Translates scheduler objects <-> protos; raises `CachePoolLost` on any failure after
+which the pool's state can no longer be trusted (cache down, restarted, lease expired)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import grpc
+
+from model_service.scheduler import AdmitReply, CachePlan, CacheReply, ExtendReply, FinishRecord
+from protos import cache_pb2, cache_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# gRPC's own retry for transient UNAVAILABLE on the idempotent calls (register, heartbeat).
+_SERVICE_CONFIG = json.dumps({
+    "methodConfig": [{
+        "name": [{"service": "radixkv.v1.CacheManager", "method": "RegisterPool"},
+                 {"service": "radixkv.v1.CacheManager", "method": "Heartbeat"}],
+        "retryPolicy": {
+            "maxAttempts": 4, "initialBackoff": "0.1s", "maxBackoff": "1s",
+            "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"],
+        },
+    }],
+})
+
+
+class CachePoolLost(Exception):
+    """The cache manager is unreachable or no longer knows this pool/epoch: re-register and recompute."""
+
+
+class CacheClient:
+    def __init__(self, address: str, worker_id: str, num_blocks: int, block_size: int,
+                 model_fingerprint: str, vocab_size: int, timeout: float = 10.0) -> None:
+        self.address = address
+        self.worker_id = worker_id
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.model_fingerprint = model_fingerprint
+        self.vocab_size = vocab_size
+        self.timeout = timeout
+        self.pool_id = ""
+        self.epoch = 0
+        self.lease_seconds = 0.0
+        self.last_call = 0.0
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)])
+        self._stub = cache_pb2_grpc.CacheManagerStub(self._channel)
+
+    @property
+    def registered(self) -> bool:
+        return bool(self.pool_id)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def register(self) -> None:
+        """Registers the pool (a new epoch). Raises CachePoolLost when the cache manager is down."""
+        try:
+            reply = self._stub.RegisterPool(cache_pb2.RegisterPoolRequest(
+                worker_id=self.worker_id, num_blocks=self.num_blocks, block_size=self.block_size,
+                model_fingerprint=self.model_fingerprint, vocab_size=self.vocab_size), timeout=self.timeout)
+        except grpc.RpcError as e:
+            self.pool_id = ""
+            raise CachePoolLost(f"RegisterPool failed: {e.code().name}: {e.details()}") from e
+        self.pool_id, self.epoch, self.lease_seconds = reply.pool_id, reply.epoch, reply.lease_seconds
+        self.last_call = time.monotonic()
+        log.info("registered pool %s epoch %d at %s (%d blocks of %d tokens, lease %.1fs)",
+                 self.pool_id, self.epoch, self.address, self.num_blocks, self.block_size, self.lease_seconds)
+
+    def step(self, plan: CachePlan) -> CacheReply:
+        request = cache_pb2.StepRequest(
+            pool_id=self.pool_id, epoch=self.epoch,
+            releases=[_finish_proto(r) for r in plan.releases],
+            finishes=[_finish_proto(r) for r in plan.finishes],
+            extends=[cache_pb2.Extend(request_id=e.request.request_id, num_tokens=e.num_tokens)
+                     for e in plan.extends],
+            admits=[cache_pb2.Admit(request_id=r.request_id, token_ids=r.all_token_ids, namespace=r.namespace,
+                                    num_lookahead_tokens=1) for r in plan.admits],
+        )
+        reply = self._call(self._stub.Step, request)
+        return CacheReply(
+            admits=[AdmitReply(a.request_id, a.status == cache_pb2.ADMIT_STATUS_ADMITTED, a.cached_tokens,
+                               list(a.block_table)) for a in reply.admits],
+            extends=[ExtendReply(e.request_id, e.ok, list(e.new_block_ids)) for e in reply.extends],
+        )
+
+    def heartbeat_if_due(self) -> None:
+        """Renews the lease when a third of it passed without a call."""
+        if self.registered and time.monotonic() - self.last_call > self.lease_seconds / 3:
+            self._call(self._stub.Heartbeat, cache_pb2.HeartbeatRequest(pool_id=self.pool_id, epoch=self.epoch))
+
+    def _call(self, method, request):
+        try:
+            reply = method(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            self.pool_id = ""
+            raise CachePoolLost(f"{e.code().name}: {e.details()}") from e
+        self.last_call = time.monotonic()
+        return reply
+
+
+def _finish_proto(record: FinishRecord) -> cache_pb2.Finish:
+    return cache_pb2.Finish(request_id=record.request_id, output_token_ids=record.output_token_ids,
+                            num_computed_tokens=record.num_computed_tokens, block_table=record.block_table)

@@ -1,0 +1,264 @@
+"""The engine loop: scheduler + one cache Step + model forward + sampling, in its own thread.
+
+The gRPC servicer submits requests and receives `GenerationOutput`s through a sink callback
+(called from the engine thread). Failures of the cache manager never fail a client: the
+engine re-registers its pool and recomputes in-flight requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from model_service.cache_client import CacheClient, CachePoolLost
+from model_service.metrics import ModelMetrics
+from model_service.model_runner import ModelRunner
+from model_service.request import FinishReason, Request
+from model_service.sampler import Sampler
+from model_service.scheduler import CacheReply, QueueFullError, ScheduledBatch, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class Usage(NamedTuple):
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    time_to_first_token: float
+    total_time: float
+    num_preemptions: int
+
+
+class GenerationOutput(NamedTuple):
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    matched_stop: str = ""
+    usage: Usage | None = None
+    error: str = ""
+
+
+OutputSink = Callable[[GenerationOutput], None]
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    eos_token_ids: frozenset[int]
+    max_context_tokens: int
+    idle_poll_seconds: float = 0.5
+    register_retry_seconds: float = 0.5
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler,
+                 cache: CacheClient, metrics: ModelMetrics) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.runner = runner
+        self.sampler = sampler
+        self.cache = cache
+        self.metrics = metrics
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, OutputSink] = {}
+        self._requests: dict[str, Request] = {}
+        self._last_token_time: dict[str, float] = {}
+        self._stopping = threading.Event()
+        self._count_lock = threading.Lock()
+        self._num_in_flight = 0  # submitted, not finished
+        self._num_running = 0  # as of the last step
+        self._thread = threading.Thread(target=self._run, name="radixkv-engine", daemon=True)
+
+    # ------------------------------------------------------------------ API (any thread)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout)
+
+    def submit(self, request: Request, sink: OutputSink) -> None:
+        """Queues a request (never blocks); raises QueueFullError when the waiting queue is full.
+        `request.request_id` must be unique among live requests."""
+        with self._count_lock:
+            if self._num_in_flight - self._num_running >= self.scheduler.config.max_waiting:
+                raise QueueFullError(f"waiting queue is full ({self.scheduler.config.max_waiting} requests)")
+            self._num_in_flight += 1
+        self._inbox.put(("add", request, sink))
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+
+    # ------------------------------------------------------------------ loop
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._drain_inbox(block=not self.scheduler.has_work())
+                if self._stopping.is_set():
+                    break
+                if not self.cache.registered:
+                    self._try_register()
+                    continue
+                if not self.scheduler.has_work():
+                    self._heartbeat()
+                    continue
+                self._step()
+        except Exception:
+            log.exception("engine loop crashed")
+            raise
+        finally:
+            self._abort_all("server shutting down")
+
+    def _step(self) -> None:
+        plan = self.scheduler.plan_cache_step()
+        reply = CacheReply([], [])
+        if not plan.is_empty:
+            started = time.perf_counter()
+            try:
+                reply = self.cache.step(plan)
+            except CachePoolLost as e:
+                self._on_pool_lost(str(e))
+                return
+            self.metrics.cache_rpc.observe(time.perf_counter() - started)
+        preemptions_before = self.scheduler.num_preemptions
+        batch = self.scheduler.apply_cache_reply(plan, reply)
+        self.metrics.preemptions.inc(self.scheduler.num_preemptions - preemptions_before)
+        for request, admit in zip(plan.admits, reply.admits, strict=False):
+            if admit.admitted and request.num_preemptions == 0:
+                self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
+                self.metrics.cached_prompt_tokens.inc(admit.cached_tokens)
+        self.metrics.waiting.set(len(self.scheduler.waiting))
+        self.metrics.running.set(len(self.scheduler.running))
+        self._num_running = len(self.scheduler.running)
+        if batch.chunks:
+            self._execute(batch)
+
+    def _execute(self, batch: ScheduledBatch) -> None:
+        started = time.perf_counter()
+        try:
+            logits = self.runner.execute(batch.chunks)
+        except Exception as e:  # a bug or OOM must not take the server down; fail this batch only
+            log.exception("model forward failed")
+            for request in batch.requests:
+                self._finish(request, FinishReason.ABORT, "", error=f"model forward failed: {e}")
+            return
+        self.metrics.step_time.observe(time.perf_counter() - started)
+        self.scheduler.on_executed(batch)
+        rows = [r for r, c in zip(batch.requests, batch.chunks, strict=True) if c.needs_logits]
+        if not rows:
+            return
+        tokens = self.sampler.sample(logits, [r.sampling for r in rows], [r.generator for r in rows])
+        for request, token in zip(rows, tokens.tolist(), strict=True):
+            self._append_token(request, token)
+
+    def _append_token(self, request: Request, token: int) -> None:
+        now = time.monotonic()
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self.metrics.ttft.observe(now - request.arrival_time)
+        else:
+            self.metrics.inter_token.observe(now - self._last_token_time.get(request.request_id, now))
+        self._last_token_time[request.request_id] = now
+        request.output_token_ids.append(token)
+        self.metrics.generated_tokens.inc()
+        if token in request.stop_token_ids:
+            self._finish(request, FinishReason.STOP, request.detokenizer.finish(), [token], matched_stop=str(token))
+            return
+        if token in self.config.eos_token_ids and not request.ignore_eos:
+            self._finish(request, FinishReason.STOP, request.detokenizer.finish(), [token])
+            return
+        step = request.detokenizer.add(token)
+        if step.stopped:
+            self._finish(request, FinishReason.STOP, step.text, [token], matched_stop=step.matched_stop or "")
+        elif (len(request.output_token_ids) >= request.max_tokens
+              or request.num_tokens >= self.config.max_context_tokens):
+            self._finish(request, FinishReason.LENGTH, step.text + request.detokenizer.finish(), [token])
+        else:
+            self._emit(GenerationOutput(request.request_id, step.text, [token]))
+
+    def _finish(self, request: Request, reason: FinishReason, text: str, token_ids: list[int] | None = None,
+                matched_stop: str = "", error: str = "") -> None:
+        self.scheduler.finish(request, reason)
+        self.metrics.requests.labels(reason.value).inc()
+        now = time.monotonic()
+        usage = Usage(
+            prompt_tokens=len(request.prompt_token_ids),
+            cached_prompt_tokens=request.cached_prompt_tokens or 0,
+            completion_tokens=len(request.output_token_ids),
+            time_to_first_token=(request.first_token_time or now) - request.arrival_time,
+            total_time=now - request.arrival_time,
+            num_preemptions=request.num_preemptions,
+        )
+        self._emit(GenerationOutput(request.request_id, text, token_ids or [], reason, matched_stop, usage, error))
+        self._requests.pop(request.request_id, None)
+        self._sinks.pop(request.request_id, None)
+        with self._count_lock:
+            self._num_in_flight -= 1
+        self._last_token_time.pop(request.request_id, None)
+
+    def _emit(self, output: GenerationOutput) -> None:
+        sink = self._sinks.get(output.request_id)
+        if sink is not None:
+            sink(output)
+
+    # ------------------------------------------------------------------ inbox, cache life
+
+    def _drain_inbox(self, block: bool) -> None:
+        timeout = self.config.idle_poll_seconds if block else None
+        while True:
+            try:
+                item = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            kind = item[0]
+            if kind == "add":
+                _, request, sink = item
+                self.scheduler.add(request)
+                self._requests[request.request_id] = request
+                self._sinks[request.request_id] = sink
+            elif kind == "cancel":
+                request = self._requests.get(item[1])
+                if request is not None:
+                    log.info("request %s cancelled by the client", request.request_id)
+                    self._sinks.pop(request.request_id, None)
+                    self._finish(request, FinishReason.CANCELLED, "")
+
+    def _try_register(self) -> None:
+        try:
+            self.cache.register()
+        except CachePoolLost as e:
+            log.warning("cache manager at %s not reachable (%s); retrying", self.cache.address, e)
+            self._stopping.wait(self.config.register_retry_seconds)
+
+    def _heartbeat(self) -> None:
+        try:
+            self.cache.heartbeat_if_due()
+        except CachePoolLost as e:
+            self._on_pool_lost(str(e))
+
+    def _on_pool_lost(self, why: str) -> None:
+        log.warning("cache pool lost (%s): re-registering and recomputing %d running requests",
+                    why, len(self.scheduler.running))
+        self.metrics.cache_reconnects.inc()
+        self.scheduler.reset()
+
+    def _abort_all(self, why: str) -> None:
+        for request in list(self._requests.values()):
+            self._finish(request, FinishReason.ABORT, request.detokenizer.finish(), error=why)
+        if self.cache.registered and self.scheduler.has_work():
+            try:  # best effort: give the blocks back now instead of at lease expiry
+                plan = self.scheduler.plan_cache_step()
+                plan.admits.clear()
+                plan.extends.clear()
+                self.cache.step(plan)
+            except CachePoolLost:
+                pass

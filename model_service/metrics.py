@@ -1,0 +1,36 @@
+"""Prometheus metrics of the model service (served on --metrics-port)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ModelMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("radixkv_model_requests", "Generate requests finished, by reason",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("radixkv_model_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.cached_prompt_tokens = Counter("radixkv_model_prefix_cache_hit_tokens",
+                                            "Prompt tokens served from the prefix cache", registry=r)
+        self.generated_tokens = Counter("radixkv_model_generated_tokens", "Tokens generated", registry=r)
+        self.preemptions = Counter("radixkv_model_preemptions", "Requests preempted (recomputed later)",
+                                   registry=r)
+        self.waiting = Gauge("radixkv_model_waiting_requests", "Requests waiting for admission", registry=r)
+        self.running = Gauge("radixkv_model_running_requests", "Requests running", registry=r)
+        self.ttft = Histogram("radixkv_model_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("radixkv_model_inter_token_latency_seconds", "Time between tokens",
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_time = Histogram("radixkv_model_step_seconds", "Model forward time per scheduler step",
+                                   buckets=_LATENCY_BUCKETS, registry=r)
+        self.cache_rpc = Histogram("radixkv_model_cache_rpc_seconds", "Cache manager Step RPC latency",
+                                   buckets=_LATENCY_BUCKETS, registry=r)
+        self.cache_reconnects = Counter("radixkv_model_cache_pool_lost",
+                                        "Times the cache pool was lost and re-registered", registry=r)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=host, registry=self.registry)

@@ -1,0 +1,115 @@
+"""Runs the transformers model over a packed batch, with our paged KV cache behind its attention.
+
+The KV cache is ours: a function registered in transformers' `AttentionInterface` receives
+q/k/v (RoPE applied) for the packed tokens of all sequences in the step, and hands them to the
+attention backend together with this layer's K/V blocks. Every architecture transformers
+implements with the functional attention interface (Llama, Qwen2, Mistral, ...) works unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+
+from model_service.attention.base import AttentionBackend, BatchLayout
+from model_service.kv_cache import KVCache
+
+ATTENTION_NAME = "radixkv_paged"
+_CONTEXT_KWARG = "radixkv_context"
+
+
+class SequenceChunk(NamedTuple):
+    """The tokens one sequence computes in this step."""
+
+    token_ids: list[int]  # new tokens, KV is written for each of them
+    start_position: int  # context position of token_ids[0]
+    block_table: list[int]  # covers at least start_position + len(token_ids) tokens
+    needs_logits: bool  # True when the last token's logits are sampled this step
+
+
+@dataclass(slots=True)
+class _ForwardContext:
+    backend: AttentionBackend
+    kv_cache: KVCache
+
+
+def _paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function: query [1, Hq, T, D], key/value [1, Hkv, T, D] -> [1, T, Hq, D]."""
+    context: _ForwardContext = kwargs[_CONTEXT_KWARG]
+    layer = module.layer_idx
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = context.backend.forward(
+        query[0].transpose(0, 1),  # [T, Hq, D]
+        key[0].transpose(0, 1),  # [T, Hkv, D]
+        value[0].transpose(0, 1),
+        context.kv_cache.k[layer],
+        context.kv_cache.v[layer],
+        scale,
+    )
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION_NAME, _paged_attention)
+
+
+class ModelRunner:
+    """Executes one scheduler step: packs chunks, plans attention once, runs all layers."""
+
+    def __init__(self, model: PreTrainedModel, kv_cache: KVCache, backend: AttentionBackend,
+                 device: torch.device) -> None:
+        self.model = model
+        self.model.set_attn_implementation(ATTENTION_NAME)
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.device = device
+        self._context = _ForwardContext(backend, kv_cache)
+
+    def build_layout(self, chunks: list[SequenceChunk]) -> tuple[BatchLayout, torch.Tensor]:
+        """Index tensors for the step and the positions [num_tokens] of its tokens; vectorised over tokens."""
+        block_size = self.kv_cache.block_size
+        query_lens = [len(c.token_ids) for c in chunks]
+        seq_lens = [c.start_position + n for c, n in zip(chunks, query_lens, strict=True)]
+        max_blocks = max(len(c.block_table) for c in chunks)
+        tables = [c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks]
+        block_tables = torch.tensor(tables, dtype=torch.int32)  # [batch, max_blocks]
+        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
+        query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.int64)
+        torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        seq_index = torch.repeat_interleave(torch.arange(len(chunks)), query_lens_t)  # [num_tokens]
+        starts = torch.tensor([c.start_position for c in chunks], dtype=torch.int64)
+        positions = torch.arange(num_tokens) - query_start_loc[:-1][seq_index] + starts[seq_index]
+        slot_mapping = block_tables[seq_index, positions // block_size].to(torch.int64) * block_size \
+            + positions % block_size
+        return BatchLayout(
+            query_start_loc=query_start_loc.to(torch.int32).to(self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            block_tables=block_tables.to(self.device),
+            slot_mapping=slot_mapping.to(self.device),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        ), positions
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[SequenceChunk]) -> torch.Tensor:
+        """Runs the model; returns float32 logits [num chunks needing logits, vocab] in chunk order."""
+        layout, positions = self.build_layout(chunks)
+        self.backend.plan(layout)
+        input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self.device)
+        last_index = layout.query_start_loc[1:].to(torch.int64) - 1
+        keep = torch.tensor([c.needs_logits for c in chunks], device=self.device)
+        output = self.model(
+            input_ids=input_ids.unsqueeze(0),  # [1, num_tokens]
+            position_ids=positions.to(self.device).unsqueeze(0),  # [1, num_tokens]
+            use_cache=False,
+            logits_to_keep=last_index[keep],
+            **{_CONTEXT_KWARG: self._context},
+        )
+        return output.logits[0].float()  # [num_logits, vocab]

@@ -1,0 +1,78 @@
+"""One generation request as the scheduler and engine see it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from model_service.detokenizer import IncrementalDetokenizer
+from model_service.sampler import SamplingOptions
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ABORT = "abort"
+
+
+@dataclass(slots=True)
+class Request:
+    """Token state plus the cache state the cache manager handed out.
+
+    The request computes tokens [num_computed_tokens, num_tokens): a prefill (or a chunk of it)
+    when several are left, a decode when one is. KV for position p sits in
+    block_table[p // block_size].
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    max_tokens: int
+    stop_token_ids: frozenset[int]
+    namespace: str
+    ignore_eos: bool
+    arrival_time: float
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_admitted_tokens: int = 0  # tokens sent to the cache manager at the last admission
+    cached_prompt_tokens: int | None = None  # cache hit at first admission
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_reason: FinishReason | None = None
+    matched_stop: str = ""
+    cancelled: bool = False
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def reset_cache_state(self) -> None:
+        """Forget blocks and computed KV (preemption or a lost cache pool): recompute on re-admission."""
+        self.block_table = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING

@@ -1,0 +1,154 @@
+"""Builds the model service (model, KV pool, backend, scheduler, engine) and serves it over grpc.aio."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from model_service.attention import create_attention_backend
+from model_service.cache_client import CacheClient
+from model_service.engine import Engine, EngineConfig
+from model_service.kv_cache import KVCache, KVCacheSpec
+from model_service.metrics import ModelMetrics
+from model_service.model_loader import load_model
+from model_service.model_runner import ModelRunner
+from model_service.sampler import Sampler
+from model_service.scheduler import Scheduler, SchedulerConfig
+from model_service.servicer import ModelServicer, ServingInfo
+from protos import model_pb2, model_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = model_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name
+HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class ModelServiceConfig:
+    host: str = "127.0.0.1"
+    port: int = 50052
+    cache_addr: str = "127.0.0.1:50051"
+    model: str | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int = 1 << 30
+    device: str = "auto"
+    dtype: str = "auto"
+    attention: str = "auto"
+    max_batch_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_waiting: int = 1024
+    metrics_port: int | None = None
+    worker_id: str | None = None
+    cache_timeout: float = 10.0
+    grace_seconds: float = 2.0
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def build_engine(config: ModelServiceConfig, worker_id: str) -> tuple[Engine, ModelServicer]:
+    """Loads the model and wires every part of the service (slow: loads weights)."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    loaded = load_model(config.model, dtype, device)
+    model_config = loaded.model.config
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    spec = KVCacheSpec(model_config.num_hidden_layers, model_config.num_key_value_heads, head_dim,
+                       config.block_size, dtype)
+    num_blocks = config.num_blocks or spec.num_blocks_for_memory(config.kv_cache_memory)
+    kv_cache = KVCache(spec, num_blocks, device)
+    backend = create_attention_backend(config.attention, model_config.num_attention_heads,
+                                       model_config.num_key_value_heads, head_dim, config.block_size, dtype, device)
+    log.info("model %s on %s (%s), attention %s, KV pool %d blocks x %d tokens (%.1f MiB)", loaded.name, device,
+             dtype, backend.name, num_blocks, config.block_size, kv_cache.num_bytes / 2**20)
+    runner = ModelRunner(loaded.model, kv_cache, backend, device)
+    scheduler = Scheduler(SchedulerConfig(config.block_size, config.max_batch_tokens, config.max_num_seqs,
+                                          config.max_waiting))
+    cache = CacheClient(config.cache_addr, worker_id, num_blocks, config.block_size, loaded.fingerprint,
+                        loaded.vocab_size, timeout=config.cache_timeout)
+    engine = Engine(EngineConfig(frozenset(loaded.eos_token_ids), loaded.max_context_tokens), scheduler, runner,
+                    Sampler(), cache, ModelMetrics())
+    info = ServingInfo(config.block_size, num_blocks, str(dtype).removeprefix("torch."), str(device), backend.name,
+                       config.cache_addr, worker_id)
+    return engine, ModelServicer(engine, loaded, info)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail fast (before the slow model load) when the port is taken."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, port))
+
+
+async def serve(config: ModelServiceConfig) -> int:
+    """Runs until SIGTERM/SIGINT; returns the process exit code."""
+    address = format_address(config.host, config.port)
+    try:
+        _check_port_free(config.host, config.port)
+    except OSError as e:
+        print(f"model_service: cannot listen on {address}: {e.strerror} (port in use?)", file=sys.stderr, flush=True)
+        return 1
+    worker_id = config.worker_id or f"model-{socket.gethostname()}-{config.port}"
+    engine, servicer = await asyncio.to_thread(build_engine, config, worker_id)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME], server)
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as e:
+        print(f"model_service: cannot listen on {address} (port in use?): {e}", file=sys.stderr, flush=True)
+        return 1
+    if config.metrics_port is not None:
+        engine.metrics.serve(config.metrics_port, config.host)
+        log.info("metrics on http://%s/metrics", format_address(config.host, config.metrics_port))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine.start()
+    try:
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        print(f"model_service listening on {format_address(config.host, bound)}", flush=True)
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(config.grace_seconds)
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(engine.stop)
+        engine.cache.close()
+    return 0

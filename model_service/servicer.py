@@ -1,0 +1,221 @@
+"""gRPC ModelService: validates requests, translates proto <-> engine objects, streams outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from model_service.detokenizer import IncrementalDetokenizer
+from model_service.engine import Engine, GenerationOutput
+from model_service.model_loader import LoadedModel
+from model_service.request import FinishReason, Request
+from model_service.sampler import SamplingOptions, make_generator
+from model_service.scheduler import QueueFullError
+from protos import model_pb2, model_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 128
+
+_FINISH_REASONS = {
+    FinishReason.STOP: model_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: model_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: model_pb2.FINISH_REASON_ABORT,
+    FinishReason.CANCELLED: model_pb2.FINISH_REASON_ABORT,
+}
+
+
+class InvalidRequest(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(slots=True)
+class ServingInfo:
+    """What the servicer needs to know about the deployment besides the model."""
+
+    block_size: int
+    num_blocks: int
+    dtype: str
+    device: str
+    attention_backend: str
+    cache_addr: str
+    worker_id: str
+
+    @property
+    def pool_capacity_tokens(self) -> int:
+        return self.block_size * self.num_blocks
+
+
+class ModelServicer(model_pb2_grpc.ModelServiceServicer):
+    def __init__(self, engine: Engine, loaded: LoadedModel, info: ServingInfo) -> None:
+        self.engine = engine
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.info = info
+
+    # ------------------------------------------------------------------ Generate
+
+    async def Generate(self, request: model_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        arrival = time.monotonic()
+        try:
+            engine_request = self._build_request(request, arrival)
+        except InvalidRequest as e:
+            await context.abort(e.code, str(e))
+        client_id = request.request_id or engine_request.request_id
+        outputs: asyncio.Queue[GenerationOutput] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        try:
+            self.engine.submit(engine_request, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+        except QueueFullError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        log.info("request %s (%s): %d prompt tokens, max_tokens %d", client_id, engine_request.request_id,
+                 len(engine_request.prompt_token_ids), engine_request.max_tokens)
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                if out.error:
+                    finished = True
+                    await context.abort(grpc.StatusCode.UNAVAILABLE if out.finish_reason is FinishReason.ABORT
+                                        else grpc.StatusCode.INTERNAL, out.error)
+                finished = out.finish_reason is not None
+                yield _response(client_id, out)
+        finally:
+            if not finished:  # client cancelled, disconnected or its deadline passed
+                self.engine.cancel(engine_request.request_id)
+
+    def _build_request(self, request: model_pb2.GenerateRequest, arrival: float) -> Request:
+        prompt_ids = self._prompt_token_ids(request)
+        sampling = request.sampling
+        try:
+            options = SamplingOptions.from_params(
+                temperature=sampling.temperature if sampling.HasField("temperature") else None,
+                top_p=sampling.top_p if sampling.HasField("top_p") else None,
+                top_k=sampling.top_k,
+                seed=sampling.seed if sampling.HasField("seed") else None,
+            )
+        except ValueError as e:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+        if any(s == "" for s in sampling.stop):
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, "stop strings must not be empty")
+        self._check_vocab(sampling.stop_token_ids, "stop_token_ids")
+        max_tokens = self._max_tokens(sampling, len(prompt_ids))
+        return Request(
+            request_id=uuid.uuid4().hex,
+            prompt_token_ids=prompt_ids,
+            sampling=options,
+            max_tokens=max_tokens,
+            stop_token_ids=frozenset(sampling.stop_token_ids),
+            namespace=request.namespace,
+            ignore_eos=sampling.ignore_eos,
+            arrival_time=arrival,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, list(sampling.stop)),
+            generator=make_generator(options.seed, self.loaded.model.device),
+        )
+
+    def _max_tokens(self, sampling: model_pb2.SamplingParams, num_prompt: int) -> int:
+        context_limit = self.loaded.max_context_tokens
+        pool_limit = self.info.pool_capacity_tokens
+        if num_prompt >= context_limit:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"prompt has {num_prompt} tokens; the model's context is {context_limit} tokens")
+        if num_prompt >= pool_limit:
+            raise InvalidRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 f"prompt has {num_prompt} tokens; the whole KV pool holds {pool_limit} tokens")
+        if not sampling.HasField("max_tokens"):
+            return min(DEFAULT_MAX_TOKENS, context_limit - num_prompt, pool_limit - num_prompt)
+        max_tokens = sampling.max_tokens
+        if max_tokens <= 0:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens must be > 0, got {max_tokens}")
+        if num_prompt + max_tokens > context_limit:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                                 f"context of {context_limit} tokens")
+        if num_prompt + max_tokens > pool_limit:
+            raise InvalidRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the KV pool "
+                                 f"of {pool_limit} tokens")
+        return max_tokens
+
+    def _prompt_token_ids(self, request: model_pb2.GenerateRequest | model_pb2.TokenizeRequest) -> list[int]:
+        kind = request.WhichOneof("input")
+        if kind in ("prompt", "text"):
+            text = getattr(request, kind)
+            if not text:
+                raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+            ids = list(self.tokenizer(text).input_ids)
+        elif kind == "token_ids":
+            ids = list(request.token_ids.ids)
+            self._check_vocab(ids, "token_ids")
+        elif kind == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            if not messages:
+                raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, "chat has no messages")
+            if self.tokenizer.chat_template is None:
+                raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, "this model has no chat template")
+            try:
+                ids = list(self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=True).input_ids)
+            except Exception as e:  # template errors (unknown role ...) are the caller's input
+                raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"chat template failed: {e}") from e
+        else:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, "one of prompt, token_ids or chat is required")
+        if not ids:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+        return ids
+
+    def _check_vocab(self, ids, field: str) -> None:
+        vocab = self.loaded.vocab_size
+        bad = next((i for i in ids if i >= vocab), None)
+        if bad is not None:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"{field} contains {bad}, outside the vocabulary [0, {vocab})")
+
+    # ------------------------------------------------------------------ Tokenize, ModelInfo
+
+    async def Tokenize(self, request: model_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
+        try:
+            ids = self._prompt_token_ids(request)
+        except InvalidRequest as e:
+            await context.abort(e.code, str(e))
+        return model_pb2.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids))
+
+    async def ModelInfo(self, request: model_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
+        config = self.loaded.model.config
+        return model_pb2.ModelInfoResponse(
+            model_name=self.loaded.name,
+            model_fingerprint=self.loaded.fingerprint,
+            vocab_size=self.loaded.vocab_size,
+            max_context_tokens=self.loaded.max_context_tokens,
+            eos_token_ids=self.loaded.eos_token_ids,
+            dtype=self.info.dtype,
+            device=self.info.device,
+            attention_backend=self.info.attention_backend,
+            block_size=self.info.block_size,
+            num_blocks=self.info.num_blocks,
+            pool_id=self.engine.cache.pool_id or self.info.worker_id,
+            cache_addr=self.info.cache_addr,
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=getattr(config, "head_dim", config.hidden_size // config.num_attention_heads),
+        )
+
+
+def _response(client_id: str, out: GenerationOutput) -> model_pb2.GenerateResponse:
+    response = model_pb2.GenerateResponse(request_id=client_id, text=out.text, token_ids=out.token_ids)
+    if out.finish_reason is not None:
+        response.finish_reason = _FINISH_REASONS[out.finish_reason]
+        response.matched_stop = out.matched_stop
+        u = out.usage
+        response.usage.CopyFrom(model_pb2.Usage(
+            prompt_tokens=u.prompt_tokens, cached_prompt_tokens=u.cached_prompt_tokens,
+            completion_tokens=u.completion_tokens, time_to_first_token=u.time_to_first_token,
+            total_time=u.total_time, num_preemptions=u.num_preemptions))
+    return response

@@ -19,6 +19,7 @@ Everything shared by the layers (indices, masks, gather buffers) is built once i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,10 +47,10 @@ class _Group:
     num_ctx_blocks: int
     kv_len: int  # padded context length (longest context in the group)
     attn_mask: torch.Tensor | None  # [num_seqs, 1, max_query_len, kv_len] additive (0 / -inf)
+    # Gathered rows past a sequence's end (stale slots, padding blocks), zeroed after each
+    # gather: masked keys still enter the matmuls, and 0 * NaN from a stale slot is NaN.
+    pad_rows: torch.Tensor | None  # [num_padded] int64 rows of the [num_seqs * span] buffer
     is_causal: bool
-    # Reused by every layer as the gather destination (avoids a fresh allocation per layer).
-    k_buf: torch.Tensor | None  # [num_seqs * num_ctx_blocks, block_size, num_kv_heads, head_dim]
-    v_buf: torch.Tensor | None
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -66,6 +67,10 @@ class TorchAttentionBackend(AttentionBackend):
         self._slot_mapping: torch.Tensor | None = None
         self._groups: list[_Group] = []
         self._num_tokens = 0
+        # Gather destinations, flat and grow-only: shared by every layer and group of a step and
+        # kept across steps (a fresh large CPU allocation per layer costs page faults).
+        self._k_scratch: torch.Tensor | None = None  # allocated by plan()
+        self._v_scratch: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ plan
     def plan(self, layout: BatchLayout) -> None:
@@ -115,10 +120,12 @@ class TorchAttentionBackend(AttentionBackend):
         if n == 1 and int(prefix[0]) == 0:
             return _Group(num_seqs=1, max_query_len=max_q, rows=_to(rows, dev), q_pad_index=None,
                           out_index=None, block_ids=None, num_ctx_blocks=0, kv_len=kv_len,
-                          attn_mask=None, is_causal=max_q > 1, k_buf=None, v_buf=None)
+                          attn_mask=None, pad_rows=None, is_causal=max_q > 1)
 
         nb = -(-kv_len // self.block_size)
         tables = layout.block_tables
+        if nb > tables.shape[1]:
+            raise ValueError(f"a sequence of {kv_len} tokens needs {nb} blocks, block_tables has {tables.shape[1]}")
         if seq_idx is not None:
             tables = tables.index_select(0, seq_idx.to(tables.device))
         block_ids = tables[:, :nb].reshape(-1).to(device=dev, dtype=torch.long)  # [n * nb]
@@ -132,26 +139,38 @@ class TorchAttentionBackend(AttentionBackend):
             out_index = tok_seq * max_q + (torch.arange(group_tokens) - starts[tok_seq])
 
         attn_mask = None
+        pos = torch.arange(kv_len)  # [kv_len]
         if max_q > 1:
-            # Query j of sequence b sits at position prefix_b + j; padded query rows see the
-            # whole context (never an empty row) and are dropped afterwards.
-            pos = torch.arange(kv_len)
+            # Query j of sequence b sits at position prefix_b + j and sees keys up to there.
+            # Padded query rows see the whole context (never an empty row) and are dropped.
             q_pos = prefix[:, None] + torch.arange(max_q)[None, :]  # [n, max_q]
-            allowed = (pos[None, None, :] <= q_pos[:, :, None]) & (pos[None, None, :] < slens[:, None, None])
-            attn_mask = allowed[:, None]  # [n, 1, max_q, kv_len]
+            last_key = torch.minimum(q_pos, slens[:, None] - 1)  # [n, max_q]
+            attn_mask = self._additive(pos[None, None, :] <= last_key[:, :, None])[:, None]  # [n, 1, max_q, kv_len]
         elif bool((slens != kv_len).any()):
-            attn_mask = (torch.arange(kv_len)[None, :] < slens[:, None])[:, None, None, :]  # [n, 1, 1, kv_len]
-        if attn_mask is not None:
-            attn_mask = torch.zeros(attn_mask.shape, dtype=self.dtype).masked_fill_(~attn_mask, float("-inf"))
+            attn_mask = self._additive(pos[None, :] < slens[:, None])[:, None, None, :]  # [n, 1, 1, kv_len]
 
-        buf_shape = (n * nb, self.block_size, self.num_kv_heads, self.head_dim)
+        pad_rows = None
+        pad_len = kv_len - slens  # [n] gathered positions past each sequence's end
+        if bool((pad_len > 0).any()):
+            row_seq = torch.repeat_interleave(torch.arange(n), pad_len)  # [num_padded]
+            first = torch.cumsum(pad_len, 0) - pad_len  # [n]
+            offset = torch.arange(int(pad_len.sum())) - first[row_seq]
+            pad_rows = row_seq * (nb * self.block_size) + slens[row_seq] + offset
+
+        numel = n * nb * self.block_size * self.num_kv_heads * self.head_dim
+        if self._k_scratch is None or self._k_scratch.numel() < numel:
+            self._k_scratch = torch.empty(numel, dtype=self.dtype, device=dev)
+            self._v_scratch = torch.empty(numel, dtype=self.dtype, device=dev)
         return _Group(
             num_seqs=n, max_query_len=max_q, rows=_to(rows, dev), q_pad_index=_to(q_pad_index, dev),
             out_index=_to(out_index, dev), block_ids=block_ids, num_ctx_blocks=nb, kv_len=kv_len,
-            attn_mask=_to(attn_mask, dev), is_causal=False,
-            k_buf=torch.empty(buf_shape, dtype=self.dtype, device=dev),
-            v_buf=torch.empty(buf_shape, dtype=self.dtype, device=dev),
+            attn_mask=_to(attn_mask, dev), pad_rows=_to(pad_rows, dev), is_causal=False,
         )
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """Bool mask -> additive mask in the model dtype (SDPA converts bool masks every call)."""
+        zero = torch.zeros((), dtype=self.dtype)
+        return torch.where(allowed, zero, torch.full((), float("-inf"), dtype=self.dtype))
 
     # --------------------------------------------------------------- forward
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -183,12 +202,19 @@ class TorchAttentionBackend(AttentionBackend):
             keys = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
             values = v.transpose(0, 1).unsqueeze(0)
         else:
-            assert g.k_buf is not None and g.v_buf is not None
+            assert self._k_scratch is not None and self._v_scratch is not None
             span = g.num_ctx_blocks * self.block_size
-            torch.index_select(k_cache, 0, g.block_ids, out=g.k_buf)  # [n * nb, bs, Hkv, D]
-            torch.index_select(v_cache, 0, g.block_ids, out=g.v_buf)
-            keys = g.k_buf.view(n, span, self.num_kv_heads, self.head_dim)[:, :g.kv_len].transpose(1, 2)
-            values = g.v_buf.view(n, span, self.num_kv_heads, self.head_dim)[:, :g.kv_len].transpose(1, 2)
+            shape = (n * g.num_ctx_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+            numel = math.prod(shape)
+            k_buf = self._k_scratch[:numel].view(shape)  # [n * nb, bs, Hkv, D]
+            v_buf = self._v_scratch[:numel].view(shape)
+            torch.index_select(k_cache, 0, g.block_ids, out=k_buf)
+            torch.index_select(v_cache, 0, g.block_ids, out=v_buf)
+            if g.pad_rows is not None:
+                k_buf.view(-1, self.num_kv_heads, self.head_dim).index_fill_(0, g.pad_rows, 0.0)
+                v_buf.view(-1, self.num_kv_heads, self.head_dim).index_fill_(0, g.pad_rows, 0.0)
+            keys = k_buf.view(n, span, self.num_kv_heads, self.head_dim)[:, :g.kv_len].transpose(1, 2)
+            values = v_buf.view(n, span, self.num_kv_heads, self.head_dim)[:, :g.kv_len].transpose(1, 2)
             # keys, values: [n, Hkv, kv_len, D]
         if max_q == 1:
             queries = q.unsqueeze(2)  # [n, Hq, 1, D]

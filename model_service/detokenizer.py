@@ -30,7 +30,7 @@ How the engine uses it, per request:
     for every generated token:
         if the token ends generation by id (EOS unless ignore_eos, or in stop_token_ids):
             text = detok.finish()        # the token is sent in token_ids but not in text: not add()ed
-            finish_reason = STOP, matched_stop = "" for EOS, else the token id as a string
+            finish_reason = STOP; matched_stop = "" for EOS, else the engine's rendering of the token
         else:
             step = detok.add(token)      # send step.text with this token id
             if step.stopped:             # finish_reason STOP, matched_stop = step.matched_stop

@@ -1,11 +1,12 @@
 """Paged attention on CUDA with FlashInfer (written against flashinfer-python 0.7.x).
 
-`plan()` (once per step) turns the `BatchLayout` into FlashInfer's CSR page table:
-`qo_indptr`, `paged_kv_indptr`, `paged_kv_indices`, `paged_kv_last_page_len` (all int32 —
-int64 index arrays give silently wrong results), computes the append coordinates
-(`get_batch_indices_positions`), and plans the decode wrapper when every sequence has one
-new token, else the prefill wrapper with `causal=True`. `forward()` (once per layer) appends
-the layer's K/V with `append_paged_kv_cache` and runs the planned wrapper.
+`plan()` (once per step) turns the `BatchLayout` into FlashInfer's CSR page table
+(`build_paged_kv_table`, CPU-testable): `qo_indptr`, `paged_kv_indptr`, `paged_kv_indices`,
+`paged_kv_last_page_len` — all int32, since int64 index arrays give silently wrong results —
+and the append coordinates `get_batch_indices_positions` would give. It then plans the decode
+wrapper when every sequence has one new token, else the prefill wrapper with `causal=True`.
+`forward()` (once per layer) appends the layer's K/V with `append_paged_kv_cache` and runs
+the planned wrapper.
 
 The cache is the `(k_cache, v_cache)` pair of `[num_blocks, block_size, num_kv_heads, head_dim]`
 tensors ("NHD"). The package is imported lazily, so this module imports without it.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import math
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
@@ -40,25 +42,76 @@ def import_flashinfer() -> ModuleType:
     return flashinfer
 
 
+class PagedKVTable(NamedTuple):
+    """A step in FlashInfer's CSR page-table format. Every array is int32 (int64 index arrays
+    make FlashInfer's kernels read garbage without an error)."""
+
+    qo_indptr: torch.Tensor  # [batch + 1] host, query tokens of sequence i: qo_indptr[i]:qo_indptr[i+1]
+    kv_indptr: torch.Tensor  # [batch + 1] host, pages of sequence i: kv_indices[kv_indptr[i]:kv_indptr[i+1]]
+    kv_indices: torch.Tensor  # [total_pages] on block_tables' device, physical block ids in context order
+    kv_last_page_len: torch.Tensor  # [batch] host, tokens in each sequence's last page, 1..page_size
+    batch_indices: torch.Tensor  # [num_tokens] host, sequence of each new token
+    positions: torch.Tensor  # [num_tokens] host, context position of each new token
+
+
+def build_paged_kv_table(layout: BatchLayout, block_size: int) -> PagedKVTable:
+    """Convert a `BatchLayout` to FlashInfer's page table (CSR) and append coordinates.
+
+    `batch_indices`/`positions` are what `flashinfer.get_batch_indices_positions(qo_indptr,
+    seq_lens, num_tokens)` returns (new tokens are the last ones of each context), computed
+    here on the host from the layout's host lists: no device round trip, no Triton kernel.
+    """
+    query_lens, seq_lens = layout.query_lens_cpu, layout.seq_lens_cpu
+    batch = len(seq_lens)
+    if batch == 0 or len(query_lens) != batch:
+        raise ValueError("a step needs at least one sequence and one query length per sequence")
+    if any(q < 1 or q > s for q, s in zip(query_lens, seq_lens, strict=True)):
+        raise ValueError("every sequence needs 1 <= query_len <= seq_len")
+    qlens = torch.tensor(query_lens, dtype=torch.int32)  # [batch]
+    slens = torch.tensor(seq_lens, dtype=torch.int32)  # [batch]
+    num_pages = (slens + (block_size - 1)) // block_size  # [batch]
+    qo_indptr = _indptr(qlens)
+    kv_indptr = _indptr(num_pages)
+    last_page_len = slens - (num_pages - 1) * block_size  # [batch], in 1..block_size
+
+    # kv_indices: block_tables[i, :num_pages[i]] for every i, concatenated (gathered on the
+    # tables' own device, so CUDA tables need no host copy).
+    tables = layout.block_tables
+    width = tables.shape[1]
+    if int(num_pages.max()) > width:
+        raise ValueError(f"a sequence needs {int(num_pages.max())} blocks, block_tables has {width}")
+    page_seq = torch.repeat_interleave(torch.arange(batch), num_pages.long())  # [total_pages]
+    page_in_seq = torch.arange(int(kv_indptr[-1])) - kv_indptr[:-1].long()[page_seq]  # [total_pages]
+    flat = (page_seq * width + page_in_seq).to(tables.device, non_blocking=True)
+    kv_indices = tables.reshape(-1).index_select(0, flat).to(torch.int32).contiguous()
+
+    token_seq = torch.repeat_interleave(torch.arange(batch), qlens.long())  # [num_tokens]
+    token_in_seq = torch.arange(int(qo_indptr[-1])) - qo_indptr[:-1].long()[token_seq]
+    positions = (slens - qlens).long()[token_seq] + token_in_seq  # [num_tokens]
+    return PagedKVTable(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
+                        kv_last_page_len=last_page_len.to(torch.int32),
+                        batch_indices=token_seq.to(torch.int32), positions=positions.to(torch.int32))
+
+
 class FlashInferAttentionBackend(AttentionBackend):
     """FlashInfer paged prefill/decode wrappers over the shared NHD KV cache (CUDA only)."""
 
     name = "flashinfer"
+    workspace_bytes = WORKSPACE_BYTES  # FlashInfer's recommended float workspace
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, sm_scale: float | None = None) -> None:
         """`sm_scale` is the softmax scale planned ahead (default 1/sqrt(head_dim)); a
         different `scale` passed to `forward()` re-plans once and becomes the new default."""
         super().__init__(num_q_heads, num_kv_heads, head_dim, block_size, dtype, device)
-        if device.type != "cuda":
-            raise ValueError(f"the flashinfer attention backend needs a CUDA device, got {device}")
+        _require_cuda(device)
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"the flashinfer attention backend supports float16/bfloat16, got {dtype}")
         if num_q_heads % num_kv_heads != 0:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         self._fi = import_flashinfer()
         # One zeroed workspace shared by both wrappers: only one of them runs in a step.
-        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
         self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
         group_size = num_q_heads // num_kv_heads
         self._decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -78,42 +131,19 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def plan(self, layout: BatchLayout) -> None:
         """Build the int32 page table and append coordinates, then plan the wrapper."""
-        bs = self.block_size
+        table = build_paged_kv_table(layout, self.block_size)
         dev = self.device
-        query_lens = layout.query_lens_cpu
-        seq_lens = layout.seq_lens_cpu
-        batch = len(seq_lens)
-        if batch == 0 or len(query_lens) != batch:
-            raise ValueError("a step needs at least one sequence and one query length per sequence")
-        if any(q < 1 or q > s for q, s in zip(query_lens, seq_lens, strict=True)):
-            raise ValueError("every sequence needs 1 <= query_len <= seq_len")
         self._num_tokens = layout.num_tokens
-
-        slens = torch.tensor(seq_lens, dtype=torch.int32)  # [batch]
-        num_pages = (slens + (bs - 1)) // bs  # [batch]
-        # Host copies for plan() (it reads them on the host anyway: no device sync).
-        self._qo_indptr_host = _indptr(torch.tensor(query_lens, dtype=torch.int32))  # [batch + 1]
-        self._kv_indptr_host = _indptr(num_pages)  # [batch + 1]
-        self._last_page_len_host = (slens - (num_pages - 1) * bs).to(torch.int32)  # [batch], in 1..bs
-
-        # paged_kv_indices: block_tables[i, :num_pages[i]] for every i, concatenated.
-        width = layout.block_tables.shape[1]
-        if int(num_pages.max()) > width:
-            raise ValueError(f"a sequence needs {int(num_pages.max())} blocks, block_tables has {width}")
-        seq_of_page = torch.repeat_interleave(torch.arange(batch), num_pages.long())  # [total_pages]
-        page_in_seq = torch.arange(int(self._kv_indptr_host[-1])) - self._kv_indptr_host[:-1].long()[seq_of_page]
-        flat = (seq_of_page * width + page_in_seq).to(dev, non_blocking=True)  # [total_pages]
-        tables = layout.block_tables.to(device=dev, dtype=torch.int32)
-        self._kv_indices = tables.reshape(-1).index_select(0, flat).contiguous()  # [total_pages] int32
-        self._kv_indptr = self._kv_indptr_host.to(dev, non_blocking=True)
-        self._last_page_len = self._last_page_len_host.to(dev, non_blocking=True)
-
-        # Where each new token goes: (sequence index, position in its context).
-        qo_indptr = layout.query_start_loc.to(device=dev, dtype=torch.int32)
-        seq_lens_dev = layout.seq_lens.to(device=dev, dtype=torch.int32)
-        self._batch_indices, self._positions = self._fi.get_batch_indices_positions(
-            qo_indptr, seq_lens_dev, self._num_tokens)  # [num_tokens] int32 each
-
+        # Host int32 arrays for the wrappers' plan() (it reads them on the host anyway).
+        self._qo_indptr_host = table.qo_indptr
+        self._kv_indptr_host = table.kv_indptr
+        self._last_page_len_host = table.kv_last_page_len
+        # Device int32 arrays for append_paged_kv_cache and run().
+        self._kv_indices = table.kv_indices.to(dev, non_blocking=True)
+        self._kv_indptr = table.kv_indptr.to(dev, non_blocking=True)
+        self._last_page_len = table.kv_last_page_len.to(dev, non_blocking=True)
+        self._batch_indices = table.batch_indices.to(dev, non_blocking=True)
+        self._positions = table.positions.to(dev, non_blocking=True)
         self._use_decode = layout.is_decode
         self._plan_wrapper(self._sm_scale)
         self._planned = True
@@ -154,6 +184,11 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._plan_wrapper(scale)
         wrapper = self._decode if self._use_decode else self._prefill
         return wrapper.run(_last_dim_contiguous(q), (k_cache, v_cache))
+
+
+def _require_cuda(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise ValueError(f"the flashinfer attention backend needs a CUDA device, got {device}")
 
 
 def _indptr(lengths: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from model_service.attention import create_attention_backend
 from model_service.attention.torch_backend import TorchAttentionBackend
-from tests.attention.paged_case import make_case
+from tests.attention.paged_case import make_case, reference_attention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,30 +33,57 @@ def flashinfer():
     return pytest.importorskip("flashinfer")
 
 
+TOL = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+
+def run_both(fi, ref, case, scale):
+    """Run both backends on copies of the case's caches: [(out, k_cache, v_cache)] * 2."""
+    results = []
+    for backend in (fi, ref):
+        k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+        backend.plan(case.layout)
+        results.append((backend.forward(case.q, case.k, case.v, k_cache, v_cache, scale), k_cache, v_cache))
+    torch.cuda.synchronize()
+    return results
+
+
+def check(fi, ref, case, scale, dtype):
+    (out, k_cache, v_cache), (ref_out, _, _) = run_both(fi, ref, case, scale)
+    assert out.shape == ref_out.shape == case.q.shape and out.dtype == dtype
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.double(), reference_attention(case, scale), rtol=tol, atol=tol)
+    k_exp, v_exp = case.expected_caches()
+    assert torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp), "KV not appended at exactly its slots"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_matches_torch_backend(flashinfer, name, block_size, dtype):
     seq_lens, query_lens = SCENARIOS[name]
     hq, hkv, d = 9, 3, 64
-    scale = 1.0 / math.sqrt(d)
     case = make_case(seq_lens, query_lens, block_size=block_size, num_q_heads=hq, num_kv_heads=hkv,
                      head_dim=d, dtype=dtype, device="cuda")
     fi = create_attention_backend("flashinfer", hq, hkv, d, block_size, dtype, torch.device("cuda"))
     assert fi.name == "flashinfer"
     ref = TorchAttentionBackend(hq, hkv, d, block_size, dtype, torch.device("cuda"))
-    outs, caches = [], []
-    for backend in (fi, ref):
-        k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
-        backend.plan(case.layout)
-        outs.append(backend.forward(case.q, case.k, case.v, k_cache, v_cache, scale))
-        caches.append((k_cache, v_cache))
-    torch.cuda.synchronize()
-    assert outs[0].shape == outs[1].shape == case.q.shape
-    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
-    torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=tol, atol=tol)
-    k_exp, v_exp = case.expected_caches()
-    assert torch.equal(caches[0][0], k_exp) and torch.equal(caches[0][1], v_exp)
+    check(fi, ref, case, 1.0 / math.sqrt(d), dtype)
+
+
+@pytest.mark.parametrize("heads", [(8, 1, 128), (4, 4, 128)])  # tensor-core / CUDA-core decode
+def test_one_backend_over_alternating_steps(flashinfer, heads):
+    """One instance planned for prefill, decode and mixed steps in turn (both wrappers reused)."""
+    hq, hkv, d = heads
+    dtype, bs = torch.bfloat16, 16
+    fi = create_attention_backend("flashinfer", hq, hkv, d, bs, dtype, "cuda")
+    ref = TorchAttentionBackend(hq, hkv, d, bs, dtype, torch.device("cuda"))
+    for step, name in enumerate(["prefill_unaligned_prefixes", "decode_ragged", "mixed", "decode_ragged",
+                                 "prefill_no_prefix"]):
+        seq_lens, query_lens = SCENARIOS[name]
+        case = make_case(seq_lens, query_lens, block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                         seed=step, dtype=dtype, device="cuda")
+        check(fi, ref, case, 1.0 / math.sqrt(d), dtype)
 
 
 def test_scale_change_replans(flashinfer):
@@ -65,14 +92,21 @@ def test_scale_change_replans(flashinfer):
                      dtype=torch.float16, device="cuda")
     fi = create_attention_backend("flashinfer", hq, hkv, d, bs, torch.float16, "cuda")
     ref = TorchAttentionBackend(hq, hkv, d, bs, torch.float16, torch.device("cuda"))
-    outs = []
-    for backend in (fi, ref):
-        k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
-        backend.plan(case.layout)
-        outs.append(backend.forward(case.q, case.k, case.v, k_cache, v_cache, 0.3))
-    torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=5e-3, atol=5e-3)
+    check(fi, ref, case, 0.3, torch.float16)
 
 
 def test_auto_picks_flashinfer_on_cuda(flashinfer):
     backend = create_attention_backend("auto", 9, 3, 64, 16, torch.bfloat16, torch.device("cuda"))
     assert backend.name == "flashinfer"
+
+
+def test_append_coordinates_match_flashinfer_helper(flashinfer):
+    from model_service.attention.flashinfer_backend import build_paged_kv_table
+
+    case = make_case([40, 17, 9, 80, 3], [1, 12, 1, 7, 3], block_size=16, num_q_heads=2, num_kv_heads=1,
+                     head_dim=64, dtype=torch.float16, device="cuda")
+    table = build_paged_kv_table(case.layout, 16)
+    batch_indices, positions = flashinfer.get_batch_indices_positions(
+        case.layout.query_start_loc, case.layout.seq_lens, case.layout.num_tokens)
+    assert torch.equal(batch_indices.cpu(), table.batch_indices)
+    assert torch.equal(positions.cpu(), table.positions)

@@ -149,11 +149,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with _client(args) as client:
         if not args.stream:
             result = client.generate(text_prompt, **options)
-            print(json.dumps(result.to_dict()) if args.json else result.text)
+            print(json.dumps(result.to_dict(), ensure_ascii=False) if args.json else result.text)
             return 0
         for chunk in client.stream(text_prompt, **options):
             if args.json:
-                print(json.dumps(dataclasses.asdict(chunk)), flush=True)
+                print(json.dumps(dataclasses.asdict(chunk), ensure_ascii=False), flush=True)
             else:
                 print(chunk.text, end="", flush=True)
         if not args.json:
@@ -181,7 +181,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
         else:
             result = client.tokenize(text)
     if args.json:
-        print(json.dumps(dataclasses.asdict(result)))
+        print(json.dumps(dataclasses.asdict(result), ensure_ascii=False))
     else:
         print(" ".join(str(t) for t in result.token_ids))
     return 0

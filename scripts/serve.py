@@ -143,6 +143,7 @@ def serve(
     model.wait_serving(
         args.startup_timeout,
         stop=stop,
+        watch=[cache],
         progress=lambda s: console.line(f"==> still loading the model ... {s:.0f} s"),
     )
     assert model.addr is not None

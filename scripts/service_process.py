@@ -102,7 +102,9 @@ class ServiceProcess:
     def _read_output(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            line = line.rstrip("\n")
+            line = line.rstrip()
+            if not line:
+                continue  # progress bars redraw with "\r": their blank remains are noise
             match = LISTENING.search(line)
             if match and not self._listening.is_set():
                 self.addr = f"{match.group(1)}:{match.group(2)}"
@@ -116,11 +118,16 @@ class ServiceProcess:
     def running(self) -> bool:
         return self.proc.poll() is None
 
-    def wait_listening(self, timeout_s: float, stop: threading.Event | None = None) -> str:
-        """Waits for the ``listening on HOST:PORT`` line; returns ``HOST:PORT``."""
+    def wait_listening(
+        self, timeout_s: float, stop: threading.Event | None = None, watch: Sequence[ServiceProcess] = ()
+    ) -> str:
+        """Waits for the ``listening on HOST:PORT`` line; returns ``HOST:PORT``.
+
+        Gives up (ServiceError) when this process or one in ``watch`` exits, or ``stop`` is set.
+        """
         deadline = time.monotonic() + timeout_s
         while not self._listening.wait(0.1):
-            self._check_alive(stop)
+            self._check_alive(stop, watch)
             if time.monotonic() > deadline:
                 raise ServiceError(f"{self.name} printed no 'listening on' line within {timeout_s:g} s")
         assert self.addr is not None
@@ -133,35 +140,46 @@ class ServiceProcess:
         stop: threading.Event | None = None,
         progress: Callable[[float], None] | None = None,
         progress_every_s: float = 10.0,
+        watch: Sequence[ServiceProcess] = (),
     ) -> None:
-        """Polls grpc.health.v1 Check("") until SERVING; ``progress(elapsed_s)`` now and then."""
-        addr = self.addr or self.wait_listening(timeout_s, stop)
+        """Waits for the ``listening on`` line, then polls grpc.health.v1 ``Check("")`` until
+        SERVING; calls ``progress(elapsed_s)`` every ``progress_every_s`` meanwhile.
+
+        Gives up (ServiceError) when this process or one in ``watch`` exits, or ``stop`` is set.
+        """
         start = time.monotonic()
         next_progress = start + progress_every_s
-        with grpc.insecure_channel(addr) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
+        channel: grpc.Channel | None = None
+        try:
             while True:
-                self._check_alive(stop)
-                try:
-                    reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass  # not up yet (UNAVAILABLE) or health not registered yet
+                self._check_alive(stop, watch)
+                if channel is None and self._listening.is_set():
+                    assert self.addr is not None
+                    channel = grpc.insecure_channel(self.addr)
+                if channel is not None and _is_serving(channel):
+                    return
                 now = time.monotonic()
                 if now - start > timeout_s:
-                    raise ServiceError(f"{self.name} at {addr} was not SERVING within {timeout_s:g} s")
+                    state = "was not SERVING" if channel is not None else "printed no 'listening on' line"
+                    raise ServiceError(f"{self.name} {state} within {timeout_s:g} s")
                 if progress is not None and now >= next_progress:
                     progress(now - start)
                     next_progress = now + progress_every_s
-                time.sleep(0.25)
+                if channel is None:
+                    self._listening.wait(0.25)
+                else:
+                    time.sleep(0.25)
+        finally:
+            if channel is not None:
+                channel.close()
 
-    def _check_alive(self, stop: threading.Event | None) -> None:
+    def _check_alive(self, stop: threading.Event | None, watch: Sequence[ServiceProcess]) -> None:
         if stop is not None and stop.is_set():
             raise ServiceError(f"stopped while waiting for {self.name}")
-        code = self.proc.poll()
-        if code is not None:
-            raise ServiceError(f"{self.name} exited with code {code} while starting")
+        for process in (self, *watch):
+            code = process.proc.poll()
+            if code is not None:
+                raise ServiceError(f"{process.name} exited with code {code} while {self.name} was starting")
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the process group, wait up to ``grace_s``, then SIGKILL it. Returns the exit
@@ -182,3 +200,14 @@ class ServiceProcess:
             os.killpg(self.proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def _is_serving(channel: grpc.Channel) -> bool:
+    """One grpc.health.v1 Check of the whole server (service "")."""
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=2.0
+        )
+    except grpc.RpcError:
+        return False  # not up yet (UNAVAILABLE) or health not registered yet
+    return reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,150 @@
+"""``python -m client`` end to end, as a subprocess, against the real services."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from client import GenerateResult, RadixKVClient
+from tests.client.conftest import MODEL_NUM_BLOCKS, Running
+from tests.client.helpers import PROMPT, free_port, run_cli
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def greedy(model_service: Running) -> GenerateResult:
+    with RadixKVClient(model_service.addr, timeout=120) as client:
+        return client.generate(PROMPT, max_tokens=8, temperature=0)
+
+
+def gen(model_service: Running, *extra: str) -> list[str]:
+    return [
+        "generate",
+        PROMPT,
+        "--addr",
+        model_service.addr,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "8",
+        *extra,
+    ]
+
+
+def test_generate_prints_only_the_completion(model_service: Running, greedy: GenerateResult):
+    result = run_cli(*gen(model_service))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == greedy.text + "\n"
+    assert greedy.text.strip()
+
+
+def test_generate_json_has_text_tokens_finish_reason_and_usage(
+    model_service: Running, greedy: GenerateResult
+):
+    result = run_cli(*gen(model_service, "--json"))
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["text"] == greedy.text
+    assert out["token_ids"] == greedy.token_ids
+    assert out["finish_reason"] in ("stop", "length")
+    assert out["usage"]["completion_tokens"] == len(out["token_ids"]) <= 8
+    assert out["usage"]["prompt_tokens"] > 0
+    assert out["usage"]["time_to_first_token"] > 0
+
+
+def test_stream_prints_the_same_text_as_generate(model_service: Running, greedy: GenerateResult):
+    result = run_cli(*gen(model_service, "--stream"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == greedy.text + "\n"
+
+
+def test_stream_json_prints_one_object_per_chunk(model_service: Running, greedy: GenerateResult):
+    result = run_cli(*gen(model_service, "--stream", "--json"))
+    assert result.returncode == 0, result.stderr
+    chunks = [json.loads(line) for line in result.stdout.splitlines()]
+    assert "".join(c["text"] for c in chunks) == greedy.text
+    assert chunks[-1]["finish_reason"] in ("stop", "length") and chunks[-1]["usage"] is not None
+    assert all(c["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_chat_and_stdin_prompt(model_service: Running):
+    result = run_cli("generate", "-", "--chat", "--json", "--addr", model_service.addr,
+                     "--temperature", "0", "--max-tokens", "4", stdin="Say hello.")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    chat = json.loads(result.stdout)
+    plain = run_cli(*gen(model_service, "--json"))
+    # The chat template wraps the message, so the prompt is longer than the bare text.
+    assert chat["usage"]["prompt_tokens"] > len("Say hello.".split())
+    assert json.loads(plain.stdout)["usage"]["prompt_tokens"] > 0
+
+
+def test_stop_string_ends_the_completion_before_it(model_service: Running, greedy: GenerateResult):
+    words = greedy.text.split()
+    if len(words) < 2:
+        pytest.skip(f"greedy completion too short to pick a stop string: {greedy.text!r}")
+    stop = words[1]
+    result = run_cli(*gen(model_service, "--json", "--stop", stop))
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["finish_reason"] == "stop"
+    assert out["matched_stop"] == stop
+    assert out["text"] == greedy.text[: greedy.text.index(stop)]
+
+
+def test_invalid_argument_exits_nonzero_with_the_status_name(model_service: Running):
+    result = run_cli("generate", PROMPT, "--addr", model_service.addr, "--max-tokens", "0")
+    assert result.returncode != 0
+    assert "INVALID_ARGUMENT" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_unreachable_address_exits_with_unavailable_within_the_timeout():
+    start = time.monotonic()
+    result = run_cli("generate", PROMPT, "--addr", f"127.0.0.1:{free_port()}", "--timeout", "5", timeout=30)
+    assert time.monotonic() - start < 15
+    assert result.returncode != 0
+    assert "UNAVAILABLE" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_stats_prints_a_table_with_the_pool(model_service: Running, cache_service: Running, greedy):
+    with RadixKVClient(model_service.addr, timeout=30) as client:
+        pool_id = client.model_info().pool_id
+    result = run_cli("stats", "--cache-addr", cache_service.addr)
+    assert result.returncode == 0, result.stderr
+    header, *rows = result.stdout.splitlines()
+    for column in ("POOL", "BLOCKS", "FREE", "CACHED", "LOCKED", "HIT RATE", "EVICTED"):
+        assert column in header
+    (row,) = [r for r in rows if r.split()[0] == pool_id]
+    assert row.split()[1] == str(MODEL_NUM_BLOCKS)
+    assert "%" in row
+
+    as_json = json.loads(run_cli("stats", "--cache-addr", cache_service.addr, "--json").stdout)
+    (pool,) = [p for p in as_json["pools"] if p["pool_id"] == pool_id]
+    assert (
+        pool["num_free_blocks"] + pool["num_cached_blocks"] + pool["num_private_blocks"] == pool["num_blocks"]
+    )
+
+
+def test_tokenize_prints_ids_and_json_tokens(model_service: Running):
+    with RadixKVClient(model_service.addr, timeout=30) as client:
+        expected = client.tokenize(PROMPT)
+    result = run_cli("tokenize", PROMPT, "--addr", model_service.addr)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(t) for t in expected.token_ids]
+    out = json.loads(run_cli("tokenize", PROMPT, "--addr", model_service.addr, "--json").stdout)
+    assert out["token_ids"] == expected.token_ids
+    assert len(out["tokens"]) == len(out["token_ids"])
+
+
+def test_info_prints_the_model(model_service: Running):
+    result = run_cli("info", "--addr", model_service.addr)
+    assert result.returncode == 0, result.stderr
+    fields = dict(line.split(None, 1) for line in result.stdout.splitlines() if len(line.split(None, 1)) == 2)
+    assert fields["block_size"] == "16"
+    assert fields["num_blocks"] == str(MODEL_NUM_BLOCKS)
+    assert fields["model_name"]

@@ -83,11 +83,12 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
     @_rpc
     async def Step(self, request: cache_pb2.StepRequest, context) -> cache_pb2.StepResponse:
         start = time.perf_counter()
-        pool = self.registry.get(request.pool_id, request.epoch)
-        response = convert.step_response(pool.step(convert.step_input(request)))
-        if self.metrics is not None:
-            self.metrics.step_latency.observe(time.perf_counter() - start)
-        return response
+        try:
+            pool = self.registry.get(request.pool_id, request.epoch)
+            return convert.step_response(pool.step(convert.step_input(request)))
+        finally:
+            if self.metrics is not None:
+                self.metrics.step_latency.observe(time.perf_counter() - start)
 
     @_rpc
     async def Match(self, request: cache_pb2.MatchRequest, context) -> cache_pb2.MatchResponse:

@@ -6,8 +6,10 @@ SmolLM2-135M shapes (9 query heads, 3 KV heads, head_dim 64), fp32, block_size 1
 shuffled through a pool. "paged" is one `forward()` (KV write + block gather + SDPA), what
 each of the ~30 layers pays per step; "plan" is paid once per step. "dense" is
 `scaled_dot_product_attention` on contiguous [batch, heads, len, head_dim] tensors of the
-same shapes (with the same key-padding mask for ragged decode batches). Timings are
-medians over interleaved repetitions (the machine is shared; expect noise).
+same shapes (with the same key-padding mask for ragged decode batches); for decode,
+"dense+cat" adds the torch.cat append that transformers' DynamicCache does per layer. Timings are
+medians over interleaved repetitions (on a shared machine, expect noise; --threads 1 is
+steadier there).
 """
 
 from __future__ import annotations
@@ -54,14 +56,17 @@ def make_step(seq_lens: list[int], query_lens: list[int], gen: torch.Generator):
     return layout, q, k, v, k_cache, v_cache
 
 
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def interleaved_medians(fns: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Median ms of each function, timed alternately so load drift hits all of them alike."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, acc in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            acc.append(time.perf_counter() - start)
+    return [statistics.median(t) * 1e3 for t in times]
 
 
 def bench_case(label: str, seq_lens: list[int], query_lens: list[int], repeats: int,
@@ -91,18 +96,26 @@ def bench_case(label: str, seq_lens: list[int], query_lens: list[int], repeats: 
         return F.scaled_dot_product_attention(dq, dk, dv, attn_mask=mask, is_causal=causal, scale=SCALE,
                                               enable_gqa=True)
 
-    paged_times, dense_times = [], []
-    for _ in range(3):  # interleave to spread the shared machine's noise over both
-        paged_times.append(median_ms(paged, repeats))
-        dense_times.append(median_ms(dense, repeats))
-    plan_ms = median_ms(lambda: backend.plan(layout), repeats)
-    p, d = min(paged_times), min(dense_times)
-    print(f"{label:<34} paged {p:8.3f} ms   dense {d:8.3f} ms   ratio {p / d:5.2f}x   plan {plan_ms:6.3f} ms")
+    fns = [paged, dense, lambda: backend.plan(layout)]
+    if max_q == 1:
+        # What transformers' DynamicCache does per layer per decode step: append by torch.cat
+        # (a copy of the whole context), then the same SDPA.
+        old_k, old_v = dk[:, :, :-1].contiguous(), dv[:, :, :-1].contiguous()
+        new_k, new_v = dk[:, :, -1:].contiguous(), dv[:, :, -1:].contiguous()
+
+        def dense_cat() -> torch.Tensor:
+            kk, vv = torch.cat([old_k, new_k], dim=-2), torch.cat([old_v, new_v], dim=-2)
+            return F.scaled_dot_product_attention(dq, kk, vv, attn_mask=mask, scale=SCALE, enable_gqa=True)
+
+        fns.append(dense_cat)
+    p, d, plan_ms, *cat = interleaved_medians(fns, repeats)
+    extra = f"   dense+cat {cat[0]:7.3f} ms" if cat else ""
+    print(f"{label:<34} paged {p:8.3f} ms   dense {d:8.3f} ms   ratio {p / d:5.2f}x   plan {plan_ms:6.3f} ms{extra}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args()
     if args.threads > 0:

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from model_service.attention.base import AttentionBackend, BatchLayout
+from model_service.attention.indexing import segments
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -80,13 +81,11 @@ def build_paged_kv_table(layout: BatchLayout, block_size: int) -> PagedKVTable:
     width = tables.shape[1]
     if int(num_pages.max()) > width:
         raise ValueError(f"a sequence needs {int(num_pages.max())} blocks, block_tables has {width}")
-    page_seq = torch.repeat_interleave(torch.arange(batch), num_pages.long())  # [total_pages]
-    page_in_seq = torch.arange(int(kv_indptr[-1])) - kv_indptr[:-1].long()[page_seq]  # [total_pages]
+    page_seq, page_in_seq = segments(num_pages)  # [total_pages] each
     flat = (page_seq * width + page_in_seq).to(tables.device, non_blocking=True)
     kv_indices = tables.reshape(-1).index_select(0, flat).to(torch.int32).contiguous()
 
-    token_seq = torch.repeat_interleave(torch.arange(batch), qlens.long())  # [num_tokens]
-    token_in_seq = torch.arange(int(qo_indptr[-1])) - qo_indptr[:-1].long()[token_seq]
+    token_seq, token_in_seq = segments(qlens)  # [num_tokens] each
     positions = (slens - qlens).long()[token_seq] + token_in_seq  # [num_tokens]
     return PagedKVTable(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
                         kv_last_page_len=last_page_len.to(torch.int32),

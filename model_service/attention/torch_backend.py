@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from model_service.attention.base import AttentionBackend, BatchLayout
+from model_service.attention.indexing import segments
 
 
 @dataclass(slots=True)
@@ -77,8 +78,8 @@ class TorchAttentionBackend(AttentionBackend):
         """Build gather indices, padding indices and masks shared by all layers of the step."""
         query_lens = layout.query_lens_cpu
         seq_lens = layout.seq_lens_cpu
-        if len(query_lens) != len(seq_lens):
-            raise ValueError("query_lens_cpu and seq_lens_cpu differ in length")
+        if not seq_lens or len(query_lens) != len(seq_lens):
+            raise ValueError("a step needs at least one sequence and one query length per sequence")
         if any(q < 1 or q > s for q, s in zip(query_lens, seq_lens, strict=True)):
             raise ValueError("every sequence needs 1 <= query_len <= seq_len")
         self._slot_mapping = layout.slot_mapping.to(device=self.device, dtype=torch.long)
@@ -95,7 +96,7 @@ class TorchAttentionBackend(AttentionBackend):
             return
         # Mixed step: decode rows and extend rows are attended separately.
         starts = torch.cumsum(qlens, 0) - qlens  # [batch]
-        token_seq = torch.repeat_interleave(torch.arange(batch), qlens)  # [num_tokens]
+        token_seq, _ = segments(qlens)  # [num_tokens] sequence of each packed token
         slens = torch.tensor(seq_lens, dtype=torch.long)
         dec_idx = torch.nonzero(is_decode).flatten()  # [num_decode]
         ext_idx = torch.nonzero(~is_decode).flatten()  # [batch - num_decode]
@@ -114,7 +115,6 @@ class TorchAttentionBackend(AttentionBackend):
         max_q = int(qlens.max())
         kv_len = int(slens.max())
         prefix = slens - qlens  # [n] cached tokens before this step's tokens
-        group_tokens = int(qlens.sum())
 
         # Single sequence, nothing cached: the new K/V are the entire context.
         if n == 1 and int(prefix[0]) == 0:
@@ -135,8 +135,8 @@ class TorchAttentionBackend(AttentionBackend):
             starts = torch.cumsum(qlens, 0) - qlens  # [n] within the group's tokens
             j = torch.arange(max_q)
             q_pad_index = (starts[:, None] + torch.minimum(j[None, :], qlens[:, None] - 1)).reshape(-1)
-            tok_seq = torch.repeat_interleave(torch.arange(n), qlens)  # [group_tokens]
-            out_index = tok_seq * max_q + (torch.arange(group_tokens) - starts[tok_seq])
+            tok_seq, tok_offset = segments(qlens)  # [group_tokens] each
+            out_index = tok_seq * max_q + tok_offset
 
         attn_mask = None
         pos = torch.arange(kv_len)  # [kv_len]
@@ -150,12 +150,9 @@ class TorchAttentionBackend(AttentionBackend):
             attn_mask = self._additive(pos[None, :] < slens[:, None])[:, None, None, :]  # [n, 1, 1, kv_len]
 
         pad_rows = None
-        pad_len = kv_len - slens  # [n] gathered positions past each sequence's end
-        if bool((pad_len > 0).any()):
-            row_seq = torch.repeat_interleave(torch.arange(n), pad_len)  # [num_padded]
-            first = torch.cumsum(pad_len, 0) - pad_len  # [n]
-            offset = torch.arange(int(pad_len.sum())) - first[row_seq]
-            pad_rows = row_seq * (nb * self.block_size) + slens[row_seq] + offset
+        if bool((slens < kv_len).any()):  # gathered positions past a sequence's end
+            pad_seq, pad_pos = (pos[None, :] >= slens[:, None]).nonzero(as_tuple=True)  # [num_padded] each
+            pad_rows = pad_seq * (nb * self.block_size) + pad_pos
 
         numel = n * nb * self.block_size * self.num_kv_heads * self.head_dim
         if self._k_scratch is None or self._k_scratch.numel() < numel:
@@ -190,8 +187,11 @@ class TorchAttentionBackend(AttentionBackend):
         for group in self._groups:
             rows = group.rows
             assert rows is not None
-            out.index_copy_(0, rows, self._attend(group, q.index_select(0, rows), k.index_select(0, rows),
-                                                  v.index_select(0, rows), k_cache, v_cache, scale))
+            if group.block_ids is None:  # attends over its own new K/V
+                gk, gv = k.index_select(0, rows), v.index_select(0, rows)
+            else:  # reads K/V from the cache
+                gk, gv = k, v
+            out.index_copy_(0, rows, self._attend(group, q.index_select(0, rows), gk, gv, k_cache, v_cache, scale))
         return out
 
     def _attend(self, g: _Group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

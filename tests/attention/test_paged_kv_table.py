@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from model_service.attention.flashinfer_backend import build_paged_kv_table
+from model_service.attention.indexing import segments
 from tests.attention.paged_case import make_case
 
 
@@ -57,3 +58,12 @@ def test_rejects_too_narrow_block_table():
     case.layout.block_tables = case.layout.block_tables[:, :2]
     with pytest.raises(ValueError, match="blocks"):
         build_paged_kv_table(case.layout, 16)
+
+
+def test_segments_matches_repeat_interleave():
+    lengths = torch.tensor([3, 0, 2, 1, 0, 4])
+    seg, offset = segments(lengths)
+    assert torch.equal(seg, torch.repeat_interleave(torch.arange(6), lengths))
+    assert offset.tolist() == [0, 1, 2, 0, 1, 0, 0, 1, 2, 3]
+    empty_seg, empty_off = segments(torch.zeros(0, dtype=torch.long))
+    assert empty_seg.numel() == empty_off.numel() == 0

@@ -14,7 +14,10 @@ prefill chunk does not pad every decode row of a mixed batch to its length:
   A single sequence without cached prefix attends over its own new K/V with `is_causal=True`,
   exactly the call dense attention makes.
 
-Everything shared by the layers (indices, masks, gather buffers) is built once in `plan()`.
+Everything shared by the layers (gather indices, query padding indices, additive masks,
+rows to zero after the gather) is built once in `plan()`; `forward()` per layer only writes
+K/V, gathers into a grow-only scratch buffer, and calls SDPA. Gathered slots past a
+sequence's end are zeroed, so stale non-finite values there can never leak (0 * NaN).
 """
 
 from __future__ import annotations

@@ -31,6 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RadixKVError as error:
         print(f"error: {error.code_name}: {error.message}", file=sys.stderr)
         return EXIT_RPC_ERROR
+    except BrokenPipeError:  # the reader went away (`... | head -1`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ValueError, OSError) as error:  # bad input, unreadable certificate file ...
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE

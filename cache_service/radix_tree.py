@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import struct
+import sys
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from hashlib import blake2b
@@ -24,19 +25,31 @@ from typing import NamedTuple
 from cache_service.errors import IntegrityError
 
 
-def page_hash(parent_hash: int, namespace: str, page: Sequence[int]) -> int:
-    """Chained uint64 hash of one page: blake2b-8(parent_hash, namespace, page tokens).
+def page_hashes(parent_hash: int, namespace: str, tokens: Sequence[int], page_size: int) -> list[int]:
+    """Chained uint64 hash of each page of `tokens`: blake2b-8(parent_hash, namespace, page).
 
-    Depends only on the tokens of the whole prefix and the namespace, so equal prefixes hash
-    equally in every pool.
+    A page's hash depends only on the namespace and the tokens of the whole prefix up to it, so
+    equal prefixes hash equally in every pool. Tokens are hashed as little-endian uint32.
     """
     ns = namespace.encode()
-    h = blake2b(digest_size=8)
-    h.update(parent_hash.to_bytes(8, "little"))
-    h.update(len(ns).to_bytes(4, "little"))
-    h.update(ns)
-    h.update(struct.pack(f"<{len(page)}I", *page))
-    return int.from_bytes(h.digest(), "little")
+    ns_bytes = len(ns).to_bytes(4, "little") + ns
+    data = array("I", tokens)
+    if sys.byteorder == "big":
+        data.byteswap()
+    raw = data.tobytes()
+    step = 4 * page_size
+    hashes = []
+    h = parent_hash
+    for start in range(0, len(raw) - step + 1, step):
+        digest = blake2b(h.to_bytes(8, "little") + ns_bytes + raw[start : start + step], digest_size=8).digest()
+        h = int.from_bytes(digest, "little")
+        hashes.append(h)
+    return hashes
+
+
+def page_hash(parent_hash: int, namespace: str, page: Sequence[int]) -> int:
+    """Hash of a single page (see `page_hashes`)."""
+    return page_hashes(parent_hash, namespace, page, len(page))[0]
 
 
 @dataclass(slots=True, eq=False)
@@ -202,10 +215,7 @@ class RadixTree:
         if pos == n:
             self._push_if_evictable_leaf(node)
             return InsertResult(existing, None)
-        hashes, h = [], node.last_hash
-        for i in range(pos, n, ps):
-            h = page_hash(h, namespace, key[i : i + ps])
-            hashes.append(h)
+        hashes = page_hashes(node.last_hash, namespace, key[pos:], ps)
         leaf = TreeNode(key[pos:], list(block_ids[existing:]), hashes, node, namespace, last_access=tick)
         node.children[key[pos : pos + ps]] = leaf
         self.num_nodes += 1
@@ -364,12 +374,8 @@ class RadixTree:
                         raise IntegrityError("edge key is not whole pages or mis-keyed")
                     if len(child.hashes) != len(child.value):
                         raise IntegrityError("hash count differs from page count")
-                    if check_hashes:
-                        h = node.last_hash
-                        for i, expected in enumerate(child.hashes):
-                            h = page_hash(h, ns, child.key[i * ps : (i + 1) * ps])
-                            if h != expected:
-                                raise IntegrityError("page hash chain broken")
+                    if check_hashes and page_hashes(node.last_hash, ns, child.key, ps) != child.hashes:
+                        raise IntegrityError("page hash chain broken")
                     if child.lock_ref < 0:
                         raise IntegrityError("negative lock_ref")
                     child_locks += child.lock_ref

@@ -1,0 +1,305 @@
+"""Cache service benchmark: `python -m bench.cache_bench` (about a minute).
+
+1. In-process match+insert ops/s for 1k-token prompts on a tree holding 10k cached sequences.
+2. Eviction cost per call as the tree grows (1k, 10k, 50k leaves) next to a full leaf scan.
+3. Step RPC latency (p50/p99) on loopback for 16-request batches, server in a subprocess.
+4. The same Step sequence in-process vs over gRPC (ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import selectors
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from cache_service.pool import Pool
+from cache_service.radix_tree import RadixTree
+from cache_service.schema import Admit, Extend, Finish, StepInput
+from protos import cache_pb2 as pb
+from protos import cache_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+BS = 16
+VOCAB = 32000
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return np.random.default_rng(rng.getrandbits(64)).integers(0, VOCAB, n).tolist()
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# ---------------------------------------------------------------------- 1. match + insert
+
+
+def bench_match_insert(num_sequences: int, prompt_len: int, num_ops: int) -> dict:
+    """Tree of `num_sequences` cached prompts (100 shared 512-token stems + unique tails).
+
+    Each op matches a 1k-token prompt and inserts it (as a finished request would): half are
+    fully cached prompts, half share a stem and bring a new tail (split + new leaf).
+    """
+    rng = random.Random(0)
+    stems = [tokens(rng, prompt_len // 2) for _ in range(100)]
+    tree = RadixTree(BS)
+    next_block = 0
+    cached = []
+    t0 = time.perf_counter()
+    for i in range(num_sequences):
+        prompt = stems[i % len(stems)] + tokens(rng, prompt_len - prompt_len // 2)
+        n_pages = prompt_len // BS
+        tree.insert(prompt, range(next_block, next_block + n_pages))
+        next_block += n_pages
+        cached.append(prompt)
+    build_s = time.perf_counter() - t0
+    queries = []
+    for i in range(num_ops):
+        if i % 2:
+            queries.append(cached[rng.randrange(len(cached))])
+        else:
+            queries.append(stems[rng.randrange(len(stems))] + tokens(rng, prompt_len - prompt_len // 2))
+    t0 = time.perf_counter()
+    for prompt in queries:
+        match = tree.match_prefix(prompt)
+        n_pages = len(prompt) // BS
+        tree.insert(prompt, match.block_ids + list(range(next_block, next_block + n_pages - len(match.block_ids))))
+        next_block += n_pages
+    elapsed = time.perf_counter() - t0
+    return {
+        "cached_sequences": num_sequences,
+        "prompt_tokens": prompt_len,
+        "tree_nodes": tree.num_nodes,
+        "build_s": build_s,
+        "ops": num_ops,
+        "ops_per_s": num_ops / elapsed,
+        "us_per_op": elapsed / num_ops * 1e6,
+    }
+
+
+# ---------------------------------------------------------------------- 2. eviction cost
+
+
+def bench_evict(num_leaves: int, num_calls: int) -> dict:
+    """Per-call cost of evict(1) with `num_leaves` unlocked leaves, touches in between."""
+    rng = random.Random(1)
+    tree = RadixTree(BS)
+    stems = [tokens(rng, BS) for _ in range(64)]
+    prompts = []
+    for i in range(num_leaves):
+        prompt = stems[i % len(stems)] + tokens(rng, BS)
+        tree.insert(prompt, [2 * i, 2 * i + 1])
+        prompts.append(prompt)
+    block = 2 * num_leaves
+    times = []
+    for _ in range(num_calls):
+        for _ in range(4):  # recent hits leave stale heap entries behind
+            tree.match_prefix(prompts[rng.randrange(len(prompts))])
+        t0 = time.perf_counter()
+        tree.evict(1)
+        times.append(time.perf_counter() - t0)
+        # Keep the tree at size: a new leaf replaces the evicted one.
+        prompt = stems[rng.randrange(len(stems))] + tokens(rng, BS)
+        tree.insert(prompt, [block, block + 1])
+        block += 2
+        prompts.append(prompt)
+    # Baseline: what one full scan of the leaves (the naive policy) costs at this size.
+    scan_times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        leaves = [n for n in tree.iter_nodes() if not n.children and not n.lock_ref]
+        min(leaves, key=lambda n: n.last_access)
+        scan_times.append(time.perf_counter() - t0)
+    return {
+        "leaves": num_leaves,
+        "evict_us_p50": statistics.median(times) * 1e6,
+        "evict_us_mean": statistics.fmean(times) * 1e6,
+        "evict_us_p99": pct(times, 0.99) * 1e6,
+        "full_scan_us": statistics.median(scan_times) * 1e6,
+    }
+
+
+# ---------------------------------------------------------------------- 3./4. Step
+
+
+def step_workload(num_steps: int, batch: int, prompt_len: int) -> list[StepInput]:
+    """Steady state of a 16-request scheduler: every step finishes the previous batch and admits
+    a new one (1k-token prompts sharing a 512-token stem), alternating with decode-like steps
+    that extend every running request by a block."""
+    rng = random.Random(2)
+    stems = [tokens(rng, prompt_len // 2) for _ in range(8)]
+    steps: list[StepInput] = []
+    running: list[tuple[str, int]] = []
+    rid = 0
+    for s in range(num_steps):
+        if s % 2 == 0:
+            finishes = [Finish(r, [1] * 8, n) for r, n in running]
+            running = []
+            admits = []
+            for _ in range(batch):
+                rid += 1
+                prompt = stems[rng.randrange(len(stems))] + tokens(rng, prompt_len - prompt_len // 2)
+                admits.append(Admit(f"r{rid}", prompt, "", 1))
+                running.append((f"r{rid}", prompt_len))
+            steps.append(StepInput(finishes=finishes, admits=admits))
+        else:
+            running = [(r, n + 8) for r, n in running]
+            steps.append(StepInput(extends=[Extend(r, n + BS) for r, n in running]))
+    return steps
+
+
+def to_proto(step: StepInput, pool_id: str, epoch: int) -> pb.StepRequest:
+    return pb.StepRequest(
+        pool_id=pool_id,
+        epoch=epoch,
+        finishes=[
+            pb.Finish(request_id=f.request_id, output_token_ids=f.output_token_ids,
+                      num_computed_tokens=f.num_computed_tokens)
+            for f in step.finishes
+        ],
+        extends=[pb.Extend(request_id=e.request_id, num_tokens=e.num_tokens) for e in step.extends],
+        admits=[
+            pb.Admit(request_id=a.request_id, token_ids=a.token_ids, num_lookahead_tokens=a.num_lookahead_tokens)
+            for a in step.admits
+        ],
+    )
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def summarize(kind: str, where: str, times: list[float]) -> dict:
+    return {
+        "step": kind, "where": where, "n": len(times),
+        "p50_us": statistics.median(times) * 1e6, "p99_us": pct(times, 0.99) * 1e6,
+        "mean_us": statistics.fmean(times) * 1e6,
+    }
+
+
+def bench_step_inprocess(steps: list[StepInput], num_blocks: int) -> list[dict]:
+    pool = Pool("bench", 1, num_blocks, BS)
+    times: dict[str, list[float]] = {"admit+finish": [], "extend": []}
+    for step in steps:
+        kind = "extend" if step.extends else "admit+finish"
+        times[kind].append(timed(lambda s=step: pool.step(s)))
+    pool.check_integrity()
+    return [summarize(k, "in-process", v) for k, v in times.items()]
+
+
+def start_server() -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cache_service", "--port", "0", "--host", "127.0.0.1", "--log-level", "WARNING"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )
+    deadline, buffer = time.monotonic() + 30, b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if sel.select(timeout=1.0):
+                chunk = os.read(proc.stdout.fileno(), 4096)
+                if not chunk:
+                    break
+                buffer += chunk
+                found = re.search(rb"listening on \S+:(\d+)", buffer)
+                if found:
+                    return proc, int(found.group(1))
+    proc.kill()
+    raise RuntimeError(f"cache server did not start: {buffer!r}")
+
+
+def bench_step_grpc(steps: list[StepInput], num_blocks: int) -> list[dict]:
+    proc, port = start_server()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = cache_pb2_grpc.CacheManagerStub(channel)
+            reg = stub.RegisterPool(
+                pb.RegisterPoolRequest(worker_id="bench", num_blocks=num_blocks, block_size=BS), timeout=10
+            )
+            requests = [to_proto(s, reg.pool_id, reg.epoch) for s in steps]
+            for _ in range(20):  # warm the channel up
+                stub.Heartbeat(pb.HeartbeatRequest(pool_id=reg.pool_id, epoch=reg.epoch), timeout=10)
+            times: dict[str, list[float]] = {"admit+finish": [], "extend": []}
+            for step, request in zip(steps, requests, strict=True):
+                kind = "extend" if step.extends else "admit+finish"
+                times[kind].append(timed(lambda r=request: stub.Step(r, timeout=10)))
+            empty = [timed(lambda: stub.Heartbeat(
+                pb.HeartbeatRequest(pool_id=reg.pool_id, epoch=reg.epoch), timeout=10)) for _ in range(300)]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    return [summarize(k, "gRPC", v) for k, v in times.items()] + [summarize("heartbeat (empty)", "gRPC", empty)]
+
+
+# ---------------------------------------------------------------------- main
+
+
+def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """Right-aligned text table; columns are (key, title, format spec)."""
+    cells = [[f"{row[key]:{fmt}}" for key, _, fmt in columns] for row in rows]
+    widths = [max([len(title)] + [len(r[i]) for r in cells]) for i, (_, title, _) in enumerate(columns)]
+    lines = [" | ".join(title.rjust(w) for (_, title, _), w in zip(columns, widths, strict=True))]
+    lines.append("-+-".join("-" * w for w in widths))
+    lines += [" | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    args = parser.parse_args()
+    q = args.quick
+    results: dict[str, object] = {}
+
+    print("== 1. match + insert, in-process (1k-token prompts, block_size 16)")
+    mi = bench_match_insert(1000 if q else 10_000, 1024, 500 if q else 2000)
+    results["match_insert"] = mi
+    print(table([mi], [("cached_sequences", "cached seqs", ""), ("tree_nodes", "tree nodes", ""),
+                       ("build_s", "build s", ".2f"), ("ops_per_s", "match+insert ops/s", ",.0f"),
+                       ("us_per_op", "us/op", ".1f")]))
+
+    print("\n== 2. eviction cost per evict(1) call as the tree grows")
+    ev = [bench_evict(n, 500 if q else 2000) for n in ((1000, 10_000) if q else (1000, 10_000, 50_000))]
+    results["evict"] = ev
+    print(table(ev, [("leaves", "leaves", ","), ("evict_us_p50", "evict p50 us", ".1f"),
+                     ("evict_us_mean", "evict mean us", ".1f"), ("evict_us_p99", "evict p99 us", ".1f"),
+                     ("full_scan_us", "one full leaf scan us", ",.0f")]))
+
+    print("\n== 3./4. Step, 16-request batches (admit+finish of 1k-token prompts; decode extends)")
+    steps = step_workload(200 if q else 1000, 16, 1024)
+    num_blocks = 4096
+    local = bench_step_inprocess(steps, num_blocks)
+    remote = bench_step_grpc(steps, num_blocks)
+    results["step"] = local + remote
+    print(table(local + remote, [("step", "step kind", ""), ("where", "where", ""), ("n", "n", ""),
+                                 ("p50_us", "p50 us", ",.0f"), ("p99_us", "p99 us", ",.0f"),
+                                 ("mean_us", "mean us", ",.0f")]))
+    by = {(r["step"], r["where"]): r for r in local + remote}
+    for kind in ("admit+finish", "extend"):
+        ratio = by[(kind, "gRPC")]["p50_us"] / by[(kind, "in-process")]["p50_us"]
+        results[f"grpc_over_inprocess_{kind}"] = ratio
+        print(f"gRPC / in-process p50 for {kind}: {ratio:.1f}x")
+
+    out = REPO / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cache_bench.json").write_text(json.dumps(results, indent=2))
+    print(f"\nresults written to {out / 'cache_bench.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Start our real servers as child processes for tests (shared by every test package)."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from scripts.service_process import ServiceError, ServiceProcess
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Running:
+    """A started service: its address and the last lines of its output."""
+
+    addr: str
+    process: ServiceProcess
+    log: collections.deque[str]
+
+    def output(self) -> str:
+        return "\n".join(self.log)
+
+
+def start_service(name: str, args: list[str], timeout_s: float) -> Running:
+    """Starts `python -m NAME ARGS`, waits for its 'listening on' line and health SERVING."""
+    log: collections.deque[str] = collections.deque(maxlen=400)
+    process = ServiceProcess(name, args, log.append, cwd=str(REPO))
+    try:
+        addr = process.wait_listening(timeout_s)
+        process.wait_serving(timeout_s)
+    except ServiceError as error:
+        process.stop(5.0)
+        output = "\n".join(log)
+        pytest.fail(f"{error}\n--- {name} output ---\n{output}", pytrace=False)
+    return Running(addr, process, log)

@@ -19,6 +19,7 @@ from protos import cache_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 
@@ -34,6 +35,7 @@ async def create_server(
     registry: PoolRegistry | None = None,
     metrics: Metrics | None = None,
     health_servicer: health.aio.HealthServicer | None = None,
+    watch_queue_size: int = 65536,
 ) -> tuple[grpc.aio.Server, int]:
     """Build (not start) a server bound to `address`; returns it and the bound port.
 
@@ -43,8 +45,12 @@ async def create_server(
     registry = registry if registry is not None else PoolRegistry()
     health_servicer = health_servicer if health_servicer is not None else health.aio.HealthServicer()
     # so_reuseport off: a second server on a busy port must fail, not silently share it.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    cache_pb2_grpc.add_CacheManagerServicer_to_server(CacheManagerServicer(registry, metrics), server)
+    # A Step of a big batch of long prompts can exceed gRPC's default 4 MiB request limit.
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    )
+    servicer = CacheManagerServicer(registry, metrics, watch_queue_size)
+    cache_pb2_grpc.add_CacheManagerServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME], server)
     for name in ("", SERVICE_NAME):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -321,15 +321,9 @@ def test_port_in_use_fails_clearly(start_server) -> None:
     assert "listening on" not in proc.stdout
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_metrics_endpoint(start_server) -> None:
-    port = _free_port()
-    srv = start_server("--metrics-port", str(port))
+    srv = start_server("--metrics-port", "0")  # logged before the listening line is printed
+    port = int(re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", srv.stderr()).group(1))
     reg = register(srv.stub, "m", num_blocks=8)
     step(srv.stub, reg, admits=[admit("r", range(9))])
     step(srv.stub, reg, finishes=[fin("r", 9)])

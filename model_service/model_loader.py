@@ -6,10 +6,14 @@ import hashlib
 import importlib.util
 import json
 import logging
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
@@ -54,11 +58,15 @@ def _source(model: str | None) -> tuple[Path, str | None]:
     return path, None
 
 
+_VOLATILE_CONFIG_KEYS = ("quantization_config", "transformers_version", "dtype", "torch_dtype", "_name_or_path")
+
+
 def _fingerprint(name: str, config: dict, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype) -> str:
     """Stable id of (weights config, vocabulary, KV dtype): pools with different ones never mix."""
     h = hashlib.sha256()
     h.update(name.encode())
-    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    stable = {k: v for k, v in config.items() if k not in _VOLATILE_CONFIG_KEYS}
+    h.update(json.dumps(stable, sort_keys=True, default=str).encode())
     h.update(str(len(tokenizer)).encode())
     h.update(str(sorted(tokenizer.get_vocab().items())[:64]).encode())
     h.update(str(dtype).encode())
@@ -74,16 +82,57 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list
     return sorted(ids)
 
 
+def conversion_cache_dir() -> Path:
+    """Where GGUF files converted to safetensors are kept ($RADIXKV_CACHE_DIR, else ~/.cache/radixkv)."""
+    root = os.environ.get("RADIXKV_CACHE_DIR") or Path.home() / ".cache" / "radixkv"
+    return Path(root) / "converted"
+
+
+def _converted_path(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    return conversion_cache_dir() / f"{gguf.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _convert_gguf(gguf: Path) -> Path:
+    """Parsing and de-quantizing a GGUF file takes ~30 s on 2 cores; its float32 safetensors copy
+    loads in under a second. Converts once (atomically: concurrent starts are safe) and reuses it."""
+    target = _converted_path(gguf)
+    if (target / "config.json").is_file():
+        return target
+    log.info("converting %s to safetensors once (cached in %s)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True,
+                                                    dtype=torch.float32)
+    hf_model.hf_quantizer = None  # weights are de-quantized float32 now
+    if hasattr(hf_model.config, "quantization_config"):
+        del hf_model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        hf_model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.rename(staging, target)
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """Loads weights and tokenizer from local files only (no hub access)."""
+    """Loads weights and tokenizer from local files only (no hub access). A GGUF file is converted
+    to safetensors once (see `_convert_gguf`); the weights are identical either way."""
     directory, gguf_file = _source(model)
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    log.info("loading model from %s%s", directory, f" ({gguf_file})" if gguf_file else "")
-    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, **kwargs)
-    hf_model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype, **kwargs)
+    name = gguf_file.removesuffix(".gguf") if gguf_file else directory.name
+    if gguf_file:
+        directory = _convert_gguf(directory / gguf_file)
+    log.info("loading model %s from %s", name, directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    hf_model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
     hf_model.to(device).eval()
     hf_model.requires_grad_(False)
-    name = gguf_file.removesuffix(".gguf") if gguf_file else directory.name
     config = hf_model.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     max_context = int(getattr(text_config, "max_position_embeddings", 0) or tokenizer.model_max_length)

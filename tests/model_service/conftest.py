@@ -3,6 +3,7 @@ reference transformers model in this process."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -70,3 +71,14 @@ def pool_stats(stub: cache_pb2_grpc.CacheManagerStub, pool_id: str) -> cache_pb2
 def assert_pool_whole(stats: cache_pb2.PoolStats) -> None:
     """Block accounting adds up (free + cached + private == total)."""
     assert stats.num_free_blocks + stats.num_cached_blocks + stats.num_private_blocks == stats.num_blocks, stats
+
+
+def wait_pool_idle(stub: cache_pb2_grpc.CacheManagerStub, pool_id: str, timeout_s: float = 10.0) -> cache_pb2.PoolStats:
+    """Stats once the pool has no running request. A request's final message reaches the client
+    just before the engine's next Step tells the cache manager, so poll (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    stats = pool_stats(stub, pool_id)
+    while stats.num_running_requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+        stats = pool_stats(stub, pool_id)
+    return stats

@@ -72,9 +72,9 @@ def correctness_prompts(tokenizer) -> list[list[int]]:
 
 
 def generate(stub: model_pb2_grpc.ModelServiceStub, token_ids: list[int] | None = None, *,
-             prompt: str | None = None, timeout: float = 300.0, **sampling) -> Generated:
+             prompt: str | None = None, namespace: str = "", timeout: float = 300.0, **sampling) -> Generated:
     """Runs one streaming Generate call to completion."""
-    request = model_pb2.GenerateRequest(sampling=model_pb2.SamplingParams(**sampling))
+    request = model_pb2.GenerateRequest(namespace=namespace, sampling=model_pb2.SamplingParams(**sampling))
     if token_ids is not None:
         request.token_ids.ids.extend(token_ids)
     else:

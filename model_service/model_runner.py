@@ -15,6 +15,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 
 from model_service.attention.base import AttentionBackend, BatchLayout
+from model_service.fused_linear import fuse_sibling_projections
 from model_service.kv_cache import KVCache
 
 ATTENTION_NAME = "radixkv_paged"
@@ -64,6 +65,7 @@ class ModelRunner:
                  device: torch.device) -> None:
         self.model = model
         self.model.set_attn_implementation(ATTENTION_NAME)
+        fuse_sibling_projections(model)
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device

@@ -107,10 +107,11 @@ class Engine:
                 if not self.cache.registered:
                     self._try_register()
                     continue
-                if not self.scheduler.has_work():
-                    self._heartbeat()
-                    continue
-                self._step()
+                # Renew the lease when due, busy or not: decode steps make no cache RPC until a
+                # request needs a new block or finishes, which can take longer than the lease.
+                self._heartbeat()
+                if self.cache.registered and self.scheduler.has_work():
+                    self._step()
         except Exception:
             log.exception("engine loop crashed")
             raise

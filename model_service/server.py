@@ -147,8 +147,13 @@ async def serve(config: ModelServiceConfig) -> int:
         log.info("shutting down")
     finally:
         await health_servicer.enter_graceful_shutdown()
-        await server.stop(config.grace_seconds)
+        # New calls are refused at once; in-flight ones get most of the grace period to finish.
+        # Then the engine aborts the rest, so their clients read UNAVAILABLE "server shutting
+        # down" before gRPC cancels whatever is left with a bare "Cancelling all calls".
+        stopping = asyncio.ensure_future(server.stop(config.grace_seconds))
+        await asyncio.wait({stopping}, timeout=config.grace_seconds * 0.75)
         with contextlib.suppress(Exception):
             await asyncio.to_thread(engine.stop)
+        await stopping
         engine.cache.close()
     return 0

@@ -9,8 +9,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+import pytest
 
 from protos import cache_pb2, cache_pb2_grpc, model_pb2
+from scripts import service_process
 from tests.model_service.conftest import assert_pool_whole, pool_stats
 from tests.services import Running, start_service
 
@@ -40,11 +42,13 @@ def wait_until_idle(stub: cache_pb2_grpc.CacheManagerStub, pool_id: str, timeout
     in the engine's next Step after its last message (or its cancellation), so this is async."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = pool_stats(stub, pool_id)
-        idle = stats.num_running_requests == 0 and stats.num_private_blocks == 0
+        # A model service is SERVING before it has registered its pool: wait for that too.
+        stats = try_pool_stats(stub, pool_id)
+        idle = stats is not None and stats.num_running_requests == 0 and stats.num_private_blocks == 0
         if idle or time.monotonic() > deadline:
             break
         time.sleep(0.05)
+    assert stats is not None, f"pool {pool_id!r} not registered within {timeout_s} s"
     assert_pool_whole(stats)
     assert stats.num_running_requests == 0, f"requests still running after {timeout_s} s: {stats}"
     assert stats.num_private_blocks == 0, f"private blocks leaked: {stats}"
@@ -76,8 +80,16 @@ def free_port() -> int:
 
 
 def start_cache_on(port: int, *extra: str) -> Running:
-    """A cache service on a given port (to restart one where its clients expect it)."""
-    return start_service("cache_service", ["--host", "127.0.0.1", "--port", str(port), *extra], 60.0)
+    """A cache service on a given port (to restart one where its clients expect it), started
+    while this process may have gRPC calls in flight.
+
+    ServiceProcess forks with a preexec_fn (to die with its parent); a plain fork() while other
+    threads are inside gRPC runs gRPC's fork handlers in the child, which can abort it before
+    exec ("Kick failed: eventfd_write: Bad file descriptor", exit -6). Without a preexec_fn,
+    subprocess uses vfork(), which runs no fork handlers. The caller stops the process itself."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(service_process, "_die_with_parent", lambda: None)
+        return start_service("cache_service", ["--host", "127.0.0.1", "--port", str(port), *extra], 60.0)
 
 
 def port_of(addr: str) -> int:

@@ -1,0 +1,304 @@
+"""Failure modes through real processes: client cancel and deadline, cache manager killed and
+restarted, cache manager not up yet, lease expiry of a stopped model service, SIGTERM of the
+model service mid-stream. After each: the right status (or none, where the failure model says
+the client must not notice), identical greedy output, and no leaked blocks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from protos import cache_pb2_grpc, model_pb2, model_pb2_grpc
+from tests.model_service.checks import (
+    count_lines,
+    expect_status,
+    free_port,
+    port_of,
+    start_cache_on,
+    try_pool_stats,
+    wait_for,
+    wait_until_idle,
+)
+from tests.model_service.conftest import pool_stats, start_cache, start_model
+from tests.model_service.generation import LONG_DOCUMENT, generate, greedy, reference_greedy
+from tests.services import Running
+
+pytestmark = pytest.mark.model
+
+BIG_POOL = "big-pool"
+
+
+@dataclass
+class Stream:
+    """A Generate call read in a background thread, so the test can act while it is in flight."""
+
+    call: grpc.Call
+    messages: list[model_pb2.GenerateResponse] = field(default_factory=list)
+    error: grpc.RpcError | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for m in self.messages for t in m.token_ids]
+
+    def wait_tokens(self, n: int, timeout_s: float) -> None:
+        wait_for(lambda: len(self.token_ids) >= n or self.done.is_set(), timeout_s, f"{n} streamed tokens")
+        assert len(self.token_ids) >= n, f"stream ended early: {self.messages} {self.error}"
+
+    def result(self, timeout_s: float) -> list[model_pb2.GenerateResponse]:
+        assert self.done.wait(timeout_s), f"stream still open after {timeout_s} s"
+        if self.error is not None:
+            raise self.error
+        return self.messages
+
+
+def start_stream(stub: model_pb2_grpc.ModelServiceStub, token_ids: list[int], timeout_s: float = 120.0,
+                 **sampling) -> Stream:
+    request = model_pb2.GenerateRequest(token_ids=model_pb2.TokenIds(ids=token_ids),
+                                        sampling=model_pb2.SamplingParams(**sampling))
+    stream = Stream(stub.Generate(request, timeout=timeout_s))
+
+    def read() -> None:
+        try:
+            for message in stream.call:
+                stream.messages.append(message)
+        except grpc.RpcError as error:
+            stream.error = error
+        finally:
+            stream.done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return stream
+
+
+@pytest.fixture(scope="module")
+def long_prompt(reference_model) -> list[int]:
+    return reference_model.tokenizer(f"{LONG_DOCUMENT}\n\nIn summary,").input_ids
+
+
+@pytest.fixture(scope="module")
+def medium_prompt(reference_model) -> list[int]:
+    """~100 tokens: quick to prefill and recompute."""
+    return reference_model.tokenizer(LONG_DOCUMENT).input_ids[:100]
+
+
+# ---------------------------------------------------------------- client cancel and deadline
+
+def test_client_cancel_mid_stream_returns_the_blocks(model_stub, cache_stub, medium_prompt,
+                                                     reference_model) -> None:
+    before = wait_until_idle(cache_stub, BIG_POOL)
+    stream = start_stream(model_stub, medium_prompt, temperature=0.0, max_tokens=200, ignore_eos=True)
+    stream.wait_tokens(2, 60)
+    stream.call.cancel()
+    assert stream.done.wait(10), "the stream did not end after cancel()"
+    assert stream.error is not None and stream.error.code() == grpc.StatusCode.CANCELLED
+    assert len(stream.token_ids) < 200
+    after = wait_until_idle(cache_stub, BIG_POOL)
+    assert after.num_finished == before.num_finished + 1
+    # The cancelled request's computed pages went to the tree: the same prompt hits them now.
+    g = greedy(model_stub, medium_prompt, 4)
+    assert g.token_ids == reference_greedy(reference_model, medium_prompt, 4)
+    assert g.final.usage.cached_prompt_tokens == (len(medium_prompt) - 1) // 16 * 16
+    wait_until_idle(cache_stub, BIG_POOL)
+
+
+@pytest.mark.parametrize("timeout_s", [0.05, 1.5], ids=["before-first-token", "mid-stream"])
+def test_deadline_exceeded_leaks_nothing(model_stub, cache_stub, long_prompt, timeout_s: float) -> None:
+    request = model_pb2.GenerateRequest(token_ids=model_pb2.TokenIds(ids=long_prompt),
+                                        sampling=model_pb2.SamplingParams(max_tokens=500, ignore_eos=True))
+    started = time.monotonic()
+    expect_status(lambda: list(model_stub.Generate(request, timeout=timeout_s)), grpc.StatusCode.DEADLINE_EXCEEDED,
+                  "deadline")
+    assert time.monotonic() - started < timeout_s + 5
+    wait_until_idle(cache_stub, BIG_POOL)
+    assert len(generate(model_stub, prompt="Hi", max_tokens=3, ignore_eos=True, timeout=60).token_ids) == 3
+    wait_until_idle(cache_stub, BIG_POOL)
+
+
+# ---------------------------------------------------------------- cache manager down or restarted
+
+@dataclass
+class Pair:
+    """A cache service and a model service of their own, with a channel to each. A cache
+    restarted on the same port is reached through the same channel."""
+
+    cache: Running
+    model: Running
+    worker_id: str
+    channels: list[grpc.Channel] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.channels = [grpc.insecure_channel(self.cache.addr), grpc.insecure_channel(self.model.addr)]
+        self.cache_stub = cache_pb2_grpc.CacheManagerStub(self.channels[0])
+        self.model_stub = model_pb2_grpc.ModelServiceStub(self.channels[1])
+
+    def stop(self) -> None:
+        for channel in self.channels:
+            channel.close()
+        os.kill(self.model.process.pid, signal.SIGCONT)  # never leave it stopped
+        self.model.process.stop(10.0)
+        self.cache.process.stop(5.0)
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    """The test may kill and replace the cache service."""
+    cache = start_cache()
+    p = Pair(cache, start_model(cache.addr, "--num-blocks", "128", "--worker-id", "restart-pool"), "restart-pool")
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def test_cache_killed_and_restarted_mid_generation_is_invisible_to_the_client(pair: Pair, long_prompt,
+                                                                              reference_model) -> None:
+    max_tokens = 32
+    expected = reference_greedy(reference_model, long_prompt, max_tokens)
+    stub = pair.model_stub
+    wait_until_idle(pair.cache_stub, pair.worker_id)  # registered
+    stream = start_stream(stub, long_prompt, temperature=0.0, max_tokens=max_tokens)
+    stream.wait_tokens(1, 120)
+    port = port_of(pair.cache.addr)
+    pair.cache.process.proc.kill()  # SIGKILL: no goodbye
+    pair.cache.process.stop(5.0)
+    time.sleep(0.5)  # the model service finds it gone meanwhile (or at its next Step)
+    pair.cache = start_cache_on(port)
+    messages = stream.result(120)  # no error for the client
+    assert [t for m in messages for t in m.token_ids] == expected
+    assert messages[-1].finish_reason in (model_pb2.FINISH_REASON_STOP, model_pb2.FINISH_REASON_LENGTH)
+    assert messages[-1].usage.num_preemptions >= 1, "the request was not recomputed: the cache loss went unnoticed"
+    assert count_lines(pair.model, "cache pool lost") >= 1
+    # The model service registered its pool at the new cache manager, and serves on.
+    stats = wait_until_idle(pair.cache_stub, pair.worker_id)
+    assert stats.num_blocks == 128 and stats.num_finished >= 1
+    assert greedy(stub, long_prompt[:40], 4).token_ids == reference_greedy(reference_model, long_prompt[:40], 4)
+
+
+def test_model_service_started_before_the_cache_waits_for_it(medium_prompt, reference_model) -> None:
+    port = free_port()
+    model = start_model(f"127.0.0.1:{port}", "--num-blocks", "64", "--worker-id", "early-pool")
+    cache: Running | None = None
+    try:
+        with grpc.insecure_channel(model.addr) as channel, ThreadPoolExecutor(1) as pool:
+            stub = model_pb2_grpc.ModelServiceStub(channel)
+            info = stub.ModelInfo(model_pb2.ModelInfoRequest(), timeout=10)  # answers without a cache manager
+            assert info.num_blocks == 64
+            future: Future = pool.submit(greedy, stub, medium_prompt, 8)
+            # A request whose deadline passes while it waits for the cache manager is dropped.
+            expect_status(lambda: generate(stub, medium_prompt[:20], max_tokens=4, timeout=1.0),
+                          grpc.StatusCode.DEADLINE_EXCEEDED)
+            assert not future.done(), f"finished without a cache manager: {future}"
+            cache = start_cache_on(port)
+            result = future.result(timeout=90)  # no error: it waited for the cache manager
+        assert result.token_ids == reference_greedy(reference_model, medium_prompt, 8)
+        with grpc.insecure_channel(cache.addr) as channel:
+            stats = wait_until_idle(cache_pb2_grpc.CacheManagerStub(channel), "early-pool")
+        assert stats.num_blocks == 64
+        assert stats.num_admitted == stats.num_finished == 1, "the expired request was admitted"
+    finally:
+        model.process.stop(10.0)
+        if cache is not None:
+            cache.process.stop(5.0)
+
+
+# ---------------------------------------------------------------- leases
+
+LEASE_S = 1.5
+LEASE_BLOCK_SIZE = 64  # a decode step needs a cache RPC only every 64 tokens
+
+
+@pytest.fixture(scope="module")
+def short_lease() -> Iterator[Pair]:
+    cache = start_cache(["--lease-seconds", str(LEASE_S)])
+    model = start_model(cache.addr, "--num-blocks", "64", "--block-size", str(LEASE_BLOCK_SIZE),
+                        "--worker-id", "lease-pool")
+    p = Pair(cache, model, "lease-pool")
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def test_busy_model_service_keeps_its_lease(short_lease: Pair, reference_model) -> None:
+    """A generation that needs no cache RPC for longer than the lease (no new block, no finish)
+    must not lose the pool: the model service renews its lease while it is busy too."""
+    cache_stub = short_lease.cache_stub
+    stub = short_lease.model_stub
+    prompt = reference_model.tokenizer(LONG_DOCUMENT).input_ids[:70]  # 2 blocks: 128 tokens of room
+    epoch = wait_until_idle(cache_stub, short_lease.worker_id).epoch
+    lost_before = count_lines(short_lease.model, "cache pool lost")
+    started = time.monotonic()
+    g = generate(stub, prompt, temperature=0.0, max_tokens=56, ignore_eos=True, timeout=120)
+    took = time.monotonic() - started
+    assert len(g.token_ids) == 56
+    stats = wait_until_idle(cache_stub, short_lease.worker_id)
+    assert count_lines(short_lease.model, "cache pool lost") == lost_before, f"generation took {took:.1f} s"
+    assert stats.epoch == epoch, "the pool was re-registered: its lease expired while the model was busy"
+    # The first 64 prompt tokens stayed cached.
+    again = generate(stub, prompt, temperature=0.0, max_tokens=2, ignore_eos=True)
+    assert again.final.usage.cached_prompt_tokens == LEASE_BLOCK_SIZE
+    assert again.token_ids == g.token_ids[:2]
+
+
+def test_lease_expiry_of_a_stopped_model_service_is_recovered(short_lease: Pair, medium_prompt,
+                                                              reference_model) -> None:
+    max_tokens = 24
+    expected = reference_greedy(reference_model, medium_prompt, max_tokens)
+    cache_stub = short_lease.cache_stub
+    epoch = wait_until_idle(cache_stub, short_lease.worker_id).epoch
+    stream = start_stream(short_lease.model_stub, medium_prompt, temperature=0.0, max_tokens=max_tokens)
+    stream.wait_tokens(1, 60)
+    pid = short_lease.model.process.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        # The cache manager reclaims the pool (locks, private blocks and tree) once the lease runs out.
+        wait_for(lambda: try_pool_stats(cache_stub, short_lease.worker_id) is None, LEASE_S + 5,
+                 "the cache manager to retire the stopped model's pool")
+        assert not stream.done.is_set()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    messages = stream.result(120)
+    assert [t for m in messages for t in m.token_ids] == expected
+    assert messages[-1].usage.num_preemptions >= 1, "in-flight request not recomputed after losing its pool"
+    assert count_lines(short_lease.model, "FAILED_PRECONDITION") >= 1
+    stats = wait_until_idle(cache_stub, short_lease.worker_id)
+    assert stats.epoch > epoch, "the model service did not re-register"
+    assert stats.num_finished >= 1
+
+
+# ---------------------------------------------------------------- model service shutdown
+
+def test_sigterm_mid_stream_ends_the_stream_and_exits_zero(cache_service, cache_stub, medium_prompt) -> None:
+    model = start_model(cache_service.addr, "--num-blocks", "64", "--worker-id", "sigterm-pool")
+    try:
+        with grpc.insecure_channel(model.addr) as channel:
+            stream = start_stream(model_pb2_grpc.ModelServiceStub(channel), medium_prompt, timeout_s=60,
+                                  temperature=0.0, max_tokens=900, ignore_eos=True)
+            stream.wait_tokens(2, 60)
+            sent = time.monotonic()
+            os.kill(model.process.pid, signal.SIGTERM)
+            assert stream.done.wait(15), "the stream hangs after SIGTERM"
+        ended = time.monotonic() - sent
+        if stream.error is not None:
+            assert stream.error.code() == grpc.StatusCode.UNAVAILABLE, (stream.error.code(), stream.error.details())
+            assert "shutting down" in stream.error.details(), stream.error.details()
+        else:
+            assert stream.messages[-1].finish_reason == model_pb2.FINISH_REASON_ABORT
+        assert len(stream.token_ids) < 900
+        assert model.process.proc.wait(15) == 0
+        exited = time.monotonic() - sent
+        assert exited < 10, f"exit took {exited:.1f} s (stream ended after {ended:.1f} s)"
+        # The in-flight request's blocks went back before the process left (not at lease expiry).
+        stats = pool_stats(cache_stub, "sigterm-pool")
+        assert stats.num_running_requests == 0 and stats.num_private_blocks == 0, stats
+    finally:
+        model.process.stop(10.0)

@@ -149,7 +149,7 @@ class Engine:
         except Exception as e:  # a bug or OOM must not take the server down; fail this batch only
             log.exception("model forward failed")
             for request in batch.requests:
-                self._finish(request, FinishReason.ABORT, "", error=f"model forward failed: {e}")
+                self._finish(request, FinishReason.ERROR, "", error=f"model forward failed: {e}")
             return
         self.metrics.step_time.observe(time.perf_counter() - started)
         self.scheduler.on_executed(batch)

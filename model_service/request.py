@@ -21,7 +21,8 @@ class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     CANCELLED = "cancelled"
-    ABORT = "abort"
+    ABORT = "abort"  # server shutting down
+    ERROR = "error"  # the model step failed
 
 
 @dataclass(slots=True)

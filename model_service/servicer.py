@@ -27,6 +27,7 @@ _FINISH_REASONS = {
     FinishReason.LENGTH: model_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: model_pb2.FINISH_REASON_ABORT,
     FinishReason.CANCELLED: model_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: model_pb2.FINISH_REASON_ABORT,
 }
 
 

@@ -87,8 +87,7 @@ def test_bad_generate_request_is_rejected(model_stub: model_pb2_grpc.ModelServic
                                           build: Callable[[], model_pb2.GenerateRequest], code: grpc.StatusCode,
                                           fragments: tuple[str, ...]) -> None:
     before = wait_until_idle(cache_stub, BIG_POOL)
-    error = expect_status(lambda: drain(model_stub.Generate(build(), timeout=30)), code, *fragments)
-    assert error.trailing_metadata() is not None
+    expect_status(lambda: drain(model_stub.Generate(build(), timeout=30)), code, *fragments)
     after = wait_until_idle(cache_stub, BIG_POOL)
     assert after.num_admitted == before.num_admitted, "a rejected request reached the cache manager"
 

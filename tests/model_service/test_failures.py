@@ -213,13 +213,13 @@ def test_model_service_started_before_the_cache_waits_for_it(medium_prompt, refe
 # ---------------------------------------------------------------- leases
 
 LEASE_S = 1.5
-LEASE_BLOCK_SIZE = 64  # a decode step needs a cache RPC only every 64 tokens
+LEASE_BLOCK_SIZE = 256  # a decode step needs a cache RPC only every 256 tokens
 
 
 @pytest.fixture(scope="module")
 def short_lease() -> Iterator[Pair]:
     cache = start_cache(["--lease-seconds", str(LEASE_S)])
-    model = start_model(cache.addr, "--num-blocks", "64", "--block-size", str(LEASE_BLOCK_SIZE),
+    model = start_model(cache.addr, "--num-blocks", "8", "--block-size", str(LEASE_BLOCK_SIZE),
                         "--worker-id", "lease-pool")
     p = Pair(cache, model, "lease-pool")
     try:
@@ -229,24 +229,24 @@ def short_lease() -> Iterator[Pair]:
 
 
 def test_busy_model_service_keeps_its_lease(short_lease: Pair, reference_model) -> None:
-    """A generation that needs no cache RPC for longer than the lease (no new block, no finish)
+    """A generation that makes no cache RPC for longer than the lease (no new block, no finish)
     must not lose the pool: the model service renews its lease while it is busy too."""
     cache_stub = short_lease.cache_stub
-    stub = short_lease.model_stub
-    prompt = reference_model.tokenizer(LONG_DOCUMENT).input_ids[:70]  # 2 blocks: 128 tokens of room
+    prompt = reference_model.tokenizer(LONG_DOCUMENT).input_ids[:300]  # 2 blocks: room for 212 more tokens
     epoch = wait_until_idle(cache_stub, short_lease.worker_id).epoch
     lost_before = count_lines(short_lease.model, "cache pool lost")
-    started = time.monotonic()
-    g = generate(stub, prompt, temperature=0.0, max_tokens=56, ignore_eos=True, timeout=120)
-    took = time.monotonic() - started
-    assert len(g.token_ids) == 56
+    stream = start_stream(short_lease.model_stub, prompt, temperature=0.0, max_tokens=200, ignore_eos=True)
+    stream.wait_tokens(1, 60)
+    time.sleep(LEASE_S + 1.0)
+    assert not stream.done.is_set(), "the generation ended before outliving the lease: nothing was shown"
+    stream.call.cancel()
     stats = wait_until_idle(cache_stub, short_lease.worker_id)
-    assert count_lines(short_lease.model, "cache pool lost") == lost_before, f"generation took {took:.1f} s"
+    assert count_lines(short_lease.model, "cache pool lost") == lost_before
     assert stats.epoch == epoch, "the pool was re-registered: its lease expired while the model was busy"
-    # The first 64 prompt tokens stayed cached.
-    again = generate(stub, prompt, temperature=0.0, max_tokens=2, ignore_eos=True)
+    # The pool kept its tree: the first page of the prompt is cached.
+    again = generate(short_lease.model_stub, prompt, temperature=0.0, max_tokens=2, ignore_eos=True)
     assert again.final.usage.cached_prompt_tokens == LEASE_BLOCK_SIZE
-    assert again.token_ids == g.token_ids[:2]
+    assert again.token_ids == stream.token_ids[:2]
 
 
 def test_lease_expiry_of_a_stopped_model_service_is_recovered(short_lease: Pair, medium_prompt,

@@ -212,7 +212,7 @@ def test_model_service_started_before_the_cache_waits_for_it(medium_prompt, refe
 
 # ---------------------------------------------------------------- leases
 
-LEASE_S = 1.5
+LEASE_S = 2.0  # longer than any single engine step here (short prompts), far shorter than a generation
 LEASE_BLOCK_SIZE = 256  # a decode step needs a cache RPC only every 256 tokens
 
 
@@ -228,34 +228,38 @@ def short_lease() -> Iterator[Pair]:
         p.stop()
 
 
-def test_busy_model_service_keeps_its_lease(short_lease: Pair, reference_model) -> None:
+@pytest.fixture(scope="module")
+def short_prompt(reference_model) -> list[int]:
+    """40 tokens: each (re)prefill is one short step, well within the lease."""
+    return reference_model.tokenizer(LONG_DOCUMENT).input_ids[:40]
+
+
+def test_busy_model_service_keeps_its_lease(short_lease: Pair, short_prompt) -> None:
     """A generation that makes no cache RPC for longer than the lease (no new block, no finish)
     must not lose the pool: the model service renews its lease while it is busy too."""
     cache_stub = short_lease.cache_stub
-    prompt = reference_model.tokenizer(LONG_DOCUMENT).input_ids[:300]  # 2 blocks: room for 212 more tokens
-    epoch = wait_until_idle(cache_stub, short_lease.worker_id).epoch
+    before = wait_until_idle(cache_stub, short_lease.worker_id)
     lost_before = count_lines(short_lease.model, "cache pool lost")
-    stream = start_stream(short_lease.model_stub, prompt, temperature=0.0, max_tokens=200, ignore_eos=True)
+    stream = start_stream(short_lease.model_stub, short_prompt, temperature=0.0, max_tokens=200, ignore_eos=True)
     stream.wait_tokens(1, 60)
     time.sleep(LEASE_S + 1.0)
     assert not stream.done.is_set(), "the generation ended before outliving the lease: nothing was shown"
     stream.call.cancel()
     stats = wait_until_idle(cache_stub, short_lease.worker_id)
     assert count_lines(short_lease.model, "cache pool lost") == lost_before
-    assert stats.epoch == epoch, "the pool was re-registered: its lease expired while the model was busy"
-    # The pool kept its tree: the first page of the prompt is cached.
-    again = generate(short_lease.model_stub, prompt, temperature=0.0, max_tokens=2, ignore_eos=True)
-    assert again.final.usage.cached_prompt_tokens == LEASE_BLOCK_SIZE
-    assert again.token_ids == stream.token_ids[:2]
+    assert stats.epoch == before.epoch, "the pool was re-registered: its lease expired while the model was busy"
+    assert stats.num_finished == before.num_finished + 1
 
 
-def test_lease_expiry_of_a_stopped_model_service_is_recovered(short_lease: Pair, medium_prompt,
+def test_lease_expiry_of_a_stopped_model_service_is_recovered(short_lease: Pair, short_prompt,
                                                               reference_model) -> None:
     max_tokens = 24
-    expected = reference_greedy(reference_model, medium_prompt, max_tokens)
+    expected = reference_greedy(reference_model, short_prompt, max_tokens)
+    assert len(expected) == max_tokens  # no early end-of-sequence: the request is in flight throughout
     cache_stub = short_lease.cache_stub
     epoch = wait_until_idle(cache_stub, short_lease.worker_id).epoch
-    stream = start_stream(short_lease.model_stub, medium_prompt, temperature=0.0, max_tokens=max_tokens)
+    rejected_before = count_lines(short_lease.model, "FAILED_PRECONDITION")
+    stream = start_stream(short_lease.model_stub, short_prompt, temperature=0.0, max_tokens=max_tokens)
     stream.wait_tokens(1, 60)
     pid = short_lease.model.process.pid
     os.kill(pid, signal.SIGSTOP)
@@ -269,7 +273,7 @@ def test_lease_expiry_of_a_stopped_model_service_is_recovered(short_lease: Pair,
     messages = stream.result(120)
     assert [t for m in messages for t in m.token_ids] == expected
     assert messages[-1].usage.num_preemptions >= 1, "in-flight request not recomputed after losing its pool"
-    assert count_lines(short_lease.model, "FAILED_PRECONDITION") >= 1
+    assert count_lines(short_lease.model, "FAILED_PRECONDITION") > rejected_before
     stats = wait_until_idle(cache_stub, short_lease.worker_id)
     assert stats.epoch > epoch, "the model service did not re-register"
     assert stats.num_finished >= 1

@@ -159,13 +159,14 @@ def pair() -> Iterator[Pair]:
         p.stop()
 
 
-def test_cache_killed_and_restarted_mid_generation_is_invisible_to_the_client(pair: Pair, long_prompt,
+def test_cache_killed_and_restarted_mid_generation_is_invisible_to_the_client(pair: Pair, medium_prompt,
                                                                               reference_model) -> None:
-    max_tokens = 32
-    expected = reference_greedy(reference_model, long_prompt, max_tokens)
+    max_tokens = 24  # 100 prompt tokens: the request needs a new block (a cache Step) at its 13th token
+    expected = reference_greedy(reference_model, medium_prompt, max_tokens)
+    assert len(expected) == max_tokens  # no early end-of-sequence: the request is in flight throughout
     stub = pair.model_stub
     wait_until_idle(pair.cache_stub, pair.worker_id)  # registered
-    stream = start_stream(stub, long_prompt, temperature=0.0, max_tokens=max_tokens)
+    stream = start_stream(stub, medium_prompt, temperature=0.0, max_tokens=max_tokens)
     stream.wait_tokens(1, 120)
     port = port_of(pair.cache.addr)
     pair.cache.process.proc.kill()  # SIGKILL: no goodbye
@@ -180,7 +181,7 @@ def test_cache_killed_and_restarted_mid_generation_is_invisible_to_the_client(pa
     # The model service registered its pool at the new cache manager, and serves on.
     stats = wait_until_idle(pair.cache_stub, pair.worker_id)
     assert stats.num_blocks == 128 and stats.num_finished >= 1
-    assert greedy(stub, long_prompt[:40], 4).token_ids == reference_greedy(reference_model, long_prompt[:40], 4)
+    assert greedy(stub, medium_prompt[:40], 4).token_ids == reference_greedy(reference_model, medium_prompt[:40], 4)
 
 
 def test_model_service_started_before_the_cache_waits_for_it(medium_prompt, reference_model) -> None:

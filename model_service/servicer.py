@@ -122,23 +122,27 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         )
 
     def _max_tokens(self, sampling: model_pb2.SamplingParams, num_prompt: int) -> int:
+        """The request's max_tokens. The model's context is checked before the pool: a request the
+        model can never take is INVALID_ARGUMENT; one only this pool is too small for is
+        RESOURCE_EXHAUSTED."""
         context_limit = self.loaded.max_context_tokens
         pool_limit = self.info.pool_capacity_tokens
         if num_prompt >= context_limit:
             raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
                                  f"prompt has {num_prompt} tokens; the model's context is {context_limit} tokens")
+        if sampling.HasField("max_tokens"):
+            max_tokens = sampling.max_tokens
+            if max_tokens <= 0:
+                raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens must be > 0, got {max_tokens}")
+            if num_prompt + max_tokens > context_limit:
+                raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the "
+                                     f"model's context of {context_limit} tokens")
         if num_prompt >= pool_limit:
             raise InvalidRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  f"prompt has {num_prompt} tokens; the whole KV pool holds {pool_limit} tokens")
         if not sampling.HasField("max_tokens"):
             return min(DEFAULT_MAX_TOKENS, context_limit - num_prompt, pool_limit - num_prompt)
-        max_tokens = sampling.max_tokens
-        if max_tokens <= 0:
-            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens must be > 0, got {max_tokens}")
-        if num_prompt + max_tokens > context_limit:
-            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                                 f"context of {context_limit} tokens")
         if num_prompt + max_tokens > pool_limit:
             raise InvalidRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the KV pool "

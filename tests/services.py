@@ -11,6 +11,14 @@ import pytest
 from scripts.service_process import ServiceError, ServiceProcess
 
 REPO = Path(__file__).resolve().parents[1]
+CACHE_START_TIMEOUT_S = 60.0
+MODEL_START_TIMEOUT_S = 300.0
+
+# The session-wide model service (tests/conftest.py): bundled model, a pool smaller than the
+# model's 8192-token context (so "larger than the pool" is reachable), big enough for the
+# correctness prompts to run concurrently.
+SHARED_POOL_ID = "shared-pool"
+SHARED_NUM_BLOCKS = 384
 
 
 @dataclass(frozen=True)
@@ -37,3 +45,13 @@ def start_service(name: str, args: list[str], timeout_s: float) -> Running:
         output = "\n".join(log)
         pytest.fail(f"{error}\n--- {name} output ---\n{output}", pytrace=False)
     return Running(addr, process, log)
+
+
+def start_cache(extra: list[str] | None = None) -> Running:
+    return start_service("cache_service", ["--host", "127.0.0.1", "--port", "0", *(extra or [])],
+                         CACHE_START_TIMEOUT_S)
+
+
+def start_model(cache_addr: str, *extra: str) -> Running:
+    args = ["--host", "127.0.0.1", "--port", "0", "--cache-addr", cache_addr, *extra]
+    return start_service("model_service", args, MODEL_START_TIMEOUT_S)

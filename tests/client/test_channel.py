@@ -21,10 +21,9 @@ from client import AsyncRadixKVClient, RadixKVClient, RadixKVError, RetryPolicy
 from client.channel import service_config
 from client.messages import generate_request, tokenize_request
 from protos import model_pb2
-from tests.client.conftest import Running
 from tests.client.helpers import PROMPT, free_port
 from tests.fault_proxy import FaultProxy
-from tests.services import start_service
+from tests.services import Running, start_service
 
 # A call that cannot reach its server gives up within this (its retries back off ~1.5 s in all).
 FAIL_FAST_S = 6.0

@@ -8,8 +8,9 @@ import time
 import pytest
 
 from client import GenerateResult, RadixKVClient
-from tests.client.conftest import MODEL_NUM_BLOCKS, Running
 from tests.client.helpers import PROMPT, free_port, run_cli
+from tests.services import SHARED_NUM_BLOCKS as MODEL_NUM_BLOCKS
+from tests.services import Running
 
 pytestmark = pytest.mark.model
 

@@ -9,8 +9,9 @@ import grpc
 import pytest
 
 from client import AsyncRadixKVClient, RadixKVClient, RadixKVError
-from tests.client.conftest import MODEL_NUM_BLOCKS, Running
 from tests.client.helpers import LONG_PROMPT, PROMPT
+from tests.services import SHARED_NUM_BLOCKS as MODEL_NUM_BLOCKS
+from tests.services import Running
 
 pytestmark = pytest.mark.model
 

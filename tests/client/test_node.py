@@ -8,8 +8,8 @@ import subprocess
 import pytest
 
 from client import RadixKVClient
-from tests.client.conftest import Running
 from tests.client.helpers import PROMPT, REPO, free_port
+from tests.services import Running
 
 pytestmark = pytest.mark.model
 

@@ -13,8 +13,17 @@ import pytest
 
 from protos import cache_pb2, cache_pb2_grpc, model_pb2
 from scripts import service_process
-from tests.model_service.conftest import assert_pool_whole, pool_stats
 from tests.services import Running, start_service
+
+
+def pool_stats(stub: cache_pb2_grpc.CacheManagerStub, pool_id: str) -> cache_pb2.PoolStats:
+    (stats,) = stub.Stats(cache_pb2.StatsRequest(pool_id=pool_id)).pools
+    return stats
+
+
+def assert_pool_whole(stats: cache_pb2.PoolStats) -> None:
+    """Block accounting adds up (free + cached + private == total)."""
+    assert stats.num_free_blocks + stats.num_cached_blocks + stats.num_private_blocks == stats.num_blocks, stats
 
 
 def expect_status(call: Callable[[], Any], code: grpc.StatusCode, *fragments: str) -> grpc.RpcError:

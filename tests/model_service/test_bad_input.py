@@ -12,12 +12,11 @@ import pytest
 
 from protos import cache_pb2_grpc, model_pb2, model_pb2_grpc
 from tests.model_service.checks import drain, expect_status, wait_until_idle
-from tests.model_service.conftest import start_model
 from tests.model_service.generation import LONG_DOCUMENT, Generated, generate
+from tests.services import SHARED_POOL_ID, start_model
 
 pytestmark = pytest.mark.model
 
-BIG_POOL = "big-pool"  # the shared model_service fixture's worker id
 VOCAB = 49152
 CONTEXT = 8192
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -86,9 +85,9 @@ def test_bad_generate_request_is_rejected(model_stub: model_pb2_grpc.ModelServic
                                           cache_stub: cache_pb2_grpc.CacheManagerStub,
                                           build: Callable[[], model_pb2.GenerateRequest], code: grpc.StatusCode,
                                           fragments: tuple[str, ...]) -> None:
-    before = wait_until_idle(cache_stub, BIG_POOL)
+    before = wait_until_idle(cache_stub, SHARED_POOL_ID)
     expect_status(lambda: drain(model_stub.Generate(build(), timeout=30)), code, *fragments)
-    after = wait_until_idle(cache_stub, BIG_POOL)
+    after = wait_until_idle(cache_stub, SHARED_POOL_ID)
     assert after.num_admitted == before.num_admitted, "a rejected request reached the cache manager"
 
 
@@ -110,7 +109,7 @@ def test_service_still_serves_after_bad_requests(model_stub: model_pb2_grpc.Mode
     g = generate(model_stub, prompt="The capital of France is", temperature=0.0, max_tokens=4, ignore_eos=True)
     assert len(g.token_ids) == 4
     assert g.final.finish_reason == model_pb2.FINISH_REASON_LENGTH
-    wait_until_idle(cache_stub, BIG_POOL)
+    wait_until_idle(cache_stub, SHARED_POOL_ID)
 
 
 # ---------------------------------------------------------------- a constrained service

@@ -21,19 +21,18 @@ from tests.model_service.checks import (
     count_lines,
     expect_status,
     free_port,
+    pool_stats,
     port_of,
     start_cache_on,
     try_pool_stats,
     wait_for,
     wait_until_idle,
 )
-from tests.model_service.conftest import pool_stats, start_cache, start_model
 from tests.model_service.generation import LONG_DOCUMENT, generate, greedy, reference_greedy
-from tests.services import Running
+from tests.services import SHARED_POOL_ID, Running, start_cache, start_model
 
 pytestmark = pytest.mark.model
 
-BIG_POOL = "big-pool"
 # Requests to the shared big-pool service cache their prefixes in a namespace of their own, so
 # other modules' cold-cache expectations for the same document hold whatever runs first.
 NAMESPACE = "failure-tests"
@@ -97,7 +96,7 @@ def medium_prompt(reference_model) -> list[int]:
 
 def test_client_cancel_mid_stream_returns_the_blocks(model_stub, cache_stub, medium_prompt,
                                                      reference_model) -> None:
-    before = wait_until_idle(cache_stub, BIG_POOL)
+    before = wait_until_idle(cache_stub, SHARED_POOL_ID)
     stream = start_stream(model_stub, medium_prompt, namespace=NAMESPACE, temperature=0.0, max_tokens=200,
                           ignore_eos=True)
     stream.wait_tokens(2, 60)
@@ -105,13 +104,13 @@ def test_client_cancel_mid_stream_returns_the_blocks(model_stub, cache_stub, med
     assert stream.done.wait(10), "the stream did not end after cancel()"
     assert stream.error is not None and stream.error.code() == grpc.StatusCode.CANCELLED
     assert len(stream.token_ids) < 200
-    after = wait_until_idle(cache_stub, BIG_POOL)
+    after = wait_until_idle(cache_stub, SHARED_POOL_ID)
     assert after.num_finished == before.num_finished + 1
     # The cancelled request's computed pages went to the tree: the same prompt hits them now.
     g = generate(model_stub, medium_prompt, namespace=NAMESPACE, temperature=0.0, max_tokens=4)
     assert g.token_ids == reference_greedy(reference_model, medium_prompt, 4)
     assert g.final.usage.cached_prompt_tokens == (len(medium_prompt) - 1) // 16 * 16
-    wait_until_idle(cache_stub, BIG_POOL)
+    wait_until_idle(cache_stub, SHARED_POOL_ID)
 
 
 @pytest.mark.parametrize("timeout_s", [0.05, 1.5], ids=["before-first-token", "mid-stream"])
@@ -122,9 +121,9 @@ def test_deadline_exceeded_leaks_nothing(model_stub, cache_stub, long_prompt, ti
     expect_status(lambda: list(model_stub.Generate(request, timeout=timeout_s)), grpc.StatusCode.DEADLINE_EXCEEDED,
                   "deadline")
     assert time.monotonic() - started < timeout_s + 5
-    wait_until_idle(cache_stub, BIG_POOL)
+    wait_until_idle(cache_stub, SHARED_POOL_ID)
     assert len(generate(model_stub, prompt="Hi", max_tokens=3, ignore_eos=True, timeout=60).token_ids) == 3
-    wait_until_idle(cache_stub, BIG_POOL)
+    wait_until_idle(cache_stub, SHARED_POOL_ID)
 
 
 # ---------------------------------------------------------------- cache manager down or restarted

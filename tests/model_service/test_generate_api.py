@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 
 from protos import cache_pb2_grpc, model_pb2, model_pb2_grpc
-from tests.model_service.checks import wait_until_idle
-from tests.model_service.conftest import pool_stats
+from tests.model_service.checks import pool_stats, wait_until_idle
 from tests.model_service.generation import generate, greedy
+from tests.services import SHARED_NUM_BLOCKS, SHARED_POOL_ID
 
 pytestmark = pytest.mark.model
 
-BIG_POOL = "big-pool"
 VOCAB_LAST = 49151  # a token id that never comes up in these short generations
 PROMPT = "The capital of France is"
 CHAT = [("system", "You are a concise assistant."), ("user", "Name three colours of the rainbow.")]
@@ -35,7 +34,7 @@ def test_model_info_agrees_with_the_tokenizer_and_the_cache(model_stub: model_pb
     assert info.model_fingerprint == reference_model.fingerprint
     assert (info.num_layers, info.num_kv_heads) == (config.num_hidden_layers, config.num_key_value_heads)
     assert info.head_dim == config.hidden_size // config.num_attention_heads
-    assert (info.block_size, info.num_blocks, info.pool_id) == (16, 512, BIG_POOL)
+    assert (info.block_size, info.num_blocks, info.pool_id) == (16, SHARED_NUM_BLOCKS, SHARED_POOL_ID)
     assert (info.device, info.dtype, info.attention_backend) == ("cpu", "float32", "torch")
     stats = pool_stats(cache_stub, info.pool_id)
     assert stats.model_fingerprint == info.model_fingerprint
@@ -73,7 +72,7 @@ def test_generate_chat_equals_generate_template_token_ids(model_stub, cache_stub
     assert chat_tokens == by_ids.token_ids
     assert "".join(m.text for m in messages) == by_ids.text
     assert messages[-1].usage.prompt_tokens == len(ids)
-    wait_until_idle(cache_stub, BIG_POOL)
+    wait_until_idle(cache_stub, SHARED_POOL_ID)
 
 
 # ---------------------------------------------------------------- finish reasons
@@ -95,7 +94,7 @@ def test_length_when_max_tokens_is_reached(model_stub, cache_stub, free_run, ref
     assert final.usage.completion_tokens == 5
     assert final.usage.prompt_tokens == len(reference_model.tokenizer(PROMPT).input_ids)
     assert all(m.finish_reason == model_pb2.FINISH_REASON_UNSPECIFIED for m in g.messages[:-1])
-    wait_until_idle(cache_stub, BIG_POOL)
+    wait_until_idle(cache_stub, SHARED_POOL_ID)
 
 
 def _stop_string(text: str) -> str:
@@ -117,7 +116,7 @@ def test_stop_string_ends_generation_and_is_not_returned(model_stub, cache_stub,
     assert len(g.token_ids) < len(free_run.token_ids)
     assert g.token_ids == free_run.token_ids[:len(g.token_ids)]
     assert g.final.usage.completion_tokens == len(g.token_ids)
-    wait_until_idle(cache_stub, BIG_POOL)
+    wait_until_idle(cache_stub, SHARED_POOL_ID)
 
 
 def test_stop_token_id_ends_generation_and_is_not_in_the_text(model_stub, cache_stub, free_run,
@@ -131,7 +130,7 @@ def test_stop_token_id_ends_generation_and_is_not_in_the_text(model_stub, cache_
     assert g.final.matched_stop == str(stop_token)
     # ... but not in the text.
     assert g.text == reference_model.tokenizer.decode(free_run.token_ids[:first], skip_special_tokens=True)
-    wait_until_idle(cache_stub, BIG_POOL)
+    wait_until_idle(cache_stub, SHARED_POOL_ID)
 
 
 
@@ -147,4 +146,4 @@ def test_same_seed_same_tokens_other_seed_differs(model_stub, cache_stub) -> Non
     first = _sampled(model_stub, 1234)
     assert _sampled(model_stub, 1234) == first
     assert _sampled(model_stub, 98765) != first  # 12 tokens at temperature 0.8: equal only by a fluke
-    wait_until_idle(cache_stub, BIG_POOL)
+    wait_until_idle(cache_stub, SHARED_POOL_ID)

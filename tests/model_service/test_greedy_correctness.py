@@ -10,8 +10,9 @@ import grpc
 import pytest
 
 from protos import model_pb2_grpc
-from tests.model_service.conftest import assert_pool_whole, start_model, wait_pool_idle
+from tests.model_service.checks import wait_until_idle
 from tests.model_service.generation import LONG_DOCUMENT, correctness_prompts, greedy, reference_greedy
+from tests.services import SHARED_POOL_ID, start_model
 
 MAX_TOKENS = 24
 
@@ -40,8 +41,7 @@ def test_one_at_a_time_then_cached(model_stub, cache_stub, prompts, expected):
         assert usage.completion_tokens == len(g.token_ids)
         # Everything but the last partial page (and at least one token) came from the cache.
         assert usage.cached_prompt_tokens == (len(prompt) - 1) // 16 * 16
-    stats = wait_pool_idle(cache_stub, "big-pool")
-    assert_pool_whole(stats)
+    stats = wait_until_idle(cache_stub, SHARED_POOL_ID)
     assert stats.num_running_requests == 0 and stats.num_private_blocks == 0
 
 
@@ -85,8 +85,7 @@ def test_tiny_pool_preempts_and_evicts_yet_identical(tiny_pool_service, cache_st
     # A new long prompt cannot fit next to the cached ones without evicting them.
     other = reference_model.tokenizer(LONG_DOCUMENT[len(LONG_DOCUMENT) // 2:]).input_ids
     assert greedy(tiny_pool_service, other, 4).token_ids == reference_greedy(reference_model, other, 4)
-    stats = wait_pool_idle(cache_stub, "tiny-pool")
-    assert_pool_whole(stats)
+    stats = wait_until_idle(cache_stub, "tiny-pool")
     assert stats.num_released > 0
     assert stats.num_evicted_blocks > 0
     assert stats.num_running_requests == 0 and stats.num_private_blocks == 0

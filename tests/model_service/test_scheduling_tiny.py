@@ -17,8 +17,9 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from model_service.model_loader import LoadedModel, _convert_gguf, bundled_model_path, load_model
 from protos import model_pb2_grpc
-from tests.model_service.conftest import assert_pool_whole, start_model, wait_pool_idle
+from tests.model_service.checks import wait_until_idle
 from tests.model_service.generation import generate, greedy, reference_greedy
+from tests.services import start_model
 
 MAX_TOKENS = 12
 
@@ -87,8 +88,7 @@ def test_chunked_prefill_matches_generate(chunked_service, cache_stub, prompts, 
     assert [g.token_ids for g in again] == expected
     for prompt, g in zip(prompts, again, strict=True):
         assert g.final.usage.cached_prompt_tokens == (len(prompt) - 1) // 4 * 4
-    stats = wait_pool_idle(cache_stub, "tiny-chunked")
-    assert_pool_whole(stats)
+    stats = wait_until_idle(cache_stub, "tiny-chunked")
     assert stats.num_running_requests == 0
 
 
@@ -98,8 +98,7 @@ def test_small_pool_preempts_and_still_matches(small_pool_service, cache_stub, t
     results = _concurrently(small_pool_service, prompts, long_outputs)
     assert [g.token_ids for g in results] == expected
     assert sum(g.final.usage.num_preemptions for g in results) > 0
-    stats = wait_pool_idle(cache_stub, "tiny-small-pool")
-    assert_pool_whole(stats)
+    stats = wait_until_idle(cache_stub, "tiny-small-pool")
     assert stats.num_released > 0
     assert stats.num_running_requests == 0 and stats.num_private_blocks == 0
 

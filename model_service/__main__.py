@@ -8,6 +8,8 @@ import logging
 import re
 import sys
 
+import torch
+
 from model_service.server import DTYPES, ModelServiceConfig, serve
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
@@ -53,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="waiting queue bound; beyond it Generate fails with RESOURCE_EXHAUSTED")
     p.add_argument("--worker-id", default=None, help="pool name at the cache manager (default model-HOST-PORT)")
     p.add_argument("--cache-timeout", type=float, default=10.0, help="deadline of each cache manager RPC (s)")
+    p.add_argument("--num-threads", type=positive_int, default=None,
+                   help="torch CPU threads (default: torch's choice, one per core); use fewer when the "
+                        "cores are shared with other busy processes")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (off when not given)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -60,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.num_threads is not None:
+        torch.set_num_threads(args.num_threads)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ModelServiceConfig(

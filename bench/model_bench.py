@@ -306,7 +306,9 @@ class Reference:
         config.max_new_tokens = max_new_tokens
         config.min_new_tokens = None
         config.do_sample = False
-        config.eos_token_id = None  # ignore_eos, as our requests
+        # ignore_eos, as our requests. None would be filled in from the model's defaults by
+        # generate(); an id outside the vocabulary is never produced, so it never stops.
+        config.eos_token_id = self.model.config.vocab_size
         config.pad_token_id = self.pad_id
         return config
 

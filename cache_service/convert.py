@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from cache_service.events import AllCleared, BlockRemoved, BlockStored, CacheEvent
-from cache_service.schema import Admit, Extend, Finish, PoolStats, StepInput, StepResult
+from cache_service.pool import Pool
+from cache_service.schema import Admit, Extend, Finish, MatchInfo, PoolStats, StepInput, StepResult
 from protos import cache_pb2
 
 
@@ -65,6 +66,17 @@ def pool_stats(s: PoolStats) -> cache_pb2.PoolStats:
         num_finished=s.num_finished,
         num_released=s.num_released,
         lease_remaining_seconds=s.lease_remaining_seconds,
+    )
+
+
+def pool_match(pool: Pool, found: MatchInfo) -> cache_pb2.PoolMatch:
+    return cache_pb2.PoolMatch(
+        pool_id=pool.pool_id,
+        worker_id=pool.worker_id,
+        matched_tokens=found.matched_tokens,
+        block_ids=found.block_ids,
+        num_private_blocks=pool.num_private_blocks,
+        num_free_blocks=pool.allocator.num_free_blocks,
     )
 
 

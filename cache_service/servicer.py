@@ -101,17 +101,7 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
             pools = [p for p in self.registry.pools.values() if not fingerprint or p.model_fingerprint == fingerprint]
         matches = []
         for pool in pools:
-            found = pool.match(request.token_ids, request.namespace)
-            matches.append(
-                cache_pb2.PoolMatch(
-                    pool_id=pool.pool_id,
-                    worker_id=pool.worker_id,
-                    matched_tokens=found.matched_tokens,
-                    block_ids=found.block_ids,
-                    num_private_blocks=pool.num_private_blocks,
-                    num_free_blocks=pool.allocator.num_free_blocks,
-                )
-            )
+            matches.append(convert.pool_match(pool, pool.match(request.token_ids, request.namespace)))
         matches.sort(key=lambda m: (-m.matched_tokens, m.num_private_blocks, m.pool_id))
         return cache_pb2.MatchResponse(matches=matches)
 

@@ -131,7 +131,12 @@ async def serve(config: ModelServiceConfig) -> int:
         print(f"model_service: cannot listen on {address} (port in use?): {e}", file=sys.stderr, flush=True)
         return 1
     if config.metrics_port is not None:
-        engine.metrics.serve(config.metrics_port, config.host)
+        try:
+            engine.metrics.serve(config.metrics_port, config.host)
+        except OSError as e:
+            print(f"model_service: cannot serve metrics on port {config.metrics_port}: {e.strerror}",
+                  file=sys.stderr, flush=True)
+            return 1
         log.info("metrics on http://%s/metrics", format_address(config.host, config.metrics_port))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -54,7 +54,6 @@ class Request:
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None
     matched_stop: str = ""
-    cancelled: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:

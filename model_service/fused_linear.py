@@ -11,8 +11,9 @@ own slice of the weight, so an unusual call order is still correct.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from model_service.short_gemm import short_linear
 
 SIBLING_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -32,11 +33,11 @@ class FusedGroup:
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
         if index == 0:
             self._input = x
-            self._outputs = torch.split(F.linear(x, self.weight, self.bias), self.sizes, dim=-1)
+            self._outputs = torch.split(short_linear(x, self.weight, self.bias), self.sizes, dim=-1)
         elif x is not self._input:
             start, size = self.offsets[index], self.sizes[index]
             bias = self.bias[start:start + size] if self.bias is not None else None
-            return F.linear(x, self.weight[start:start + size], bias)
+            return short_linear(x, self.weight[start:start + size], bias)
         out = self._outputs[index]
         if index == len(self.sizes) - 1:  # last sibling: drop references
             self._input, self._outputs = None, ()

@@ -8,6 +8,7 @@ implements with the functional attention interface (Llama, Qwen2, Mistral, ...) 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -17,6 +18,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from model_service.attention.base import AttentionBackend, BatchLayout
 from model_service.fused_linear import fuse_sibling_projections
 from model_service.kv_cache import KVCache
+from model_service.short_gemm import single_token_step, use_short_input_gemm
 
 ATTENTION_NAME = "radixkv_paged"
 _CONTEXT_KWARG = "radixkv_context"
@@ -66,6 +68,7 @@ class ModelRunner:
         self.model = model
         self.model.set_attn_implementation(ATTENTION_NAME)
         fuse_sibling_projections(model)
+        use_short_input_gemm(model)
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device
@@ -107,11 +110,14 @@ class ModelRunner:
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self.device)
         last_index = layout.query_start_loc[1:].to(torch.int64) - 1
         keep = torch.tensor([c.needs_logits for c in chunks], device=self.device)
-        output = self.model(
-            input_ids=input_ids.unsqueeze(0),  # [1, num_tokens]
-            position_ids=positions.to(self.device).unsqueeze(0),  # [1, num_tokens]
-            use_cache=False,
-            logits_to_keep=last_index[keep],
-            **{_CONTEXT_KWARG: self._context},
-        )
+        # One token on CPU: one intra-op thread, large matrix-vector products split across cores.
+        single = layout.num_tokens == 1 and self.device.type == "cpu"
+        with single_token_step() if single else contextlib.nullcontext():
+            output = self.model(
+                input_ids=input_ids.unsqueeze(0),  # [1, num_tokens]
+                position_ids=positions.to(self.device).unsqueeze(0),  # [1, num_tokens]
+                use_cache=False,
+                logits_to_keep=last_index[keep],
+                **{_CONTEXT_KWARG: self._context},
+            )
         return output.logits[0].float()  # [num_logits, vocab]

@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from model_service.malloc_tuning import keep_freed_memory
 from model_service.server import DTYPES, ModelServiceConfig, serve
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.num_threads)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keep_freed_memory()
     config = ModelServiceConfig(
         host=args.host, port=args.port, cache_addr=args.cache_addr, model=args.model, block_size=args.block_size,
         num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory, device=args.device, dtype=args.dtype,

@@ -26,6 +26,7 @@ uses it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -59,8 +60,7 @@ def single_token_step() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-@torch.jit.script
-def _split_rows_linear(x: torch.Tensor, weight: torch.Tensor, num_parts: int) -> torch.Tensor:
+def _split_rows_linear_eager(x: torch.Tensor, weight: torch.Tensor, num_parts: int) -> torch.Tensor:
     """F.linear (no bias) with the weight's rows split into `num_parts` products run concurrently."""
     weights = weight.chunk(num_parts, 0)
     futures = [torch.jit.fork(F.linear, x, weights[i]) for i in range(1, len(weights))]
@@ -68,6 +68,13 @@ def _split_rows_linear(x: torch.Tensor, weight: torch.Tensor, num_parts: int) ->
     for future in futures:
         outputs.append(torch.jit.wait(future))
     return torch.cat(outputs, -1)
+
+
+# torch.jit.fork runs concurrently only from TorchScript (called from Python it runs inline).
+# torch 2.13 deprecates torch.jit.script but offers no other inter-op fork, hence the filter.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    _split_rows_linear = torch.jit.script(_split_rows_linear_eager)
 
 
 def short_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

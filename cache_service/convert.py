@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cache_service.events import AllCleared, BlockRemoved, BlockStored, CacheEvent
 from cache_service.pool import Pool
-from cache_service.schema import Admit, Extend, Finish, MatchInfo, PoolStats, StepInput, StepResult
+from cache_service.schema import Admit, Commit, Extend, Finish, MatchInfo, PoolStats, StepInput, StepResult
 from protos import cache_pb2
 
 
@@ -20,6 +20,7 @@ def step_input(msg: cache_pb2.StepRequest) -> StepInput:
         finishes=[_finish(f) for f in msg.finishes],
         extends=[Extend(e.request_id, e.num_tokens) for e in msg.extends],
         admits=[Admit(a.request_id, tuple(a.token_ids), a.namespace, a.num_lookahead_tokens) for a in msg.admits],
+        commits=[Commit(c.request_id, c.num_computed_tokens) for c in msg.commits],
     )
 
 
@@ -38,6 +39,11 @@ def step_response(result: StepResult) -> cache_pb2.StepResponse:
         extends=[
             cache_pb2.ExtendResult(request_id=e.request_id, ok=e.ok, new_block_ids=e.new_block_ids)
             for e in result.extends
+        ],
+        commits=[
+            cache_pb2.CommitResult(request_id=c.request_id, cached_tokens=c.cached_tokens,
+                                   cached_block_ids=c.cached_block_ids)
+            for c in result.commits
         ],
         num_evicted_blocks=result.num_evicted_blocks,
         num_free_blocks=result.num_free_blocks,

@@ -5,7 +5,9 @@ A request's block table has two parts: the first `num_cached_pages` blocks came 
 are private to the request until it finishes. On finish/release the computed full pages are
 inserted into the tree: private pages that another request cached meanwhile are freed as
 duplicates, the others change owner to the tree; the partial tail page and unused blocks are
-freed.
+freed. A commit (SGLang's `cache_unfinished_req`) inserts a running request's computed full
+pages the same way, but the request keeps them: they join its tree-owned, locked prefix, and
+its duplicates are swapped for the tree's copies.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from cache_service.schema import (
     Admit,
     AdmitResult,
     ClearResult,
+    Commit,
+    CommitResult,
     Extend,
     ExtendResult,
     Finish,
@@ -95,13 +99,14 @@ class Pool:
     # ------------------------------------------------------------------ step
 
     def step(self, step: StepInput) -> StepResult:
-        """Validate the whole step, then apply releases+finishes, extends, admits (FCFS)."""
+        """Validate the whole step, then apply releases+finishes, commits, extends, admits (FCFS)."""
         self._validate(step)
         evicted_before = self.num_evicted_blocks
         for item in step.releases:
             self._finish(item, released=True)
         for item in step.finishes:
             self._finish(item, released=False)
+        commits = [self._commit(item) for item in step.commits]
         extends = [self._extend(item) for item in step.extends]
         admits: list[AdmitResult] = []
         full = False
@@ -110,7 +115,7 @@ class Pool:
             full = not result.admitted
             admits.append(result)
         return StepResult(
-            admits, extends, self.num_evicted_blocks - evicted_before, self.allocator.num_free_blocks
+            admits, extends, commits, self.num_evicted_blocks - evicted_before, self.allocator.num_free_blocks
         )
 
     def _validate(self, step: StepInput) -> None:
@@ -122,6 +127,14 @@ class Pool:
             if rid in seen:
                 raise InvalidArgument(f"request {rid!r} appears more than once in the step")
             seen.add(rid)
+        # A running request may commit and extend in the same step; nothing else may repeat.
+        extending = {item.request_id for item in step.extends}
+        committing: set[str] = set()
+        for item in step.commits:
+            rid = item.request_id
+            if rid in committing or (rid in seen and rid not in extending):
+                raise InvalidArgument(f"request {rid!r} appears more than once in the step")
+            committing.add(rid)
         bs = self.block_size
         for item in chain(step.releases, step.finishes):
             req = self._live_request(item.request_id)
@@ -141,6 +154,14 @@ class Pool:
                 raise FailedPrecondition(
                     f"request {item.request_id!r}: block_table does not match the blocks the cache "
                     "gave this request"
+                )
+        for item in step.commits:
+            req = self._live_request(item.request_id)
+            limit = min(len(req.prompt), len(req.block_table) * bs)
+            if item.num_computed_tokens < 0 or item.num_computed_tokens > limit:
+                raise InvalidArgument(
+                    f"request {item.request_id!r}: commit of {item.num_computed_tokens} tokens outside "
+                    f"[0, {limit}] (tokens sent at admission, within its blocks)"
                 )
         for item in step.extends:
             self._live_request(item.request_id)
@@ -225,6 +246,38 @@ class Pool:
         req.block_table.extend(fresh)
         self.num_private_blocks += need
         return ExtendResult(item.request_id, True, fresh)
+
+    def _commit(self, item: Commit) -> CommitResult:
+        req = self.requests[item.request_id]
+        bs = self.block_size
+        cached = req.num_cached_pages
+        full_pages = item.num_computed_tokens // bs
+        if full_pages <= cached:
+            return CommitResult(item.request_id, cached * bs, req.block_table[:cached])
+        tokens = req.prompt[: full_pages * bs]
+        table = req.block_table
+        result = self.tree.insert(tokens, table[:full_pages], req.namespace)
+        existing = result.num_existing_pages
+        if existing < cached:  # the request's own prefix is locked, so it must still be there
+            raise IntegrityError(f"request {req.request_id!r}: locked prefix vanished from the tree")
+        if result.new_node is not None and self._events is not None:
+            self._events.publish(self.pool_id, stored_from_node(result.new_node, bs))
+        match = self.tree.match_prefix(tokens, req.namespace)
+        if len(match.block_ids) != full_pages:
+            raise IntegrityError(f"request {req.request_id!r}: committed pages not found in the tree")
+        # Pages [existing, full_pages) now belong to the tree and the request keeps a reference;
+        # pages [cached, existing) were cached by another request first: share the tree's copy.
+        self.allocator.incref(match.block_ids[cached:full_pages])
+        self.allocator.free(table[cached:existing])
+        self.tree.inc_lock_ref(match.last_node)
+        self.tree.dec_lock_ref(req.last_node)
+        req.last_node = match.last_node
+        table[:full_pages] = match.block_ids
+        req.num_cached_pages = full_pages
+        self.num_private_blocks -= full_pages - cached
+        log.debug("commit pool=%s request=%s cached_pages=%d -> %d (duplicates %d)",
+                  self.pool_id, req.request_id, cached, full_pages, existing - cached)
+        return CommitResult(item.request_id, full_pages * bs, table[:full_pages])
 
     def _finish(self, item: Finish, released: bool) -> None:
         req = self.requests.pop(item.request_id)

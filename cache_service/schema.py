@@ -30,11 +30,18 @@ class Finish:
 
 
 @dataclass(slots=True)
+class Commit:
+    request_id: str
+    num_computed_tokens: int  # of the tokens sent at admission
+
+
+@dataclass(slots=True)
 class StepInput:
     releases: list[Finish] = field(default_factory=list)
     finishes: list[Finish] = field(default_factory=list)
     extends: list[Extend] = field(default_factory=list)
     admits: list[Admit] = field(default_factory=list)
+    commits: list[Commit] = field(default_factory=list)
 
 
 class AdmitResult(NamedTuple):
@@ -50,9 +57,16 @@ class ExtendResult(NamedTuple):
     new_block_ids: list[int]
 
 
+class CommitResult(NamedTuple):
+    request_id: str
+    cached_tokens: int
+    cached_block_ids: list[int]  # the request's block_table[:cached_tokens // block_size]
+
+
 class StepResult(NamedTuple):
     admits: list[AdmitResult]
     extends: list[ExtendResult]
+    commits: list[CommitResult]
     num_evicted_blocks: int
     num_free_blocks: int
 

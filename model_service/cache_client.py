@@ -10,7 +10,7 @@ import time
 
 import grpc
 
-from model_service.scheduler import AdmitReply, CachePlan, CacheReply, ExtendReply, FinishRecord
+from model_service.scheduler import AdmitReply, CachePlan, CacheReply, CommitReply, ExtendReply, FinishRecord
 from protos import cache_pb2, cache_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -80,12 +80,15 @@ class CacheClient:
                      for e in plan.extends],
             admits=[cache_pb2.Admit(request_id=r.request_id, token_ids=r.all_token_ids, namespace=r.namespace,
                                     num_lookahead_tokens=1) for r in plan.admits],
+            commits=[cache_pb2.Commit(request_id=c.request.request_id, num_computed_tokens=c.num_computed_tokens)
+                     for c in plan.commits],
         )
         reply = self._call(self._stub.Step, request)
         return CacheReply(
             admits=[AdmitReply(a.request_id, a.status == cache_pb2.ADMIT_STATUS_ADMITTED, a.cached_tokens,
                                list(a.block_table)) for a in reply.admits],
             extends=[ExtendReply(e.request_id, e.ok, list(e.new_block_ids)) for e in reply.extends],
+            commits=[CommitReply(c.request_id, c.cached_tokens, list(c.cached_block_ids)) for c in reply.commits],
         )
 
     def heartbeat_if_due(self) -> None:

@@ -260,6 +260,7 @@ class Engine:
                 plan = self.scheduler.plan_cache_step()
                 plan.admits.clear()
                 plan.extends.clear()
+                plan.commits.clear()
                 self.cache.step(plan)
             except CachePoolLost:
                 pass

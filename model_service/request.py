@@ -49,6 +49,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_admitted_tokens: int = 0  # tokens sent to the cache manager at the last admission
+    num_shared_tokens: int = 0  # leading tokens whose pages the cache's tree holds (hit + commits)
     cached_prompt_tokens: int | None = None  # cache hit at first admission
     num_preemptions: int = 0
     first_token_time: float | None = None
@@ -75,4 +76,5 @@ class Request:
         """Forget blocks and computed KV (preemption or a lost cache pool): recompute on re-admission."""
         self.block_table = []
         self.num_computed_tokens = 0
+        self.num_shared_tokens = 0
         self.status = RequestStatus.WAITING

@@ -1,8 +1,8 @@
 """Continuous-batching scheduler: waiting/running queues, token budget, chunked prefill, preemption.
 
 Knows nothing of gRPC. Each step is two calls around one cache-manager round trip:
-`plan_cache_step()` says what the cache must do (finishes, releases, block extensions,
-admissions), `apply_cache_reply()` applies the answer and returns the batch to execute.
+`plan_cache_step()` says what the cache must do (finishes, releases, commits of freshly
+computed prompt pages, block extensions, admissions), `apply_cache_reply()` applies the answer and returns the batch to execute.
 Prefill and decode are one concept: a running request computes tokens
 [num_computed_tokens, num_tokens) -- a chunk of them per step within the token budget.
 """
@@ -10,6 +10,7 @@ Prefill and decode are one concept: a running request computes tokens
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -35,6 +36,11 @@ class ExtendItem(NamedTuple):
     num_tokens: int  # capacity the request needs after this step
 
 
+class CommitItem(NamedTuple):
+    request: Request
+    num_computed_tokens: int  # admitted tokens whose KV is written (a multiple of the block size)
+
+
 class AdmitReply(NamedTuple):
     request_id: str
     admitted: bool
@@ -48,9 +54,16 @@ class ExtendReply(NamedTuple):
     new_block_ids: list[int]
 
 
+class CommitReply(NamedTuple):
+    request_id: str
+    cached_tokens: int
+    cached_block_ids: list[int]  # the request's block_table[:cached_tokens // block_size] from now on
+
+
 class CacheReply(NamedTuple):
     admits: list[AdmitReply]
     extends: list[ExtendReply]
+    commits: Sequence[CommitReply] = ()
 
 
 @dataclass(slots=True)
@@ -61,10 +74,12 @@ class CachePlan:
     finishes: list[FinishRecord] = field(default_factory=list)
     extends: list[ExtendItem] = field(default_factory=list)
     admits: list[Request] = field(default_factory=list)
+    # Running requests whose newly computed prompt pages the cache should share right away.
+    commits: list[CommitItem] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.releases or self.finishes or self.extends or self.admits)
+        return not (self.releases or self.finishes or self.extends or self.admits or self.commits)
 
 
 class ScheduledBatch(NamedTuple):
@@ -133,6 +148,11 @@ class Scheduler:
             budget -= request.num_uncomputed_tokens
             if len(request.block_table) * bs < request.num_tokens:
                 plan.extends.append(ExtendItem(request, request.num_tokens))
+            # Pages of the admitted tokens (the prompt) computed since the last commit: cache them
+            # now, so requests admitted from this step on share them (not only after this one ends).
+            committable = min(request.num_computed_tokens, request.num_admitted_tokens) // bs * bs
+            if committable > request.num_shared_tokens:
+                plan.commits.append(CommitItem(request, committable))
         if self._pause_admission:
             self._pause_admission = False
             return plan
@@ -146,6 +166,9 @@ class Scheduler:
         return plan
 
     def apply_cache_reply(self, plan: CachePlan, reply: CacheReply) -> ScheduledBatch:
+        for item, com in zip(plan.commits, reply.commits, strict=True):
+            item.request.block_table[:len(com.cached_block_ids)] = com.cached_block_ids
+            item.request.num_shared_tokens = com.cached_tokens
         for item, ext in zip(plan.extends, reply.extends, strict=True):
             if ext.ok:
                 item.request.block_table.extend(ext.new_block_ids)
@@ -158,6 +181,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.block_table = list(adm.block_table)
             request.num_computed_tokens = adm.cached_tokens
+            request.num_shared_tokens = adm.cached_tokens
             request.num_admitted_tokens = request.num_tokens
             if request.cached_prompt_tokens is None:
                 request.cached_prompt_tokens = adm.cached_tokens

@@ -9,7 +9,7 @@ import pytest
 
 from cache_service.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from cache_service.events import AllCleared, BlockRemoved, BlockStored, EventLog
-from cache_service.schema import Admit, Extend, Finish, StepInput
+from cache_service.schema import Admit, Commit, Extend, Finish, StepInput
 
 
 def admit(pool, rid, tokens, namespace="", lookahead=0):
@@ -231,6 +231,12 @@ BAD_STEPS = [
     ("too large prompt", ResourceExhausted, StepInput(admits=[Admit("x", [1] * 33)])),
     ("too large lookahead", ResourceExhausted, StepInput(admits=[Admit("x", [1], "", 40)])),
     ("too large extend", ResourceExhausted, StepInput(extends=[Extend("live", 33)])),
+    ("commit beyond admitted tokens", InvalidArgument, StepInput(commits=[Commit("live", 11)])),
+    ("negative commit", InvalidArgument, StepInput(commits=[Commit("live", -4)])),
+    ("commit and finish one id", InvalidArgument, StepInput(finishes=[Finish("live")], commits=[Commit("live", 8)])),
+    ("commit twice", InvalidArgument, StepInput(commits=[Commit("live", 4), Commit("live", 8)])),
+    ("unknown commit", NotFound, StepInput(commits=[Commit("ghost", 4)])),
+    ("commit finished", FailedPrecondition, StepInput(commits=[Commit("done", 4)])),
 ]
 
 

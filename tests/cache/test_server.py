@@ -71,6 +71,20 @@ def test_three_requests_sharing_a_prefix(server) -> None:
     assert stats.hit_rate == pytest.approx(24 / (14 + 15 + 13))
 
 
+def test_a_running_request_commits_its_prompt_for_others(server) -> None:
+    stub = server.stub
+    reg = register(stub, worker("commit"), num_blocks=32, block_size=4)
+    system = list(range(100, 112))
+    first = step(stub, reg, admits=[admit("r1", system + [1, 2], lookahead=1)]).admits[0]
+    reply = step(stub, reg, commits=[pb.Commit(request_id="r1", num_computed_tokens=14)],
+                 admits=[admit("r2", system + [5])])
+    assert reply.commits[0].cached_tokens == 12
+    assert list(reply.commits[0].cached_block_ids) == list(first.block_table[:3])
+    assert reply.admits[0].cached_tokens == 12  # r1 is still running
+    stats = assert_accounting(stub, reg.pool_id)
+    assert stats.num_locked_blocks == 3 and stats.num_running_requests == 2
+
+
 def test_eviction_under_pressure(server) -> None:
     stub = server.stub
     reg = register(stub, worker("evict"), num_blocks=8, block_size=4)
@@ -209,6 +223,10 @@ BAD_CALLS = {
     "duplicate ids in a step": (_step(admits=[admit("x", [1]), admit("x", [2])]), "INVALID_ARGUMENT"),
     "admit of a live id": (_step(admits=[admit("live", [1])]), "INVALID_ARGUMENT"),
     "computed beyond tokens": (_step(finishes=[fin("live", 11)]), "INVALID_ARGUMENT"),
+    "commit beyond admitted tokens": (_step(commits=[pb.Commit(request_id="live", num_computed_tokens=11)]),
+                                      "INVALID_ARGUMENT"),
+    "commit of a finished request": (_step(commits=[pb.Commit(request_id="done", num_computed_tokens=4)]),
+                                     "FAILED_PRECONDITION"),
     "unknown request": (_step(finishes=[fin("ghost", 0)]), "NOT_FOUND"),
     "extend unknown request": (_step(extends=[pb.Extend(request_id="ghost", num_tokens=4)]), "NOT_FOUND"),
     "finishing twice": (_step(finishes=[fin("done", 6)]), "FAILED_PRECONDITION"),

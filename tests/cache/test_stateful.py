@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from cache_service.errors import FailedPrecondition, InvalidArgument, NotFound
 from cache_service.pool import Pool
 from cache_service.pool_registry import PoolRegistry
-from cache_service.schema import Admit, Extend, Finish, StepInput
+from cache_service.schema import Admit, Commit, Extend, Finish, StepInput
 
 BS = 2
 NUM_BLOCKS = 12
@@ -157,6 +157,11 @@ class CacheMachine(RuleBasedStateMachine):
             Extend(rid, min(NUM_BLOCKS * BS, len(m.live[rid].table) * BS + data.draw(st.integers(-BS, 2 * BS))))
             for rid in (data.draw(st.lists(st.sampled_from(rest), unique=True, max_size=2)) if rest else [])
         ]
+        commits = []
+        for rid in (data.draw(st.lists(st.sampled_from(rest), unique=True, max_size=2)) if rest else []):
+            req = m.live[rid]
+            limit = min(len(req.prompt), len(req.table) * BS)
+            commits.append(Commit(rid, data.draw(st.one_of(st.just(limit), st.integers(0, limit)))))
         admits = []
         for _ in range(data.draw(st.integers(0, 3))):
             self.next_id += 1
@@ -164,11 +169,17 @@ class CacheMachine(RuleBasedStateMachine):
                 Admit(f"r{self.next_id}", data.draw(tokens_st), data.draw(st.sampled_from(NAMESPACES)),
                       data.draw(st.integers(0, 2)))
             )
-        result = pool.step(StepInput(releases, finishes, extends, admits))
+        result = pool.step(StepInput(releases, finishes, extends, admits, commits))
 
         evicted = 0
         for item in releases + finishes:
             self._model_finish(m, item)
+        assert len(result.commits) == len(commits)
+        for item, got_commit in zip(commits, result.commits, strict=True):
+            self._model_commit(m, item)
+            req = m.live[item.request_id]
+            assert got_commit.cached_tokens == req.num_cached_pages * BS
+            assert got_commit.cached_block_ids == req.table[: req.num_cached_pages]
         assert len(result.extends) == len(extends)
         for item, got_ext in zip(extends, result.extends, strict=True):
             req = m.live[item.request_id]
@@ -231,6 +242,28 @@ class CacheMachine(RuleBasedStateMachine):
                 else:
                     m.cached[key] = [req.table[i], m.tick]
         m.done.add(item.request_id)
+
+    def _model_commit(self, m: ModelPool, item: Commit) -> None:
+        req = m.live[item.request_id]
+        full = item.num_computed_tokens // BS
+        if full <= req.num_cached_pages:
+            event("commit: nothing new")
+            return
+        m.tick += 1
+        dups = 0
+        for i in range(full):
+            key = (req.namespace, req.prompt[: (i + 1) * BS])
+            if key in m.cached:
+                m.cached[key][1] = m.tick
+                if i >= req.num_cached_pages:  # cached by another request first: share its copy
+                    req.table[i] = m.cached[key][0]
+                    dups += 1
+                else:
+                    assert m.cached[key][0] == req.table[i]
+            else:
+                m.cached[key] = [req.table[i], m.tick]
+        req.num_cached_pages = full
+        event(f"commit: {'duplicates swapped' if dups else 'new pages'}")
 
     @rule(w=st.sampled_from(WORKERS), data=st.data())
     def bad_step(self, w: str, data: st.DataObject) -> None:

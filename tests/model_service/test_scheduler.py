@@ -8,7 +8,14 @@ import pytest
 from model_service.detokenizer import IncrementalDetokenizer
 from model_service.request import FinishReason, Request, RequestStatus
 from model_service.sampler import SamplingOptions
-from model_service.scheduler import AdmitReply, CacheReply, ExtendReply, Scheduler, SchedulerConfig
+from model_service.scheduler import (
+    AdmitReply,
+    CacheReply,
+    CommitReply,
+    ExtendReply,
+    Scheduler,
+    SchedulerConfig,
+)
 
 
 class _NoText:
@@ -23,11 +30,18 @@ def make_request(rid: str, num_prompt: int, max_tokens: int = 8) -> Request:
                    arrival_time=0.0, detokenizer=IncrementalDetokenizer(_NoText(), prompt))
 
 
+def commit_all(plan, bs: int = 16) -> list[CommitReply]:
+    """The cache's answer to every commit when no other request cached the pages first."""
+    return [CommitReply(c.request.request_id, c.num_computed_tokens, c.request.block_table[:c.num_computed_tokens // bs])
+            for c in plan.commits]
+
+
 def admit_all(plan, cached: int = 0, bs: int = 16) -> CacheReply:
     return CacheReply(
         admits=[AdmitReply(r.request_id, True, cached, list(range(-(-(r.num_tokens + 1) // bs))))
                 for r in plan.admits],
-        extends=[ExtendReply(e.request.request_id, True, [100]) for e in plan.extends])
+        extends=[ExtendReply(e.request.request_id, True, [100]) for e in plan.extends],
+        commits=commit_all(plan, bs))
 
 
 @pytest.fixture
@@ -98,7 +112,8 @@ def test_failed_extension_preempts_the_newest_and_pauses_admission(scheduler):
     plan = scheduler.plan_cache_step()
     assert len(plan.extends) == 2
     reply = CacheReply(admits=[AdmitReply("late", False, 0, [])],
-                       extends=[ExtendReply("old", True, [100]), ExtendReply("new", False, [])])
+                       extends=[ExtendReply("old", True, [100]), ExtendReply("new", False, [])],
+                       commits=commit_all(plan))
     batch = scheduler.apply_cache_reply(plan, reply)
     assert [r.request_id for r in batch.requests] == ["old"]
     assert [r.request_id for r in scheduler.waiting] == ["new", "late"]
@@ -134,3 +149,35 @@ def test_finish_reports_running_requests_only(scheduler):
     assert [f.request_id for f in plan.finishes] == ["run"]
     assert plan.finishes[0].num_computed_tokens == 10 and plan.finishes[0].output_token_ids == [7]
     assert not scheduler.has_work()
+
+
+def test_computed_prompt_pages_are_committed_once_per_chunk(scheduler):
+    scheduler.add(make_request("r0", 100))
+    scheduler.add(make_request("r1", 100))
+    plan = scheduler.plan_cache_step()
+    assert plan.commits == []
+    batch = scheduler.apply_cache_reply(plan, admit_all(plan))
+    scheduler.on_executed(batch)  # r0: 100 computed, r1: a 50-token chunk
+    r0, r1 = scheduler.running
+    plan = scheduler.plan_cache_step()
+    assert [(c.request.request_id, c.num_computed_tokens) for c in plan.commits] == [("r0", 96), ("r1", 48)]
+    # Another request cached r1's first page first: r1 uses that copy from now on.
+    reply = admit_all(plan)
+    reply = reply._replace(commits=[reply.commits[0], CommitReply("r1", 48, [900, 901, 902])])
+    batch = scheduler.apply_cache_reply(plan, reply)
+    assert r1.block_table[:4] == [900, 901, 902, 3] and r1.num_shared_tokens == 48
+    assert r0.num_shared_tokens == 96
+    assert [c.block_table[:3] for c in batch.chunks if c.block_table is r1.block_table] == [[900, 901, 902]]
+    scheduler.on_executed(batch)  # r1's second chunk; r0 decodes nothing new (no token sampled here)
+    r0.output_token_ids.append(7)
+    plan = scheduler.plan_cache_step()
+    assert [(c.request.request_id, c.num_computed_tokens) for c in plan.commits] == [("r1", 96)]
+    scheduler.apply_cache_reply(plan, admit_all(plan))
+    assert scheduler.plan_cache_step().commits == []  # decode steps commit nothing
+
+
+def test_finished_and_preempted_requests_are_not_committed(scheduler):
+    done = _decode_ready(scheduler, "done", 40)
+    scheduler.finish(done, FinishReason.STOP)
+    plan = scheduler.plan_cache_step()
+    assert plan.commits == [] and [f.request_id for f in plan.finishes] == ["done"]

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from model_service.model_loader import LoadedModel, _convert_gguf, bundled_model_path, load_model
-from protos import model_pb2_grpc
+from protos import model_pb2, model_pb2_grpc
 from tests.model_service.checks import wait_until_idle
 from tests.model_service.generation import generate, greedy, reference_greedy
 from tests.services import start_model
@@ -109,3 +109,35 @@ def test_namespaces_do_not_share_prefixes(chunked_service, prompts):
             for ns in ("tenant-a", "tenant-b", "tenant-a")]
     assert [g.final.usage.cached_prompt_tokens for g in runs] == [0, 0, (len(prompt) - 1) // 4 * 4]
     assert runs[0].token_ids == runs[1].token_ids == runs[2].token_ids
+
+
+def test_running_requests_share_their_computed_prompt(chunked_service, cache_stub, tiny_reference):
+    """A request's prompt pages are cached as soon as they are computed (not when it finishes):
+    requests arriving while it still decodes hit them, and every output still matches."""
+    rng = random.Random(11)
+    prefix = [rng.randrange(3, 49152) for _ in range(50)]
+    first = prefix + [rng.randrange(3, 49152) for _ in range(3)]
+    later = [prefix + [rng.randrange(3, 49152) for _ in range(n)] for n in (2, 7)]
+    long_run = 40
+    request = model_pb2.GenerateRequest(sampling=model_pb2.SamplingParams(temperature=0.0, max_tokens=long_run,
+                                                                           ignore_eos=True))
+    request.token_ids.ids.extend(first)
+    stream = chunked_service.Generate(request, timeout=300.0)
+    head = next(stream)  # the first token: the whole prompt is computed (and committed)
+    results = _concurrently(chunked_service, later)
+    rest = list(stream)
+    assert rest and rest[-1].HasField("usage")  # `first` was still running while the others ran
+    first_tokens = [t for m in [head, *rest] for t in m.token_ids]
+    assert first_tokens == reference_greedy_ignore_eos(tiny_reference, first, long_run)
+    assert [g.token_ids for g in results] == [reference_greedy(tiny_reference, p, MAX_TOKENS) for p in later]
+    assert [g.final.usage.cached_prompt_tokens for g in results] == [len(prefix) // 4 * 4] * 2
+    stats = wait_until_idle(cache_stub, "tiny-chunked")
+    assert stats.num_running_requests == 0 and stats.num_private_blocks == 0
+
+
+@torch.inference_mode()
+def reference_greedy_ignore_eos(loaded: LoadedModel, token_ids: list[int], max_tokens: int) -> list[int]:
+    ids = torch.tensor([token_ids])
+    out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(token_ids):].tolist()

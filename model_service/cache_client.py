@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 
 import grpc
@@ -95,6 +96,26 @@ class CacheClient:
         """Renews the lease when a third of it passed without a call."""
         if self.registered and time.monotonic() - self.last_call > self.lease_seconds / 3:
             self._call(self._stub.Heartbeat, cache_pb2.HeartbeatRequest(pool_id=self.pool_id, epoch=self.epoch))
+
+    def keep_lease_alive(self, stop: threading.Event) -> threading.Thread:
+        """Starts a daemon thread that renews the lease whenever a third of it passes without a
+        call, so that one engine step longer than the lease (a huge prefill on a slow machine)
+        does not cost the pool. It never changes this client's state: a failure here is noticed,
+        and handled, by the engine thread's next call."""
+        def run() -> None:
+            while not stop.wait(min(1.0, self.lease_seconds / 6) if self.lease_seconds > 0 else 1.0):
+                if not self.registered or time.monotonic() - self.last_call <= self.lease_seconds / 3:
+                    continue
+                try:
+                    self._stub.Heartbeat(cache_pb2.HeartbeatRequest(pool_id=self.pool_id, epoch=self.epoch),
+                                         timeout=self.timeout)
+                    self.last_call = time.monotonic()
+                except grpc.RpcError as e:
+                    log.debug("background heartbeat failed: %s", e.code().name)
+
+        thread = threading.Thread(target=run, name="radixkv-lease", daemon=True)
+        thread.start()
+        return thread
 
     def _call(self, method, request):
         try:

@@ -78,6 +78,7 @@ class Engine:
 
     def start(self) -> None:
         self._thread.start()
+        self.cache.keep_lease_alive(self._stopping)  # covers steps longer than the lease
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()

@@ -255,6 +255,26 @@ def test_busy_model_service_keeps_its_lease(short_lease: Pair, short_prompt) -> 
     assert stats.num_finished == before.num_finished + 1
 
 
+def test_one_step_longer_than_the_lease_keeps_the_pool(short_lease: Pair, reference_model) -> None:
+    """A 1900-token prompt is prefilled in one step that outlasts the 2 s lease; the lease is
+    renewed from a background thread meanwhile, so the pool is neither lost nor recomputed."""
+    prompt = reference_model.tokenizer((LONG_DOCUMENT + "\n\n") * 4).input_ids[:1900]
+    cache_stub = short_lease.cache_stub
+    before = wait_until_idle(cache_stub, short_lease.worker_id)
+    lost_before = count_lines(short_lease.model, "cache pool lost")
+    stream = start_stream(short_lease.model_stub, prompt, timeout_s=120, temperature=0.0, max_tokens=2,
+                          ignore_eos=True)
+    messages = stream.result(120)
+    usage = messages[-1].usage
+    if usage.time_to_first_token < LEASE_S * 1.25:
+        pytest.skip(f"this machine prefills 1900 tokens in {usage.time_to_first_token:.1f} s, "
+                    f"within the {LEASE_S} s lease: no step outlasts it")
+    assert usage.num_preemptions == 0, "the request was recomputed: the pool was lost during the long step"
+    assert count_lines(short_lease.model, "cache pool lost") == lost_before
+    stats = wait_until_idle(cache_stub, short_lease.worker_id)
+    assert stats.epoch == before.epoch and stats.num_finished == before.num_finished + 1
+
+
 def test_lease_expiry_of_a_stopped_model_service_is_recovered(short_lease: Pair, short_prompt,
                                                               reference_model) -> None:
     max_tokens = 24

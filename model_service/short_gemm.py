@@ -44,7 +44,8 @@ _split_parts = 0  # > 1 inside single_token_step(): one-row products are split t
 
 @contextmanager
 def single_token_step() -> Iterator[None]:
-    """Runs the body with one intra-op thread, splitting large one-row products across the cores."""
+    """Runs the body with one intra-op thread, splitting large one-row products across the cores.
+    Process-wide (torch's thread count is): for the one thread that runs model steps."""
     global _split_parts
     threads = torch.get_num_threads()
     parts = min(threads, torch.get_num_interop_threads())

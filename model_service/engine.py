@@ -71,7 +71,7 @@ class Engine:
         self._stopping = threading.Event()
         self._count_lock = threading.Lock()
         self._num_in_flight = 0  # submitted, not finished
-        self._num_running = 0  # as of the last step
+        self._num_running = 0  # len(scheduler.running), kept in sync by the engine thread
         self._thread = threading.Thread(target=self._run, name="radixkv-engine", daemon=True)
 
     # ------------------------------------------------------------------ API (any thread)
@@ -139,7 +139,7 @@ class Engine:
                 self.metrics.cached_prompt_tokens.inc(admit.cached_tokens)
         self.metrics.waiting.set(len(self.scheduler.waiting))
         self.metrics.running.set(len(self.scheduler.running))
-        self._num_running = len(self.scheduler.running)
+        self._sync_counts()
         if batch.chunks:
             self._execute(batch)
 
@@ -202,9 +202,15 @@ class Engine:
         self._emit(GenerationOutput(request.request_id, text, token_ids or [], reason, matched_stop, usage, error))
         self._requests.pop(request.request_id, None)
         self._sinks.pop(request.request_id, None)
-        with self._count_lock:
-            self._num_in_flight -= 1
+        self._sync_counts(finished=1)
         self._last_token_time.pop(request.request_id, None)
+
+    def _sync_counts(self, finished: int = 0) -> None:
+        """Keeps the counts `submit()` bounds the waiting queue with exact (engine thread only):
+        call after every change to the running set."""
+        with self._count_lock:
+            self._num_in_flight -= finished
+            self._num_running = len(self.scheduler.running)
 
     def _emit(self, output: GenerationOutput) -> None:
         sink = self._sinks.get(output.request_id)
@@ -252,6 +258,7 @@ class Engine:
                     why, len(self.scheduler.running))
         self.metrics.cache_reconnects.inc()
         self.scheduler.reset()
+        self._sync_counts()
 
     def _abort_all(self, why: str) -> None:
         for request in list(self._requests.values()):

@@ -47,7 +47,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -217,9 +217,16 @@ class Streamed:
     """One Generate call seen from the client."""
 
     sent: float  # perf_counter at the call
-    times: list[float]  # arrival time of every generated token
-    token_ids: list[int]
-    usage: model_pb2.Usage
+    times: list[float] = field(default_factory=list)  # arrival time of every generated token
+    token_ids: list[int] = field(default_factory=list)
+    usage: model_pb2.Usage = field(default_factory=model_pb2.Usage)
+
+    def add(self, message: model_pb2.GenerateResponse) -> None:
+        """Records one streamed message as it arrives."""
+        self.times.extend([time.perf_counter()] * len(message.token_ids))
+        self.token_ids.extend(message.token_ids)
+        if message.HasField("usage"):
+            self.usage = message.usage
 
     @property
     def ttft(self) -> float:
@@ -233,32 +240,17 @@ class Streamed:
 
 
 def stream_sync(stub: model_pb2_grpc.ModelServiceStub, ids: list[int], max_tokens: int) -> Streamed:
-    request = generate_request(ids, max_tokens)
-    times: list[float] = []
-    tokens: list[int] = []
-    usage = model_pb2.Usage()
-    sent = time.perf_counter()
-    for message in stub.Generate(request, timeout=RPC_TIMEOUT_S):
-        now = time.perf_counter()
-        times.extend([now] * len(message.token_ids))
-        tokens.extend(message.token_ids)
-        if message.HasField("usage"):
-            usage = message.usage
-    return Streamed(sent, times, tokens, usage)
+    streamed = Streamed(time.perf_counter())
+    for message in stub.Generate(generate_request(ids, max_tokens), timeout=RPC_TIMEOUT_S):
+        streamed.add(message)
+    return streamed
 
 
 async def _stream_async(stub: model_pb2_grpc.ModelServiceStub, ids: list[int], max_tokens: int) -> Streamed:
-    times: list[float] = []
-    tokens: list[int] = []
-    usage = model_pb2.Usage()
-    sent = time.perf_counter()
+    streamed = Streamed(time.perf_counter())
     async for message in stub.Generate(generate_request(ids, max_tokens), timeout=RPC_TIMEOUT_S):
-        now = time.perf_counter()
-        times.extend([now] * len(message.token_ids))
-        tokens.extend(message.token_ids)
-        if message.HasField("usage"):
-            usage = message.usage
-    return Streamed(sent, times, tokens, usage)
+        streamed.add(message)
+    return streamed
 
 
 def stream_concurrent(addr: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[Streamed]]:

@@ -88,9 +88,11 @@ def greedy(stub: model_pb2_grpc.ModelServiceStub, token_ids: list[int], max_toke
 
 
 @torch.inference_mode()
-def reference_greedy(loaded: LoadedModel, token_ids: list[int], max_tokens: int) -> list[int]:
-    """transformers' own greedy generate() (stops after EOS, like the server)."""
+def reference_greedy(loaded: LoadedModel, token_ids: list[int], max_tokens: int,
+                     ignore_eos: bool = False) -> list[int]:
+    """transformers' own greedy generate() (stops after EOS like the server, unless ignore_eos)."""
     ids = torch.tensor([token_ids])
     out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                do_sample=False, pad_token_id=loaded.tokenizer.pad_token_id or 0)
+                                min_new_tokens=max_tokens if ignore_eos else None, do_sample=False,
+                                pad_token_id=loaded.tokenizer.pad_token_id or 0)
     return out[0, len(token_ids):].tolist()

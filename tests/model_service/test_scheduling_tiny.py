@@ -128,16 +128,9 @@ def test_running_requests_share_their_computed_prompt(chunked_service, cache_stu
     rest = list(stream)
     assert rest and rest[-1].HasField("usage")  # `first` was still running while the others ran
     first_tokens = [t for m in [head, *rest] for t in m.token_ids]
-    assert first_tokens == reference_greedy_ignore_eos(tiny_reference, first, long_run)
+    assert first_tokens == reference_greedy(tiny_reference, first, long_run, ignore_eos=True)
     assert [g.token_ids for g in results] == [reference_greedy(tiny_reference, p, MAX_TOKENS) for p in later]
     assert [g.final.usage.cached_prompt_tokens for g in results] == [len(prefix) // 4 * 4] * 2
     stats = wait_until_idle(cache_stub, "tiny-chunked")
     assert stats.num_running_requests == 0 and stats.num_private_blocks == 0
 
-
-@torch.inference_mode()
-def reference_greedy_ignore_eos(loaded: LoadedModel, token_ids: list[int], max_tokens: int) -> list[int]:
-    ids = torch.tensor([token_ids])
-    out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(token_ids):].tolist()

@@ -19,8 +19,9 @@ def step_input(msg: cache_pb2.StepRequest) -> StepInput:
         releases=[_finish(f) for f in msg.releases],
         finishes=[_finish(f) for f in msg.finishes],
         extends=[Extend(e.request_id, e.num_tokens) for e in msg.extends],
-        admits=[Admit(a.request_id, tuple(a.token_ids), a.namespace, a.num_lookahead_tokens) for a in msg.admits],
-        commits=[Commit(c.request_id, c.num_computed_tokens) for c in msg.commits],
+        admits=[Admit(a.request_id, tuple(a.token_ids), a.namespace, a.num_lookahead_tokens, a.resumed)
+                for a in msg.admits],
+        commits=[Commit(c.request_id, c.num_computed_tokens, tuple(c.output_token_ids)) for c in msg.commits],
     )
 
 

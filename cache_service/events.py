@@ -1,11 +1,13 @@
 """KV events: what entered and left each pool's tree, with server-wide sequence numbers.
 
 Routers mirror the trees from these (the vLLM / SGLang / Dynamo KV-event model). The log keeps
-a bounded replay buffer; a consumer that lost its place rebuilds from a snapshot.
+a replay buffer bounded in events and in bytes (so the cache manager's memory stays proportional
+to its pools, not to its history); a consumer that lost its place rebuilds from a snapshot.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -53,6 +55,26 @@ class CacheEvent:
 
 Subscriber = Callable[[CacheEvent], None]
 
+# Resident cost of a buffered event, on the safe side: a CacheEvent with its payload object;
+# per token id a list pointer plus its own int object (the tree's may be evicted meanwhile); per
+# block id a pointer (block ids are shared with the allocator); per page hash a pointer plus a
+# 64-bit int object.
+_EVENT_OVERHEAD_BYTES = 400
+_POINTER_BYTES = 8
+_TOKEN_BYTES = 8 + 28
+_HASH_BYTES = 8 + 36
+
+
+def event_size(event: CacheEvent) -> int:
+    """Approximate bytes an event keeps alive while it is buffered."""
+    p = event.payload
+    if isinstance(p, BlockStored):
+        return (_EVENT_OVERHEAD_BYTES + _TOKEN_BYTES * len(p.token_ids) + _POINTER_BYTES * len(p.block_ids)
+                + _HASH_BYTES * len(p.block_hashes))
+    if isinstance(p, BlockRemoved):
+        return _EVENT_OVERHEAD_BYTES + _POINTER_BYTES * len(p.block_ids) + _HASH_BYTES * len(p.block_hashes)
+    return _EVENT_OVERHEAD_BYTES
+
 
 def stored_from_node(node: TreeNode, block_size: int) -> BlockStored:
     """The BlockStored event describing all pages of one tree node."""
@@ -79,15 +101,27 @@ def tree_snapshot(pool_id: str, tree: RadixTree, sequence: int, timestamp: float
     ]
 
 
-class EventLog:
-    """Global sequence numbers, a bounded replay buffer and synchronous subscribers."""
+DEFAULT_BUFFER_BYTES = 64 * 1024 * 1024
 
-    def __init__(self, capacity: int = 65536, clock: Callable[[], float] = time.time) -> None:
+
+class EventLog:
+    """Global sequence numbers, a bounded replay buffer and synchronous subscribers.
+
+    The buffer keeps at most `capacity` events and about `max_bytes` bytes of them (see
+    `event_size`), dropping the oldest first.
+    """
+
+    def __init__(self, capacity: int = 65536, clock: Callable[[], float] = time.time,
+                 max_bytes: int = DEFAULT_BUFFER_BYTES) -> None:
         if capacity <= 0:
             raise ValueError("capacity must be > 0")
+        if max_bytes <= 0:
+            raise ValueError("max_bytes must be > 0")
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.buffered_bytes = 0
         self.last_sequence = 0
-        self._buffer: deque[CacheEvent] = deque(maxlen=capacity)
+        self._buffer: deque[tuple[CacheEvent, int]] = deque()
         self._subscribers: dict[int, Subscriber] = {}
         self._next_subscriber = 0
         self._clock = clock
@@ -99,7 +133,11 @@ class EventLog:
         """Number, buffer and deliver one event to every subscriber."""
         self.last_sequence += 1
         event = CacheEvent(self.last_sequence, pool_id, self._clock(), payload)
-        self._buffer.append(event)
+        size = event_size(event)
+        self._buffer.append((event, size))
+        self.buffered_bytes += size
+        while len(self._buffer) > self.capacity or (self.buffered_bytes > self.max_bytes and len(self._buffer) > 1):
+            self.buffered_bytes -= self._buffer.popleft()[1]
         for key, callback in list(self._subscribers.items()):
             try:
                 callback(event)
@@ -111,7 +149,11 @@ class EventLog:
     @property
     def oldest_sequence(self) -> int:
         """Smallest sequence still replayable (last_sequence + 1 when the buffer is empty)."""
-        return self._buffer[0].sequence if self._buffer else self.last_sequence + 1
+        return self._buffer[0][0].sequence if self._buffer else self.last_sequence + 1
+
+    @property
+    def num_buffered(self) -> int:
+        return len(self._buffer)
 
     def replay(self, start_sequence: int, pool_id: str = "") -> list[CacheEvent]:
         """Buffered events with sequence >= start_sequence (of one pool when pool_id is set).
@@ -130,7 +172,7 @@ class EventLog:
                 "resubscribe with snapshot"
             )
         skip = start_sequence - self.oldest_sequence
-        events = list(self._buffer)[skip:]
+        events = [e for e, _ in itertools.islice(self._buffer, skip, None)]
         if pool_id:
             events = [e for e in events if e.pool_id == pool_id]
         return events

@@ -50,10 +50,17 @@ log = logging.getLogger(__name__)
 class RequestState:
     request_id: str
     namespace: str
-    prompt: tuple[int, ...]
+    prompt: tuple[int, ...]  # the tokens sent at admission
     last_node: TreeNode | None  # deepest locked tree node (None or a root: nothing locked)
     num_cached_pages: int  # block_table[:num_cached_pages] is tree-owned, the rest private
     block_table: list[int]
+    # Output tokens (after the prompt) inside the cached pages, from commits of decode pages.
+    cached_outputs: tuple[int, ...] = ()
+
+    def cached_key(self, block_size: int) -> tuple[int, ...]:
+        """The tokens of the request's tree-owned pages."""
+        n = self.num_cached_pages * block_size
+        return (self.prompt + self.cached_outputs)[:n] if n > len(self.prompt) else self.prompt[:n]
 
 
 class Pool:
@@ -139,6 +146,7 @@ class Pool:
         for item in chain(step.releases, step.finishes):
             req = self._live_request(item.request_id)
             self._check_token_ids(item.output_token_ids, item.request_id)
+            self._check_outputs(req, item.output_token_ids)
             total = len(req.prompt) + len(item.output_token_ids)
             if item.num_computed_tokens < 0 or item.num_computed_tokens > total:
                 raise InvalidArgument(
@@ -157,11 +165,13 @@ class Pool:
                 )
         for item in step.commits:
             req = self._live_request(item.request_id)
-            limit = min(len(req.prompt), len(req.block_table) * bs)
+            self._check_token_ids(item.output_token_ids, item.request_id)
+            self._check_outputs(req, item.output_token_ids)
+            limit = min(len(req.prompt) + len(item.output_token_ids), len(req.block_table) * bs)
             if item.num_computed_tokens < 0 or item.num_computed_tokens > limit:
                 raise InvalidArgument(
                     f"request {item.request_id!r}: commit of {item.num_computed_tokens} tokens outside "
-                    f"[0, {limit}] (tokens sent at admission, within its blocks)"
+                    f"[0, {limit}] (tokens sent at admission + output_token_ids, within its blocks)"
                 )
         for item in step.extends:
             self._live_request(item.request_id)
@@ -186,6 +196,15 @@ class Pool:
         if request_id in self._finished_ids:
             raise FailedPrecondition(f"request {request_id!r} was already finished or released")
         raise NotFound(f"request {request_id!r} is not running in pool {self.pool_id!r}")
+
+    def _check_outputs(self, req: RequestState, output_token_ids: Sequence[int]) -> None:
+        """Output tokens must agree with those already cached by a commit of decode pages."""
+        known = len(req.cached_key(self.block_size)) - len(req.prompt)
+        if known > 0 and tuple(output_token_ids[:known]) != req.cached_outputs[:known]:
+            raise FailedPrecondition(
+                f"request {req.request_id!r}: output_token_ids differ from the {known} output tokens "
+                "an earlier commit cached"
+            )
 
     def _check_token_ids(self, token_ids: Sequence[int], request_id: str) -> None:
         if not token_ids:
@@ -227,8 +246,9 @@ class Pool:
         self._finished_ids.pop(item.request_id, None)
         self.num_private_blocks += num_fresh
         self.num_admitted += 1
-        self.queried_tokens += len(tokens)
-        self.hit_tokens += num_cached * bs
+        if not item.resumed:  # the hit rate is that of first admissions (what clients see)
+            self.queried_tokens += len(tokens)
+            self.hit_tokens += num_cached * bs
         log.debug(
             "admit pool=%s request=%s tokens=%d cached=%d fresh=%d",
             self.pool_id, item.request_id, len(tokens), num_cached * bs, num_fresh,
@@ -254,7 +274,9 @@ class Pool:
         full_pages = item.num_computed_tokens // bs
         if full_pages <= cached:
             return CommitResult(item.request_id, cached * bs, req.block_table[:cached])
-        tokens = req.prompt[: full_pages * bs]
+        n = full_pages * bs
+        prompt = req.prompt
+        tokens = prompt[:n] if n <= len(prompt) else prompt + tuple(item.output_token_ids[: n - len(prompt)])
         table = req.block_table
         result = self.tree.insert(tokens, table[:full_pages], req.namespace)
         existing = result.num_existing_pages
@@ -262,18 +284,18 @@ class Pool:
             raise IntegrityError(f"request {req.request_id!r}: locked prefix vanished from the tree")
         if result.new_node is not None and self._events is not None:
             self._events.publish(self.pool_id, stored_from_node(result.new_node, bs))
-        match = self.tree.match_prefix(tokens, req.namespace)
-        if len(match.block_ids) != full_pages:
-            raise IntegrityError(f"request {req.request_id!r}: committed pages not found in the tree")
+        shared = self.tree.path_blocks(result.last_node, full_pages - cached)
         # Pages [existing, full_pages) now belong to the tree and the request keeps a reference;
         # pages [cached, existing) were cached by another request first: share the tree's copy.
-        self.allocator.incref(match.block_ids[cached:full_pages])
+        self.allocator.incref(shared)
         self.allocator.free(table[cached:existing])
-        self.tree.inc_lock_ref(match.last_node)
+        self.tree.inc_lock_ref(result.last_node)
         self.tree.dec_lock_ref(req.last_node)
-        req.last_node = match.last_node
-        table[:full_pages] = match.block_ids
+        req.last_node = result.last_node
+        table[cached:full_pages] = shared
         req.num_cached_pages = full_pages
+        if n > len(req.prompt):
+            req.cached_outputs = tokens[len(req.prompt):]
         self.num_private_blocks -= full_pages - cached
         log.debug("commit pool=%s request=%s cached_pages=%d -> %d (duplicates %d)",
                   self.pool_id, req.request_id, cached, full_pages, existing - cached)
@@ -294,6 +316,10 @@ class Pool:
                 raise IntegrityError(f"request {req.request_id!r}: locked prefix vanished from the tree")
             if result.new_node is not None and self._events is not None:
                 self._events.publish(self.pool_id, stored_from_node(result.new_node, bs))
+        else:
+            # Nothing new to insert: still refresh the path's LRU place, as an insert would
+            # (SGLang re-inserts in cache_finished_req; vLLM frees to the LRU queue's tail).
+            self.tree.touch(req.last_node)
         # This request's reference on its shared pages, its pages another request cached first,
         # and its uncomputed / partial tail blocks. Pages [existing, full_pages) now belong to
         # the tree with the request's reference.
@@ -323,6 +349,10 @@ class Pool:
         if short > self.tree.evictable_size:
             return False
         self._evict(short)
+        if self.allocator.num_free_blocks < n:  # never trust the counter: fail the item, not the Step
+            log.error("pool %s: eviction freed fewer blocks than evictable_size promised (need %d, free %d)",
+                      self.pool_id, n, self.allocator.num_free_blocks)
+            return False
         return True
 
     def _evict(self, num_blocks: int, clearing: bool = False) -> int:
@@ -415,7 +445,7 @@ class Pool:
                 node = req.last_node
                 if node is None or not node.in_tree or node.lock_ref <= 0:
                     raise IntegrityError(f"request {req.request_id!r}: its cached path is not locked")
-                peek = self.tree.peek_prefix(req.prompt[: cached * self.block_size], req.namespace)
+                peek = self.tree.peek_prefix(req.cached_key(self.block_size), req.namespace)
                 if peek.block_ids != shared:
                     raise IntegrityError(f"request {req.request_id!r}: cached pages differ from the tree")
         tree_set, private_set = set(tree_blocks), set(private)

@@ -85,6 +85,7 @@ class MatchResult(NamedTuple):
 class InsertResult(NamedTuple):
     num_existing_pages: int  # leading pages that were already cached (caller frees its copies)
     new_node: TreeNode | None  # the leaf holding the newly cached pages, if any
+    last_node: TreeNode | None  # the node that ends exactly at the inserted key (None if empty)
 
 
 class EvictedNode(NamedTuple):
@@ -100,10 +101,12 @@ class RadixTree:
     `protected_size` those on nodes locked by a running request.
     """
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, heap_slack: int = 1024) -> None:
+        """`heap_slack`: stale heap entries tolerated beyond 2 per node before a compaction."""
         if page_size <= 0:
             raise ValueError(f"page_size must be > 0, got {page_size}")
         self.page_size = page_size
+        self.heap_slack = heap_slack
         self.evictable_size = 0
         self.protected_size = 0
         self.num_nodes = 0  # excluding roots
@@ -111,6 +114,8 @@ class RadixTree:
         self._clock = 0  # logical access time: one tick per touching operation
         self._heap: list[tuple[int, int, TreeNode]] = []
         self._seq = itertools.count()
+        # First page of every root child -> the namespaces that have it (other-namespace lookups).
+        self._first_pages: dict[tuple[int, ...], set[str]] = {}
 
     # ------------------------------------------------------------------ queries
 
@@ -191,6 +196,8 @@ class RadixTree:
         n = len(key)
         if n % ps or n // ps != len(block_ids):
             raise ValueError(f"insert needs whole pages: {n} tokens, {len(block_ids)} blocks, page {ps}")
+        if n == 0:
+            return InsertResult(0, None, None)  # nothing to cache; never leave an empty root behind
         root = self._roots.get(namespace)
         if root is None:
             root = self._roots[namespace] = TreeNode((), [], [], None, namespace)
@@ -214,14 +221,41 @@ class RadixTree:
         existing = pos // ps
         if pos == n:
             self._push_if_evictable_leaf(node)
-            return InsertResult(existing, None)
+            return InsertResult(existing, None, node)
         hashes = page_hashes(node.last_hash, namespace, key[pos:], ps)
         leaf = TreeNode(key[pos:], list(block_ids[existing:]), hashes, node, namespace, last_access=tick)
-        node.children[key[pos : pos + ps]] = leaf
+        first = key[pos : pos + ps]
+        node.children[first] = leaf
+        if node.parent is None:
+            self._first_pages.setdefault(first, set()).add(namespace)
         self.num_nodes += 1
         self.evictable_size += len(leaf.value)
         self._push_if_evictable_leaf(leaf)
-        return InsertResult(existing, leaf)
+        return InsertResult(existing, leaf, leaf)
+
+    def path_blocks(self, node: TreeNode | None, num_pages: int) -> list[int]:
+        """The last `num_pages` block ids on the path from the root down to `node`."""
+        parts: list[list[int]] = []
+        need = num_pages
+        while need > 0 and node is not None and node.parent is not None:
+            take = node.value if len(node.value) <= need else node.value[-need:]
+            parts.append(take)
+            need -= len(take)
+            node = node.parent
+        if need > 0:
+            raise ValueError(f"path holds fewer than {num_pages} pages")
+        return [b for part in reversed(parts) for b in part]
+
+    def peek_other_namespaces(self, tokens: Sequence[int], namespace: str) -> int:
+        """Longest cached page-aligned prefix of `tokens` in any namespace but `namespace`.
+
+        Only namespaces whose tree starts with the same first page are walked.
+        """
+        ps = self.page_size
+        if len(tokens) < ps:
+            return 0
+        others = self._first_pages.get(tuple(tokens[:ps]), ())
+        return max((self.peek_prefix(tokens, ns).num_tokens for ns in others if ns != namespace), default=0)
 
     def _split(self, child: TreeNode, num_pages: int) -> TreeNode:
         """Cut `child` after `num_pages` pages; returns the new parent holding the head.
@@ -266,6 +300,17 @@ class RadixTree:
                 self._push_if_evictable_leaf(node)
             node = node.parent
 
+    def touch(self, node: TreeNode | None) -> None:
+        """Mark the path from `node` up to its root as used now (LRU refresh without an insert)."""
+        if node is None or node.parent is None:
+            return
+        tick = self._tick()
+        bottom = node
+        while node is not None and node.parent is not None:
+            node.last_access = tick
+            node = node.parent
+        self._push_if_evictable_leaf(bottom)  # only the bottom node can be a leaf
+
     def evict(self, num_pages: int) -> list[EvictedNode]:
         """Evict `num_pages` unlocked pages (fewer only when fewer are evictable).
 
@@ -274,7 +319,7 @@ class RadixTree:
         """
         evicted: list[EvictedNode] = []
         remaining = num_pages
-        heap = self._heap
+        heap = self._heap  # compaction rewrites this list in place, so the reference stays valid
         while remaining > 0 and heap:
             stamp, _, node = heapq.heappop(heap)
             if not node.in_tree or node.children or node.lock_ref or node.last_access != stamp:
@@ -293,11 +338,16 @@ class RadixTree:
     def _remove_leaf(self, node: TreeNode) -> None:
         parent = node.parent
         assert parent is not None
-        del parent.children[node.key[: self.page_size]]
+        first = node.key[: self.page_size]
+        del parent.children[first]
         node.in_tree = False
         self.num_nodes -= 1
         self.evictable_size -= len(node.value)
         if parent.parent is None:
+            namespaces = self._first_pages[first]
+            namespaces.discard(parent.namespace)
+            if not namespaces:
+                del self._first_pages[first]
             if not parent.children:
                 del self._roots[parent.namespace]
         else:
@@ -315,7 +365,7 @@ class RadixTree:
 
     def _push(self, node: TreeNode) -> None:
         heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
-        if len(self._heap) > 2 * self.num_nodes + 1024:
+        if len(self._heap) > 2 * self.num_nodes + self.heap_slack:
             self._compact_heap()  # amortized: at most once per num_nodes pushes
 
     def _compact_heap(self) -> None:
@@ -323,7 +373,8 @@ class RadixTree:
         for stamp, seq, node in self._heap:
             if node.in_tree and not node.children and not node.lock_ref and node.last_access == stamp:
                 valid[id(node)] = (stamp, seq, node)
-        self._heap = list(valid.values())
+        # In place: a caller in the middle of `evict` holds a reference to this very list.
+        self._heap[:] = valid.values()
         heapq.heapify(self._heap)
 
     # ------------------------------------------------------------------ inspection
@@ -397,6 +448,12 @@ class RadixTree:
             )
         if len(set(blocks)) != len(blocks):
             raise IntegrityError("a block is cached twice")
+        index: dict[tuple[int, ...], set[str]] = {}
+        for ns, root in self._roots.items():
+            for first in root.children:
+                index.setdefault(first, set()).add(ns)
+        if index != self._first_pages:
+            raise IntegrityError("first-page namespace index differs from the roots' children")
         queued = {id(n) for stamp, _, n in self._heap if n.last_access == stamp}
         if any(id(leaf) not in queued for leaf in leaves):
             raise IntegrityError("an evictable leaf is missing from the eviction heap")

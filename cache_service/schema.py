@@ -13,6 +13,7 @@ class Admit:
     token_ids: Sequence[int]
     namespace: str = ""
     num_lookahead_tokens: int = 0
+    resumed: bool = False  # admitted before (preempted / pool lost): not counted in the hit rate
 
 
 @dataclass(slots=True)
@@ -32,7 +33,8 @@ class Finish:
 @dataclass(slots=True)
 class Commit:
     request_id: str
-    num_computed_tokens: int  # of the tokens sent at admission
+    num_computed_tokens: int  # of the tokens sent at admission, then output_token_ids
+    output_token_ids: Sequence[int] = ()  # tokens after those sent at admission (decode pages)
 
 
 @dataclass(slots=True)

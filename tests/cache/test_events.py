@@ -58,3 +58,32 @@ def test_tree_snapshot_lists_parents_first() -> None:
         known.update(e.payload.block_hashes)
     ids = sorted(b for e in events for b in e.payload.block_ids)
     assert ids == [10, 11, 12, 20]
+
+
+def test_replay_buffer_is_bounded_in_bytes_not_only_in_events() -> None:
+    """8,192 requests of 1,024 fresh tokens once left 340 MiB of buffered events; the buffer is
+    now bounded by bytes, and the bound holds for the memory it really keeps alive."""
+    import gc
+    import random
+    import tracemalloc
+
+    from cache_service.events import BlockStored
+
+    rng = random.Random(5)
+    limit = 1024 * 1024
+    log = EventLog(max_bytes=limit)
+    gc.collect()
+    tracemalloc.start()
+    start, _ = tracemalloc.get_traced_memory()
+    for _ in range(600):  # ~600 * 45 KiB = 27 MiB without the bound
+        tokens = [rng.randrange(1000, 50000) for _ in range(1024)]
+        log.publish("p", BlockStored([rng.getrandbits(63) for _ in range(64)], 0, tokens, 16, "", list(range(64))))
+    gc.collect()
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert log.buffered_bytes <= limit
+    assert held - start <= 1.5 * limit, f"buffer keeps {(held - start) / 2**20:.1f} MiB alive"
+    assert log.num_buffered < 600 and log.oldest_sequence == log.last_sequence - log.num_buffered + 1
+    with pytest.raises(OutOfRange):
+        log.replay(1)
+    assert [e.sequence for e in log.replay(log.oldest_sequence)][-1] == 600

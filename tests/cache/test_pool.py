@@ -257,3 +257,50 @@ def test_error_messages_name_the_request(make_pool) -> None:
         pool.step(StepInput(finishes=[Finish("ghost")]))
     with pytest.raises(FailedPrecondition, match="already finished"):
         pool.step(StepInput(finishes=[Finish("done")]))
+
+
+# ---------------------------------------------------------------------- regressions (issue 8)
+
+
+def test_finish_without_new_pages_refreshes_its_prefix_in_lru_order(make_pool) -> None:
+    """A finish that adds no full page used to leave its path's LRU stamp at admission time, so
+    a prefix used until the end of a long request went before colder content cached meanwhile."""
+    pool = make_pool(num_blocks=8, block_size=4)
+    hot = list(range(100, 108))  # two pages
+    admit(pool, "seed", hot)
+    finish(pool, "seed", computed=8)
+    long_running = admit(pool, "long", hot + [1])  # hits both pages, holds them while it decodes
+    assert long_running.cached_tokens == 8
+    admit(pool, "cold", list(range(200, 208)))
+    finish(pool, "cold", computed=8)  # cached after "long" started
+    finish(pool, "long", computed=8)  # nothing new to insert: only the partial page
+    assert pool.evict(2) == 2
+    assert admit(pool, "again", hot + [1]).cached_tokens == 8  # the hot prefix survived
+
+
+def test_a_short_eviction_fails_the_item_not_the_step(make_pool) -> None:
+    """If eviction frees less than the evictable counter promised, the admission is answered
+    NO_SPACE with its lock released; it must never raise in the middle of a Step."""
+    from cache_service.pool import Pool
+
+    pool = Pool("p", 1, num_blocks=6, block_size=4)
+    admit(pool, "a", list(range(8)))
+    finish(pool, "a", computed=8)  # 2 cached pages
+    admit(pool, "c", list(range(30, 38)))  # 2 private blocks; 2 free
+    pool.tree.evictable_size += 3  # a counter that lies, as the lost heap made it
+    result = admit(pool, "b", list(range(50, 70)))  # needs 5 blocks: only 4 can be had
+    assert not result.admitted
+    pool.tree.evictable_size -= 3
+    pool.check_integrity()
+    assert pool.stats().num_locked_blocks == 0 and pool.stats().num_running_requests == 1
+
+
+def test_resumed_admissions_do_not_count_in_the_hit_rate(make_pool) -> None:
+    pool = make_pool(num_blocks=16, block_size=4)
+    prompt = list(range(100, 109))
+    admit(pool, "a", prompt)
+    finish(pool, "a", computed=9, release=True)  # preempted
+    (again,) = pool.step(StepInput(admits=[Admit("a", prompt, "", 0, True)])).admits
+    assert again.cached_tokens == 8
+    stats = pool.stats()
+    assert (stats.queried_tokens, stats.hit_tokens) == (9, 0)  # only the first admission counts

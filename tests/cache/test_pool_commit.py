@@ -106,3 +106,42 @@ def test_a_request_may_commit_and_extend_in_one_step(make_pool) -> None:
     assert result.commits[0].cached_block_ids == a.block_table[:3]
     assert result.extends[0].ok and len(result.extends[0].new_block_ids) == 1
     assert pool.requests["a"].block_table == a.block_table + result.extends[0].new_block_ids
+
+
+def test_decode_pages_are_committed_with_their_output_tokens(make_pool) -> None:
+    pool = make_pool(num_blocks=16, block_size=4)
+    prompt = list(range(100, 106))  # 6 tokens: one full page + 2
+    a = admit(pool, "a", prompt)
+    outputs = [7, 8, 9, 10]  # positions 6..9; KV written for 6, 7 (and the prompt)
+    (ext,) = pool.step(StepInput(extends=[Extend("a", 10)], commits=[Commit("a", 8, outputs[:2])])).extends
+    assert ext.ok
+    b = admit(pool, "b", prompt + outputs[:2] + [1])  # another request continuing the same text
+    assert b.cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    pool.step(StepInput(finishes=[Finish("a", outputs, 10), Finish("b", [], 9)]))
+    assert pool.stats().num_locked_blocks == 0
+
+
+def test_commit_beyond_the_sent_tokens_is_invalid(make_pool) -> None:
+    import pytest
+
+    from cache_service.errors import InvalidArgument
+
+    pool = make_pool(num_blocks=16, block_size=4)
+    admit(pool, "a", list(range(100, 106)))
+    with pytest.raises(InvalidArgument, match="commit of 8 tokens"):
+        pool.step(StepInput(commits=[Commit("a", 8, [1])]))  # only 7 tokens known
+
+
+def test_outputs_that_contradict_committed_decode_pages_are_rejected(make_pool) -> None:
+    import pytest
+
+    from cache_service.errors import FailedPrecondition
+
+    pool = make_pool(num_blocks=16, block_size=4)
+    admit(pool, "a", list(range(100, 106)))
+    pool.step(StepInput(extends=[Extend("a", 9)], commits=[Commit("a", 8, [7, 8])]))
+    with pytest.raises(FailedPrecondition, match="differ from the 2 output tokens"):
+        pool.step(StepInput(finishes=[Finish("a", [7, 9, 1], 9)]))
+    with pytest.raises(FailedPrecondition):
+        pool.step(StepInput(commits=[Commit("a", 8, [8, 8])]))
+    pool.step(StepInput(finishes=[Finish("a", [7, 8, 1], 9)]))  # consistent: accepted

@@ -154,3 +154,55 @@ def test_eviction_heap_stays_bounded_under_repeated_touches() -> None:
     assert len(tree._heap) <= 2 * tree.num_nodes + 1024
     tree.check_integrity()
     assert len([b for e in tree.evict(100) for b in e.block_ids]) == 100
+
+
+# ---------------------------------------------------------------------- regressions (issue 8)
+
+
+def test_evict_survives_a_heap_compaction_in_the_middle_of_its_cascade() -> None:
+    """The push of a parent that just became a leaf may compact the heap; evict() used to keep
+    popping the old list, freeing fewer pages than were evictable and breaking LRU order."""
+    tree = RadixTree(BS, heap_slack=8)
+    for i in range(1, 21):  # 20 parents with one child each: every eviction cascades
+        tree.insert(seq(i, 100 + i), [2 * i, 2 * i + 1])
+        tree.insert(seq(i, 200 + i), [1000 + i, 2000 + i])  # splits: parent seq(i), two children
+    for i in range(1, 21):
+        tree.evict(0)
+        tree.match_prefix(seq(i, 100 + i))
+    # Stale entries from re-touching leaves until the very next push compacts.
+    leaf = seq(1, 200 + 1)
+    while len(tree._heap) < 2 * tree.num_nodes + tree.heap_slack:
+        tree.match_prefix(leaf)
+    evictable = tree.evictable_size
+    evicted = tree.evict(evictable)
+    assert sum(len(e.block_ids) for e in evicted) == evictable
+    assert tree.total_size == 0 and tree.num_nodes == 0
+    tree.check_integrity()
+
+
+def test_insert_of_nothing_in_a_new_namespace_leaves_no_empty_root() -> None:
+    tree = CheckedTree(BS)  # checks integrity (no empty root) after the insert
+    result = tree.insert([], [], "fresh")
+    assert result.num_existing_pages == 0 and result.new_node is None and result.last_node is None
+    assert tree.namespaces() == []
+
+
+def test_touch_refreshes_a_path_in_lru_order() -> None:
+    tree = CheckedTree(BS)
+    old = tree.insert(seq(1, 2), [10, 11]).last_node
+    tree.insert(seq(3), [12])
+    tree.inc_lock_ref(old)
+    tree.touch(old)  # used until now, by a request that adds nothing new
+    tree.dec_lock_ref(old)
+    assert [e.block_ids for e in tree.evict(1)] == [[12]]
+
+
+def test_peek_other_namespaces_finds_the_same_tokens_under_another_salt() -> None:
+    tree = CheckedTree(BS)
+    tree.insert(seq(1, 2, 3), [10, 11, 12], "a")
+    tree.insert(seq(1, 5), [20, 21], "b")
+    assert tree.peek_other_namespaces(seq(1, 2, 3, 4), "") == 3 * BS
+    assert tree.peek_other_namespaces(seq(1, 2, 3, 4), "a") == 1 * BS  # only b's page 1 matches
+    assert tree.peek_other_namespaces(seq(9), "") == 0
+    tree.evict_all()
+    assert tree.peek_other_namespaces(seq(1, 2, 3), "") == 0

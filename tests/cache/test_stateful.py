@@ -50,6 +50,10 @@ class ModelRequest:
     prompt: tuple[int, ...]
     num_cached_pages: int
     table: list[int]
+    outputs: tuple[int, ...] = ()  # output tokens sent by commits so far
+
+    def key(self, num_pages: int) -> tuple[int, ...]:
+        return (self.prompt + self.outputs)[: num_pages * BS]
 
 
 @dataclass
@@ -63,7 +67,7 @@ class ModelPool:
 
     def locked(self) -> set[Key]:
         return {
-            (r.namespace, r.prompt[: i * BS]) for r in self.live.values() for i in range(1, r.num_cached_pages + 1)
+            (r.namespace, r.key(i)) for r in self.live.values() for i in range(1, r.num_cached_pages + 1)
         }
 
     def private(self) -> list[int]:
@@ -147,7 +151,7 @@ class CacheMachine(RuleBasedStateMachine):
         releases, finishes = [], []
         for rid in enders:
             req = m.live[rid]
-            out = data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=4))
+            out = list(req.outputs) + data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=4))
             limit = min(len(req.prompt) + len(out), len(req.table) * BS)
             computed = data.draw(st.one_of(st.just(limit), st.integers(0, limit)))
             item = Finish(rid, out, computed)
@@ -160,8 +164,9 @@ class CacheMachine(RuleBasedStateMachine):
         commits = []
         for rid in (data.draw(st.lists(st.sampled_from(rest), unique=True, max_size=2)) if rest else []):
             req = m.live[rid]
-            limit = min(len(req.prompt), len(req.table) * BS)
-            commits.append(Commit(rid, data.draw(st.one_of(st.just(limit), st.integers(0, limit)))))
+            out = list(req.outputs) + data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=3))
+            limit = min(len(req.prompt) + len(out), len(req.table) * BS)
+            commits.append(Commit(rid, data.draw(st.one_of(st.just(limit), st.integers(0, limit))), out))
         admits = []
         for _ in range(data.draw(st.integers(0, 3))):
             self.next_id += 1
@@ -231,6 +236,10 @@ class CacheMachine(RuleBasedStateMachine):
         req = m.live.pop(item.request_id)
         tokens = req.prompt + tuple(item.output_token_ids)
         full = item.num_computed_tokens // BS
+        if full <= req.num_cached_pages and req.num_cached_pages:  # the finish refreshes its path
+            m.tick += 1
+            for i in range(1, req.num_cached_pages + 1):
+                m.cached[(req.namespace, req.key(i))][1] = m.tick
         if full > req.num_cached_pages:
             m.tick += 1
             for i in range(full):
@@ -251,8 +260,9 @@ class CacheMachine(RuleBasedStateMachine):
             return
         m.tick += 1
         dups = 0
+        tokens = req.prompt + tuple(item.output_token_ids)
         for i in range(full):
-            key = (req.namespace, req.prompt[: (i + 1) * BS])
+            key = (req.namespace, tokens[: (i + 1) * BS])
             if key in m.cached:
                 m.cached[key][1] = m.tick
                 if i >= req.num_cached_pages:  # cached by another request first: share its copy
@@ -263,6 +273,9 @@ class CacheMachine(RuleBasedStateMachine):
             else:
                 m.cached[key] = [req.table[i], m.tick]
         req.num_cached_pages = full
+        if full * BS > len(req.prompt):
+            req.outputs = tokens[len(req.prompt) : full * BS]
+            event("commit: decode pages")
         event(f"commit: {'duplicates swapped' if dups else 'new pages'}")
 
     @rule(w=st.sampled_from(WORKERS), data=st.data())

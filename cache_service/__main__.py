@@ -16,10 +16,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--lease-seconds", type=float, default=30.0, help="pool lease length")
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (off when not given)")
+    parser.add_argument("--event-buffer-mb", type=float, default=64.0,
+                        help="replay buffer of WatchEvents, in MiB (oldest events dropped first; default 64)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
     if args.lease_seconds <= 0:
         parser.error("--lease-seconds must be > 0")
+    if args.event_buffer_mb <= 0:
+        parser.error("--event-buffer-mb must be > 0")
     if not 0 <= args.port <= 65535:
         parser.error("--port must be in [0, 65535]")
     logging.basicConfig(
@@ -27,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    return asyncio.run(serve(args.host, args.port, args.lease_seconds, args.metrics_port))
+    return asyncio.run(serve(args.host, args.port, args.lease_seconds, args.metrics_port,
+                             event_buffer_bytes=int(args.event_buffer_mb * 1024 * 1024)))
 
 
 if __name__ == "__main__":

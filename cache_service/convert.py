@@ -3,13 +3,35 @@
 from __future__ import annotations
 
 from cache_service.events import AllCleared, BlockRemoved, BlockStored, CacheEvent
+from cache_service.miss_reasons import MissBreakdown
 from cache_service.pool import Pool
-from cache_service.schema import Admit, Commit, Extend, Finish, MatchInfo, PoolStats, StepInput, StepResult
+from cache_service.routing import RouteQuery, RouteResult, RouteWeights
+from cache_service.schema import (
+    Admit,
+    Commit,
+    Extend,
+    Finish,
+    MatchInfo,
+    PoolStats,
+    ReplicaLoad,
+    StepInput,
+    StepResult,
+)
 from protos import cache_pb2
 
 
 def _finish(msg: cache_pb2.Finish) -> Finish:
     return Finish(msg.request_id, tuple(msg.output_token_ids), msg.num_computed_tokens, list(msg.block_table))
+
+
+def replica_load(msg: cache_pb2.ReplicaLoad) -> ReplicaLoad:
+    return ReplicaLoad(msg.num_waiting_requests, msg.num_waiting_tokens, msg.num_running_requests)
+
+
+def replica_load_proto(load: ReplicaLoad) -> cache_pb2.ReplicaLoad:
+    return cache_pb2.ReplicaLoad(num_waiting_requests=load.num_waiting_requests,
+                                 num_waiting_tokens=load.num_waiting_tokens,
+                                 num_running_requests=load.num_running_requests)
 
 
 def step_input(msg: cache_pb2.StepRequest) -> StepInput:
@@ -22,7 +44,15 @@ def step_input(msg: cache_pb2.StepRequest) -> StepInput:
         admits=[Admit(a.request_id, tuple(a.token_ids), a.namespace, a.num_lookahead_tokens, a.resumed)
                 for a in msg.admits],
         commits=[Commit(c.request_id, c.num_computed_tokens, tuple(c.output_token_ids)) for c in msg.commits],
+        load=replica_load(msg.load) if msg.HasField("load") else None,
     )
+
+
+def _miss(miss: MissBreakdown | None) -> cache_pb2.MissBreakdown | None:
+    if miss is None:
+        return None
+    return cache_pb2.MissBreakdown(evicted_tokens=miss.evicted_tokens, other_replica_tokens=miss.other_replica_tokens,
+                                   other_namespace_tokens=miss.other_namespace_tokens, new_tokens=miss.new_tokens)
 
 
 def step_response(result: StepResult) -> cache_pb2.StepResponse:
@@ -34,6 +64,7 @@ def step_response(result: StepResult) -> cache_pb2.StepResponse:
                 status=admitted if a.admitted else no_space,
                 cached_tokens=a.cached_tokens,
                 block_table=a.block_table,
+                miss=_miss(a.miss),
             )
             for a in result.admits
         ],
@@ -73,6 +104,34 @@ def pool_stats(s: PoolStats) -> cache_pb2.PoolStats:
         num_finished=s.num_finished,
         num_released=s.num_released,
         lease_remaining_seconds=s.lease_remaining_seconds,
+        serving_addr=s.serving_addr,
+        load=replica_load_proto(s.load),
+        num_reservations=s.num_reservations,
+        num_remembered_evicted_pages=s.num_remembered_evicted_pages,
+    )
+
+
+def route_query(msg: cache_pb2.RouteRequest) -> RouteQuery:
+    defaults = RouteWeights()
+    weights = RouteWeights(msg.prefill_weight or defaults.prefill_weight, msg.queue_weight or defaults.queue_weight,
+                           msg.running_weight or defaults.running_weight)
+    return RouteQuery(tuple(msg.token_ids), tuple(msg.page_hashes), msg.namespace, msg.model_fingerprint,
+                      msg.request_id, msg.reserve_ms, msg.max_candidates, msg.dry_run, weights)
+
+
+def route_response(result: RouteResult) -> cache_pb2.RouteResponse:
+    return cache_pb2.RouteResponse(
+        candidates=[
+            cache_pb2.RouteCandidate(
+                pool_id=c.pool_id, worker_id=c.worker_id, serving_addr=c.serving_addr,
+                matched_tokens=c.matched_tokens, routed_prefix_tokens=c.routed_prefix_tokens,
+                prefill_tokens=c.prefill_tokens, load=replica_load_proto(c.load), routed_tokens=c.routed_tokens,
+                num_free_blocks=c.num_free_blocks, num_evictable_blocks=c.num_evictable_blocks,
+                num_blocks=c.num_blocks, score=c.score, reserved=c.reserved,
+            )
+            for c in result.candidates
+        ],
+        num_prompt_pages=result.num_prompt_pages,
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -27,7 +27,9 @@ from cache_service.errors import (
     ResourceExhausted,
 )
 from cache_service.events import AllCleared, BlockRemoved, EventLog, stored_from_node
+from cache_service.miss_reasons import EvictedPages, classify_miss
 from cache_service.radix_tree import RadixTree, TreeNode
+from cache_service.routed import RoutedRequest, RoutedRequests
 from cache_service.schema import (
     Admit,
     AdmitResult,
@@ -39,6 +41,7 @@ from cache_service.schema import (
     Finish,
     MatchInfo,
     PoolStats,
+    ReplicaLoad,
     StepInput,
     StepResult,
 )
@@ -80,6 +83,7 @@ class Pool:
         vocab_size: int = 0,
         events: EventLog | None = None,
         max_finished_ids: int = 65536,
+        serving_addr: str = "",
     ) -> None:
         self.pool_id = pool_id
         self.worker_id = pool_id
@@ -102,12 +106,20 @@ class Pool:
         self._events = events
         self._finished_ids: OrderedDict[str, None] = OrderedDict()
         self._max_finished_ids = max_finished_ids
+        self.serving_addr = serving_addr
+        self.load = ReplicaLoad()
+        self.routed = RoutedRequests()
+        self.evicted_pages = EvictedPages(2 * num_blocks)
+        # Other live pools of the same model (set by the registry): for miss reasons.
+        self.peers: Callable[[], Iterable[Pool]] = tuple
 
     # ------------------------------------------------------------------ step
 
     def step(self, step: StepInput) -> StepResult:
         """Validate the whole step, then apply releases+finishes, commits, extends, admits (FCFS)."""
         self._validate(step)
+        if step.load is not None:
+            self.load = step.load
         evicted_before = self.num_evicted_blocks
         for item in step.releases:
             self._finish(item, released=True)
@@ -243,6 +255,13 @@ class Pool:
         self.requests[item.request_id] = RequestState(
             item.request_id, item.namespace, tokens, match.last_node, num_cached, table
         )
+        self._unlock(self.routed.on_admit(item.request_id))  # our own lock holds the prefix now
+        miss = None
+        if not item.resumed:
+            parent_hash = match.last_node.last_hash if match.last_node is not None else 0
+            peers = (p.tree for p in self.peers() if p is not self)
+            miss = classify_miss(self.tree, self.evicted_pages, peers, tokens, item.namespace, num_cached,
+                                 parent_hash)
         self._finished_ids.pop(item.request_id, None)
         self.num_private_blocks += num_fresh
         self.num_admitted += 1
@@ -253,7 +272,7 @@ class Pool:
             "admit pool=%s request=%s tokens=%d cached=%d fresh=%d",
             self.pool_id, item.request_id, len(tokens), num_cached * bs, num_fresh,
         )
-        return AdmitResult(item.request_id, True, num_cached * bs, list(table))
+        return AdmitResult(item.request_id, True, num_cached * bs, list(table), miss)
 
     def _extend(self, item: Extend) -> ExtendResult:
         req = self.requests[item.request_id]
@@ -284,6 +303,7 @@ class Pool:
             raise IntegrityError(f"request {req.request_id!r}: locked prefix vanished from the tree")
         if result.new_node is not None and self._events is not None:
             self._events.publish(self.pool_id, stored_from_node(result.new_node, bs))
+        self._unlock(self.routed.drop(req.request_id))  # its prompt is cached: no longer a promise
         shared = self.tree.path_blocks(result.last_node, full_pages - cached)
         # Pages [existing, full_pages) now belong to the tree and the request keeps a reference;
         # pages [cached, existing) were cached by another request first: share the tree's copy.
@@ -303,6 +323,7 @@ class Pool:
 
     def _finish(self, item: Finish, released: bool) -> None:
         req = self.requests.pop(item.request_id)
+        self._unlock(self.routed.drop(req.request_id))
         bs = self.block_size
         table = req.block_table
         cached = req.num_cached_pages
@@ -362,6 +383,8 @@ class Pool:
         blocks = [b for node in evicted for b in node.block_ids]
         self.allocator.free(blocks)
         self.num_evicted_blocks += len(blocks)
+        for node in evicted:
+            self.evicted_pages.add(node.hashes)
         if self._events is not None:
             if clearing and self.tree.total_size == 0:
                 self._events.publish(self.pool_id, AllCleared())
@@ -384,6 +407,7 @@ class Pool:
 
     def retire(self) -> None:
         """Drop every request (locks and private blocks) and the whole tree (lease expiry)."""
+        self._unlock(self.routed.drop_all())
         for rid in list(self.requests):
             req = self.requests.pop(rid)
             self.allocator.free(req.block_table)
@@ -396,6 +420,29 @@ class Pool:
         self.num_evicted_blocks += len(blocks)
         if self._events is not None:
             self._events.publish(self.pool_id, AllCleared())
+
+    # ------------------------------------------------------------------ routing
+
+    def _unlock(self, nodes: list[TreeNode]) -> None:
+        for node in nodes:
+            if node.in_tree:
+                self.tree.dec_lock_ref(node)
+
+    def pin_prefix(self, tokens: Sequence[int], namespace: str) -> TreeNode | None:
+        """Lock the cached prefix of `tokens` (a Route reservation); None when nothing is cached."""
+        match = self.tree.match_prefix(tokens, namespace)
+        if not match.num_tokens:
+            return None
+        self.tree.inc_lock_ref(match.last_node)
+        return match.last_node
+
+    def add_routed(self, entry: RoutedRequest) -> None:
+        """Remember a request routed here (its pin, if any, is already locked)."""
+        self._unlock(self.routed.add(entry))
+
+    def expire_routed(self, now: float) -> None:
+        """End routed requests and reservations whose time has come."""
+        self._unlock(self.routed.expire(now))
 
     # ------------------------------------------------------------------ queries
 
@@ -426,6 +473,10 @@ class Pool:
             num_finished=self.num_finished,
             num_released=self.num_released,
             lease_remaining_seconds=lease_remaining_seconds,
+            serving_addr=self.serving_addr,
+            load=self.load,
+            num_reservations=self.routed.num_pins,
+            num_remembered_evicted_pages=len(self.evicted_pages),
         )
 
     def check_integrity(self) -> None:

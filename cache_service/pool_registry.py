@@ -22,11 +22,14 @@ from collections.abc import Callable
 from cache_service.errors import FailedPrecondition, InvalidArgument, NotFound
 from cache_service.events import EventLog
 from cache_service.pool import Pool
+from cache_service.routing import RouteQuery, RouteResult, route
+from cache_service.schema import ReplicaLoad
 
 log = logging.getLogger(__name__)
 
 MAX_NUM_BLOCKS = 1 << 24
 MAX_BLOCK_SIZE = 1 << 16
+MAX_ADDR_LEN = 1024
 
 
 class PoolRegistry:
@@ -60,6 +63,7 @@ class PoolRegistry:
         block_size: int,
         model_fingerprint: str = "",
         vocab_size: int = 0,
+        serving_addr: str = "",
     ) -> Pool:
         """Create the pool of `worker_id`, retiring any previous one of the same worker."""
         if not worker_id:
@@ -70,17 +74,21 @@ class PoolRegistry:
             raise InvalidArgument(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
         if vocab_size < 0:
             raise InvalidArgument("vocab_size must be >= 0")
+        if len(serving_addr) > MAX_ADDR_LEN:
+            raise InvalidArgument(f"serving_addr longer than {MAX_ADDR_LEN} characters")
         if worker_id in self.pools:
             self._retire(worker_id, "re-registered")
         pool = Pool(
-            worker_id, self._new_epoch(), num_blocks, block_size, model_fingerprint, vocab_size, self.events
+            worker_id, self._new_epoch(), num_blocks, block_size, model_fingerprint, vocab_size, self.events,
+            serving_addr=serving_addr,
         )
+        pool.peers = lambda: self.live_pools(model_fingerprint)
         pool.lease_deadline = self._clock() + self.lease_seconds
         self.pools[worker_id] = pool
         self._tombstones.pop(worker_id, None)
         log.info(
-            "pool registered pool=%s epoch=%d num_blocks=%d block_size=%d fingerprint=%s",
-            worker_id, pool.epoch, num_blocks, block_size, model_fingerprint,
+            "pool registered pool=%s epoch=%d num_blocks=%d block_size=%d fingerprint=%s serving_addr=%s",
+            worker_id, pool.epoch, num_blocks, block_size, model_fingerprint, serving_addr or "-",
         )
         return pool
 
@@ -108,10 +116,28 @@ class PoolRegistry:
             raise NotFound(f"unknown pool {pool_id!r}")
         return pool
 
-    def heartbeat(self, pool_id: str, epoch: int) -> float:
-        """Renew the lease; returns its length in seconds."""
-        self.get(pool_id, epoch)
+    def heartbeat(self, pool_id: str, epoch: int, load: ReplicaLoad | None = None) -> float:
+        """Renew the lease (and take the replica's load report); returns its length in seconds."""
+        pool = self.get(pool_id, epoch)
+        if load is not None:
+            pool.load = load
         return self.lease_seconds
+
+    def live_pools(self, model_fingerprint: str = "") -> list[Pool]:
+        """Pools whose lease has not run out (of one model when a fingerprint is given)."""
+        now = self._clock()
+        return [p for p in self.pools.values() if now < p.lease_deadline
+                and (not model_fingerprint or p.model_fingerprint == model_fingerprint)]
+
+    def route(self, query: RouteQuery) -> RouteResult:
+        """Rank the live pools of the query's model for its prompt (see `routing.route`)."""
+        return route(self.live_pools(query.model_fingerprint), query, self._clock())
+
+    def expire_routed(self) -> None:
+        """End reservations and routed requests whose time has come, in every pool."""
+        now = self._clock()
+        for pool in self.pools.values():
+            pool.expire_routed(now)
 
     def lease_remaining(self, pool: Pool) -> float:
         return max(0.0, pool.lease_deadline - self._clock())

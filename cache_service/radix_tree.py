@@ -116,6 +116,7 @@ class RadixTree:
         self._seq = itertools.count()
         # First page of every root child -> the namespaces that have it (other-namespace lookups).
         self._first_pages: dict[tuple[int, ...], set[str]] = {}
+        self._hashes: set[int] = set()  # every cached page's hash (lookups by hash chain)
 
     # ------------------------------------------------------------------ queries
 
@@ -226,6 +227,7 @@ class RadixTree:
         leaf = TreeNode(key[pos:], list(block_ids[existing:]), hashes, node, namespace, last_access=tick)
         first = key[pos : pos + ps]
         node.children[first] = leaf
+        self._hashes.update(hashes)
         if node.parent is None:
             self._first_pages.setdefault(first, set()).add(namespace)
         self.num_nodes += 1
@@ -245,6 +247,15 @@ class RadixTree:
         if need > 0:
             raise ValueError(f"path holds fewer than {num_pages} pages")
         return [b for part in reversed(parts) for b in part]
+
+    def peek_hashes(self, hashes: Sequence[int]) -> int:
+        """Leading pages of a page hash chain (see `page_hashes`) that are cached: read-only."""
+        n = 0
+        for h in hashes:
+            if h not in self._hashes:
+                break
+            n += 1
+        return n
 
     def peek_other_namespaces(self, tokens: Sequence[int], namespace: str) -> int:
         """Longest cached page-aligned prefix of `tokens` in any namespace but `namespace`.
@@ -341,6 +352,7 @@ class RadixTree:
         first = node.key[: self.page_size]
         del parent.children[first]
         node.in_tree = False
+        self._hashes.difference_update(node.hashes)
         self.num_nodes -= 1
         self.evictable_size -= len(node.value)
         if parent.parent is None:
@@ -454,6 +466,9 @@ class RadixTree:
                 index.setdefault(first, set()).add(ns)
         if index != self._first_pages:
             raise IntegrityError("first-page namespace index differs from the roots' children")
+        hashes = {h for node in self.iter_nodes() for h in node.hashes}
+        if hashes != self._hashes:
+            raise IntegrityError("page hash index differs from the tree's pages")
         queued = {id(n) for stamp, _, n in self._heap if n.last_access == stamp}
         if any(id(leaf) not in queued for leaf in leaves):
             raise IntegrityError("an evictable leaf is missing from the eviction heap")

@@ -6,6 +6,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from cache_service.miss_reasons import MissBreakdown
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    """What a replica reports with every Step and Heartbeat."""
+
+    num_waiting_requests: int = 0
+    num_waiting_tokens: int = 0
+    num_running_requests: int = 0
+
 
 @dataclass(slots=True)
 class Admit:
@@ -44,6 +55,7 @@ class StepInput:
     extends: list[Extend] = field(default_factory=list)
     admits: list[Admit] = field(default_factory=list)
     commits: list[Commit] = field(default_factory=list)
+    load: ReplicaLoad | None = None  # None: keep the last reported load
 
 
 class AdmitResult(NamedTuple):
@@ -51,6 +63,7 @@ class AdmitResult(NamedTuple):
     admitted: bool
     cached_tokens: int
     block_table: list[int]
+    miss: MissBreakdown | None = None  # first admissions only
 
 
 class ExtendResult(NamedTuple):
@@ -104,6 +117,10 @@ class PoolStats:
     num_finished: int
     num_released: int
     lease_remaining_seconds: float
+    serving_addr: str = ""
+    load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    num_reservations: int = 0
+    num_remembered_evicted_pages: int = 0
 
     @property
     def hit_rate(self) -> float:

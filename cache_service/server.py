@@ -9,25 +9,18 @@ import signal
 import sys
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
+from cache_service.events import DEFAULT_BUFFER_BYTES, EventLog
 from cache_service.metrics import Metrics
 from cache_service.pool_registry import PoolRegistry
 from cache_service.servicer import SERVICE_NAME, CacheManagerServicer
+from common.grpc_server import add_health_and_reflection, format_address, set_health
 from protos import cache_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-
-
-def format_address(host: str, port: int) -> str:
-    """host:port, bracketing IPv6 literals."""
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"
 
 
 async def create_server(
@@ -51,10 +44,8 @@ async def create_server(
     )
     servicer = CacheManagerServicer(registry, metrics, watch_queue_size)
     cache_pb2_grpc.add_CacheManagerServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME], server)
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    add_health_and_reflection(server, SERVICE_NAME, health_servicer)
+    await set_health(health_servicer, [SERVICE_NAME])
     port = server.add_insecure_port(address)
     return server, port
 
@@ -65,6 +56,7 @@ async def expire_leases_forever(registry: PoolRegistry, interval: float) -> None
         await asyncio.sleep(interval)
         for pool_id in registry.expire_leases():
             log.warning("lease expired pool=%s: its requests and cached blocks were reclaimed", pool_id)
+        registry.expire_routed()  # reservation pins end on time even when nobody routes
 
 
 async def serve(
@@ -73,9 +65,10 @@ async def serve(
     lease_seconds: float = 30.0,
     metrics_port: int | None = None,
     grace_seconds: float = 2.0,
+    event_buffer_bytes: int = DEFAULT_BUFFER_BYTES,
 ) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
-    registry = PoolRegistry(lease_seconds=lease_seconds)
+    registry = PoolRegistry(lease_seconds=lease_seconds, events=EventLog(max_bytes=event_buffer_bytes))
     metrics = Metrics(registry) if metrics_port is not None else None
     health_servicer = health.aio.HealthServicer()
     address = format_address(host, port)
@@ -96,7 +89,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    expiry = asyncio.create_task(expire_leases_forever(registry, min(1.0, lease_seconds / 4)))
+    expiry = asyncio.create_task(expire_leases_forever(registry, min(0.25, lease_seconds / 4)))
     try:
         await server.start()
         print(f"cache_service listening on {format_address(host, bound)}", flush=True)

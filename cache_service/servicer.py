@@ -74,7 +74,8 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
     @_rpc
     async def RegisterPool(self, request: cache_pb2.RegisterPoolRequest, context) -> cache_pb2.RegisterPoolResponse:
         pool = self.registry.register(
-            request.worker_id, request.num_blocks, request.block_size, request.model_fingerprint, request.vocab_size
+            request.worker_id, request.num_blocks, request.block_size, request.model_fingerprint, request.vocab_size,
+            request.serving_addr,
         )
         return cache_pb2.RegisterPoolResponse(
             pool_id=pool.pool_id, epoch=pool.epoch, lease_seconds=self.registry.lease_seconds
@@ -107,7 +108,14 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
 
     @_rpc
     async def Heartbeat(self, request: cache_pb2.HeartbeatRequest, context) -> cache_pb2.HeartbeatResponse:
-        return cache_pb2.HeartbeatResponse(lease_seconds=self.registry.heartbeat(request.pool_id, request.epoch))
+        load = convert.replica_load(request.load) if request.HasField("load") else None
+        return cache_pb2.HeartbeatResponse(
+            lease_seconds=self.registry.heartbeat(request.pool_id, request.epoch, load)
+        )
+
+    @_rpc
+    async def Route(self, request: cache_pb2.RouteRequest, context) -> cache_pb2.RouteResponse:
+        return convert.route_response(self.registry.route(convert.route_query(request)))
 
     @_rpc
     async def Stats(self, request: cache_pb2.StatsRequest, context) -> cache_pb2.StatsResponse:

@@ -192,11 +192,12 @@ def server() -> Iterator[ServerProcess]:
 
 
 def register(stub: cache_pb2_grpc.CacheManagerStub, worker_id: str, num_blocks: int = 32,
-             block_size: int = 4, vocab_size: int = 0, fingerprint: str = "fp") -> cache_pb2.RegisterPoolResponse:
+             block_size: int = 4, vocab_size: int = 0, fingerprint: str = "fp",
+             serving_addr: str = "") -> cache_pb2.RegisterPoolResponse:
     return stub.RegisterPool(
         cache_pb2.RegisterPoolRequest(
             worker_id=worker_id, num_blocks=num_blocks, block_size=block_size,
-            model_fingerprint=fingerprint, vocab_size=vocab_size,
+            model_fingerprint=fingerprint, vocab_size=vocab_size, serving_addr=serving_addr,
         ),
         timeout=5,
     )

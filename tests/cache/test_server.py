@@ -126,6 +126,39 @@ def test_match_is_read_only_and_ranks_pools(server) -> None:
     assert after.queried_tokens == before.queried_tokens
 
 
+def test_route_ranks_live_replicas_with_load_reservation_and_miss_reasons(server) -> None:
+    stub = server.stub
+    fingerprint = worker("route-model")
+    a = register(stub, worker("ra"), fingerprint=fingerprint, serving_addr="127.0.0.1:7001")
+    b = register(stub, worker("rb"), fingerprint=fingerprint, serving_addr="127.0.0.1:7002")
+    prefix = list(range(200, 216))
+    step(stub, b, admits=[admit("seed", prefix + [1])])
+    step(stub, b, finishes=[fin("seed", 17)], load=pb.ReplicaLoad(num_waiting_requests=1, num_waiting_tokens=3))
+    reply = stub.Route(pb.RouteRequest(token_ids=prefix + [5], model_fingerprint=fingerprint,
+                                       request_id="q", reserve_ms=5000), timeout=5)
+    best, second = reply.candidates
+    assert (best.pool_id, best.serving_addr, best.matched_tokens, best.prefill_tokens) == (
+        b.pool_id, "127.0.0.1:7002", 16, 1)
+    assert best.reserved and best.load.num_waiting_tokens == 3 and best.score == 2 * 1 + 3
+    assert second.pool_id == a.pool_id and second.prefill_tokens == 17 and not second.reserved
+    (stats,) = stub.Stats(pb.StatsRequest(pool_id=b.pool_id), timeout=5).pools
+    assert stats.serving_addr == "127.0.0.1:7002" and stats.num_reservations == 1 and stats.num_locked_blocks == 4
+    (adm,) = step(stub, b, admits=[admit("q", prefix + [5])]).admits
+    assert adm.cached_tokens == 16 and adm.miss.new_tokens == 1
+    (other,) = step(stub, a, admits=[admit("q2", prefix + [5, 6])]).admits
+    assert (other.miss.other_replica_tokens, other.miss.new_tokens) == (16, 2)
+    stub.Heartbeat(pb.HeartbeatRequest(pool_id=a.pool_id, epoch=a.epoch,
+                                       load=pb.ReplicaLoad(num_running_requests=1)), timeout=5)
+    step(stub, b, finishes=[fin("q", 17)])
+    step(stub, a, finishes=[fin("q2", 18)])
+    assert assert_accounting(stub, b.pool_id).num_locked_blocks == 0
+    (stats,) = stub.Stats(pb.StatsRequest(pool_id=a.pool_id), timeout=5).pools
+    assert stats.load.num_running_requests == 1 and stats.num_reservations == 0
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Route(pb.RouteRequest(model_fingerprint=fingerprint), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def _next_events(call, n: int) -> list[pb.CacheEvent]:
     return [next(call) for _ in range(n)]
 

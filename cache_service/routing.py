@@ -1,0 +1,148 @@
+"""Route: rank the live pools of a model for one prompt, from each pool's own tree and load.
+
+score (lower is better, in token units: the work between the request and its first token):
+    prefill_weight * prefill_tokens
+  + queue_weight   * (num_waiting_tokens + routed_tokens)
+  + running_weight * num_running_requests
+  + pool_full_penalty  (the pool cannot hold the request now, even after evicting)
+
+`prefill_tokens` is what the pool would compute: the prompt minus its exact cached prefix, or
+minus the prefix a request routed there moments ago will have cached (counted as matched).
+`routed_tokens` are the expected prefill tokens of requests routed there and not yet admitted.
+A prefill token saved counts twice a queued token by default (llm-d's prefix:load 2:1): sending
+a request where its prefix is costs the fleet only its suffix, recomputing it elsewhere costs the
+whole prefix again, and every other request pays for that work.
+
+Each call reads one tree per candidate pool (a walk of the prompt, no scan of the tree).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from cache_service.errors import InvalidArgument
+from cache_service.pool import Pool
+from cache_service.radix_tree import page_hashes
+from cache_service.routed import DEFAULT_ROUTED_TTL_SECONDS, RoutedRequest
+from cache_service.schema import ReplicaLoad
+
+POOL_FULL_PENALTY = 1e9
+MAX_RESERVE_MS = 60_000
+
+
+@dataclass(slots=True)
+class RouteWeights:
+    prefill_weight: float = 2.0
+    queue_weight: float = 1.0
+    running_weight: float = 16.0
+
+
+@dataclass(slots=True)
+class RouteQuery:
+    token_ids: tuple[int, ...] = ()
+    page_hashes: tuple[int, ...] = ()  # instead of token_ids: the prompt's page hash chain
+    namespace: str = ""
+    model_fingerprint: str = ""
+    request_id: str = ""
+    reserve_ms: int = 0
+    max_candidates: int = 0
+    dry_run: bool = False
+    weights: RouteWeights | None = None
+
+
+class RouteCandidate(NamedTuple):
+    pool_id: str
+    worker_id: str
+    serving_addr: str
+    matched_tokens: int
+    routed_prefix_tokens: int
+    prefill_tokens: int
+    load: ReplicaLoad
+    routed_tokens: int
+    num_free_blocks: int
+    num_evictable_blocks: int
+    num_blocks: int
+    score: float
+    reserved: bool = False
+
+
+class RouteResult(NamedTuple):
+    candidates: list[RouteCandidate]
+    num_prompt_pages: int
+
+
+def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
+    """Rank `pools` (the live ones; those without a serving address are skipped)."""
+    if bool(query.token_ids) == bool(query.page_hashes):
+        raise InvalidArgument("give either token_ids or page_hashes (exactly one of them, non-empty)")
+    if query.reserve_ms < 0 or query.reserve_ms > MAX_RESERVE_MS:
+        raise InvalidArgument(f"reserve_ms must be in [0, {MAX_RESERVE_MS}]")
+    if query.reserve_ms and not query.request_id:
+        raise InvalidArgument("reserve_ms needs the request_id the request will carry")
+    weights = query.weights or RouteWeights()
+    candidates = [p for p in pools if p.serving_addr and (not query.model_fingerprint
+                                                          or p.model_fingerprint == query.model_fingerprint)]
+    hash_chains: dict[int, list[int]] = {}  # per block size, computed only when needed
+
+    def chain(block_size: int) -> list[int]:
+        if block_size not in hash_chains:
+            hash_chains[block_size] = (list(query.page_hashes) if query.page_hashes else
+                                       page_hashes(0, query.namespace, query.token_ids, block_size))
+        return hash_chains[block_size]
+
+    num_pages = 0
+    scored: list[tuple[tuple[float, int, str], RouteCandidate, Pool]] = []
+    for pool in candidates:
+        pool.expire_routed(now)
+        bs = pool.block_size
+        if query.token_ids:
+            num_tokens = len(query.token_ids)
+            max_cached = (num_tokens - 1) // bs  # pages: the last prompt token is always computed
+            matched = pool.tree.peek_prefix(query.token_ids[: max_cached * bs], query.namespace).num_tokens // bs
+        else:
+            num_tokens = len(query.page_hashes) * bs
+            max_cached = len(query.page_hashes)
+            matched = pool.tree.peek_hashes(query.page_hashes)
+        num_pages = max(num_pages, num_tokens // bs)
+        promised = pool.routed.promised_pages(chain(bs)[:max_cached]) if len(pool.routed) else 0
+        effective = max(matched, min(promised, max_cached))
+        prefill = num_tokens - effective * bs
+        need_blocks = -(-(num_tokens + 1) // bs) - matched
+        available = pool.allocator.num_free_blocks + pool.tree.evictable_size
+        load = pool.load
+        score = (weights.prefill_weight * prefill
+                 + weights.queue_weight * (load.num_waiting_tokens + pool.routed.queued_tokens)
+                 + weights.running_weight * load.num_running_requests
+                 + (POOL_FULL_PENALTY if need_blocks > available else 0.0))
+        candidate = RouteCandidate(
+            pool.pool_id, pool.worker_id, pool.serving_addr, matched * bs, max(0, effective - matched) * bs,
+            prefill, load, pool.routed.queued_tokens, pool.allocator.num_free_blocks, pool.tree.evictable_size,
+            pool.num_blocks, score,
+        )
+        scored.append(((score, -pool.allocator.num_free_blocks, pool.pool_id), candidate, pool))
+    scored.sort(key=lambda item: item[0])
+    if scored and query.request_id and not query.dry_run:
+        best_key, best, pool = scored[0]
+        scored[0] = (best_key, _record(pool, best, query, chain(pool.block_size), now), pool)
+    ranked = [c for _, c, _ in scored]
+    if query.max_candidates:
+        ranked = ranked[: query.max_candidates]
+    return RouteResult(ranked, num_pages)
+
+
+def _record(pool: Pool, best: RouteCandidate, query: RouteQuery, hashes: Sequence[int],
+            now: float) -> RouteCandidate:
+    """Count the request as routed to `pool`; pin its matched prefix when asked to (token ids
+    only: a hash chain names no tree node to lock)."""
+    bs = pool.block_size
+    max_cached = (len(query.token_ids) - 1) // bs if query.token_ids else len(hashes)
+    pin = None
+    if query.reserve_ms and best.matched_tokens and query.token_ids:
+        pin = pool.pin_prefix(query.token_ids[: best.matched_tokens], query.namespace)
+    entry = RoutedRequest(query.request_id, list(hashes[:max_cached]), best.prefill_tokens,
+                          now + max(DEFAULT_ROUTED_TTL_SECONDS, query.reserve_ms / 1000), pin,
+                          now + query.reserve_ms / 1000)
+    pool.add_routed(entry)
+    return best._replace(routed_tokens=pool.routed.queued_tokens, reserved=pin is not None)

@@ -1,0 +1,1 @@
+"""Code shared by the radixkv servers (cache_service, model_service, router)."""

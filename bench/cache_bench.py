@@ -4,6 +4,7 @@
 2. Eviction cost per call as the tree grows (1k, 10k, 50k leaves) next to a full leaf scan.
 3. Step RPC latency (p50/p99) on loopback for 16-request batches, server in a subprocess.
 4. The same Step sequence in-process vs over gRPC (ratio).
+5. Route over a fleet of 64 pools x 10k cached sequences, in-process (p50 per call).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import grpc
 import numpy as np
 
 from cache_service.pool import Pool
+from cache_service.pool_registry import PoolRegistry
 from cache_service.radix_tree import RadixTree
+from cache_service.routing import RouteQuery
 from cache_service.schema import Admit, Extend, Finish, StepInput
 from protos import cache_pb2 as pb
 from protos import cache_pb2_grpc
@@ -249,6 +252,33 @@ def bench_step_grpc(steps: list[StepInput], num_blocks: int) -> list[dict]:
 # ---------------------------------------------------------------------- main
 
 
+# ---------------------------------------------------------------------- 5. route
+
+
+def bench_route(num_pools: int, num_sequences: int, num_calls: int) -> dict:
+    """Route p50 over `num_pools` pools, each caching `num_sequences` 512-token sequences
+    (100 shared 256-token stems + unique tails); queries are 1k-token prompts on a stem."""
+    rng = random.Random(5)
+    stems = [tokens(rng, 256) for _ in range(100)]
+    registry = PoolRegistry(lease_seconds=3600)
+    started = time.perf_counter()
+    for p in range(num_pools):
+        pool = registry.register(f"replica-{p}", 1 << 20, BS, "fp", 0, f"10.0.0.{p}:50052")
+        block = 0
+        for i in range(num_sequences):
+            seq = stems[(i + p) % 100] + tokens(rng, 256)
+            pool.tree.insert(seq, list(range(block, block + len(seq) // BS)))
+            block += len(seq) // BS
+    build_s = time.perf_counter() - started
+    queries = [stems[rng.randrange(100)] + tokens(rng, 768) for _ in range(num_calls)]
+    times = []
+    for i, q in enumerate(queries):
+        query = RouteQuery(token_ids=tuple(q), model_fingerprint="fp", request_id=f"q{i}")
+        times.append(timed(lambda query=query: registry.route(query)))
+    return {"pools": num_pools, "sequences_per_pool": num_sequences, "build_s": build_s, "calls": num_calls,
+            "route_us_p50": 1e6 * statistics.median(times), "route_us_p99": 1e6 * pct(times, 0.99)}
+
+
 def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     """Right-aligned text table; columns are (key, title, format spec)."""
     cells = [[f"{row[key]:{fmt}}" for key, _, fmt in columns] for row in rows]
@@ -294,6 +324,13 @@ def main() -> None:
         ratio = by[(kind, "gRPC")]["p50_us"] / by[(kind, "in-process")]["p50_us"]
         results[f"grpc_over_inprocess_{kind}"] = ratio
         print(f"gRPC / in-process p50 for {kind}: {ratio:.1f}x")
+
+    print("\n== 5. Route over a fleet (in-process; target p50 < 1 ms at 64 pools x 10k sequences)")
+    rt = bench_route(8 if q else 64, 1000 if q else 10_000, 200 if q else 2000)
+    results["route"] = rt
+    print(table([rt], [("pools", "pools", ""), ("sequences_per_pool", "seqs/pool", ","),
+                       ("build_s", "build s", ".1f"), ("route_us_p50", "route p50 us", ",.0f"),
+                       ("route_us_p99", "route p99 us", ",.0f")]))
 
     out = REPO / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)

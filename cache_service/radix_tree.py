@@ -139,6 +139,27 @@ class RadixTree:
         """Like `match_prefix` but read-only: no split, no access-time update."""
         return self._walk(tokens, namespace, mutate=False)
 
+    def peek_key(self, key: tuple[int, ...], namespace: str = "") -> int:
+        """Cached tokens of the longest page-aligned prefix of `key` (a tuple, not copied):
+        read-only, for callers that look one prompt up in many trees."""
+        root = self._roots.get(namespace)
+        if root is None:
+            return 0
+        ps = self.page_size
+        n = len(key) // ps * ps
+        node, pos = root, 0
+        while pos < n:
+            child = node.children.get(key[pos : pos + ps])
+            if child is None:
+                break
+            clen = len(child.key)
+            if key[pos : pos + clen] == child.key:
+                pos += clen
+                node = child
+                continue
+            return pos + self._common_pages(child.key, key, pos) * ps
+        return pos
+
     def _walk(self, tokens: Sequence[int], namespace: str, mutate: bool) -> MatchResult:
         root = self._roots.get(namespace)
         if root is None:

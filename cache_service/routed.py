@@ -89,6 +89,10 @@ class RoutedRequests:
             self.queued_tokens -= entry.prefill_tokens
         return self._unpin(entry)
 
+    @property
+    def next_deadline(self) -> float:
+        return self._deadlines[0][0] if self._deadlines else float("inf")
+
     def expire(self, now: float) -> list[TreeNode]:
         """End every pin and entry whose time has come; returns the pins to unlock."""
         unlock: list[TreeNode] = []

@@ -92,43 +92,48 @@ def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
                                        page_hashes(0, query.namespace, query.token_ids, block_size))
         return hash_chains[block_size]
 
+    keys: dict[int, tuple[int, ...]] = {}  # per block size: the cacheable prompt prefix, sliced once
+    wp, wq, wr = weights.prefill_weight, weights.queue_weight, weights.running_weight
     num_pages = 0
-    scored: list[tuple[tuple[float, int, str], RouteCandidate, Pool]] = []
+    scored: list[tuple[float, int, str, Pool, int, int, int]] = []
     for pool in candidates:
-        pool.expire_routed(now)
+        routed = pool.routed
+        if routed.next_deadline <= now:
+            pool.expire_routed(now)
         bs = pool.block_size
         if query.token_ids:
             num_tokens = len(query.token_ids)
             max_cached = (num_tokens - 1) // bs  # pages: the last prompt token is always computed
-            matched = pool.tree.peek_prefix(query.token_ids[: max_cached * bs], query.namespace).num_tokens // bs
+            key = keys.get(bs)
+            if key is None:
+                key = keys[bs] = query.token_ids[: max_cached * bs]
+            matched = pool.tree.peek_key(key, query.namespace) // bs
         else:
             num_tokens = len(query.page_hashes) * bs
             max_cached = len(query.page_hashes)
             matched = pool.tree.peek_hashes(query.page_hashes)
         num_pages = max(num_pages, num_tokens // bs)
-        promised = pool.routed.promised_pages(chain(bs)[:max_cached]) if len(pool.routed) else 0
-        effective = max(matched, min(promised, max_cached))
+        effective = matched
+        if len(routed):
+            effective = max(matched, min(routed.promised_pages(chain(bs)[:max_cached]), max_cached))
         prefill = num_tokens - effective * bs
-        need_blocks = -(-(num_tokens + 1) // bs) - matched
-        available = pool.allocator.num_free_blocks + pool.tree.evictable_size
+        free = pool.allocator.num_free_blocks
         load = pool.load
-        score = (weights.prefill_weight * prefill
-                 + weights.queue_weight * (load.num_waiting_tokens + pool.routed.queued_tokens)
-                 + weights.running_weight * load.num_running_requests
-                 + (POOL_FULL_PENALTY if need_blocks > available else 0.0))
-        candidate = RouteCandidate(
-            pool.pool_id, pool.worker_id, pool.serving_addr, matched * bs, max(0, effective - matched) * bs,
-            prefill, load, pool.routed.queued_tokens, pool.allocator.num_free_blocks, pool.tree.evictable_size,
-            pool.num_blocks, score,
-        )
-        scored.append(((score, -pool.allocator.num_free_blocks, pool.pool_id), candidate, pool))
-    scored.sort(key=lambda item: item[0])
-    if scored and query.request_id and not query.dry_run:
-        best_key, best, pool = scored[0]
-        scored[0] = (best_key, _record(pool, best, query, chain(pool.block_size), now), pool)
-    ranked = [c for _, c, _ in scored]
+        score = wp * prefill + wq * (load.num_waiting_tokens + routed.queued_tokens) + wr * load.num_running_requests
+        if -(-(num_tokens + 1) // bs) - matched > free + pool.tree.evictable_size:
+            score += POOL_FULL_PENALTY
+        scored.append((score, -free, pool.pool_id, pool, matched * bs, (effective - matched) * bs, prefill))
+    scored.sort(key=lambda item: item[:3])
     if query.max_candidates:
-        ranked = ranked[: query.max_candidates]
+        scored = scored[: query.max_candidates]
+    ranked = [
+        RouteCandidate(pool.pool_id, pool.worker_id, pool.serving_addr, matched, promised, prefill, pool.load,
+                       pool.routed.queued_tokens, -neg_free, pool.tree.evictable_size, pool.num_blocks, score)
+        for score, neg_free, _, pool, matched, promised, prefill in scored
+    ]
+    if ranked and query.request_id and not query.dry_run:
+        pool = scored[0][3]
+        ranked[0] = _record(pool, ranked[0], query, chain(pool.block_size), now)
     return RouteResult(ranked, num_pages)
 
 

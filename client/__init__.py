@@ -5,7 +5,7 @@ from .aio import AsyncRadixKVClient
 from .channel import RetryPolicy
 from .errors import RadixKVError
 from .messages import ChatMessage, GenerateOptions
-from .results import GenerateChunk, GenerateResult, ModelInfo, PoolStats, TokenizeResult, Usage
+from .results import GenerateChunk, GenerateResult, Load, ModelInfo, PoolStats, TokenizeResult, Usage
 from .sync import DEFAULT_CACHE_ADDR, DEFAULT_MODEL_ADDR, RadixKVClient
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "GenerateChunk",
     "GenerateOptions",
     "GenerateResult",
+    "Load",
     "ModelInfo",
     "PoolStats",
     "RadixKVClient",

@@ -17,6 +17,7 @@ from .messages import ChatMessage, GenerateOptions, generate_request, tokenize_r
 from .results import (
     GenerateChunk,
     GenerateResult,
+    Load,
     ModelInfo,
     PoolStats,
     TokenizeResult,
@@ -93,6 +94,15 @@ class AsyncRadixKVClient:
             self._model.ModelInfo, model_pb2.ModelInfoRequest(), "ModelInfo", timeout
         )
         return from_proto(ModelInfo, response)
+
+    async def abort(self, request_id: str, *, timeout: float | None = None) -> None:
+        """Ends the live request ``request_id``, whoever opened it (see ``RadixKVClient.abort``)."""
+        await self._unary(self._model.Abort, model_pb2.AbortRequest(request_id=request_id), "Abort", timeout)
+
+    async def get_load(self, *, timeout: float | None = None) -> Load:
+        """The replica's load now: running and waiting requests, KV usage, prefix hit rate."""
+        response = await self._unary(self._model.GetLoad, model_pb2.GetLoadRequest(), "GetLoad", timeout)
+        return from_proto(Load, response)
 
     async def stats(self, pool_id: str = "", *, timeout: float | None = None) -> list[PoolStats]:
         """The cache service's per-pool block accounting, hit rate and evictions."""

@@ -1,4 +1,4 @@
-"""The ``python -m client`` command line: generate, stats, tokenize, info.
+"""The ``python -m client`` command line: generate, stats, tokenize, info, load, abort.
 
 Output is for people by default and JSON with ``--json``. A failed call exits non-zero with
 ``error: CODE_NAME: message`` on stderr (never a traceback).
@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
     gen.add_argument("--namespace", default="", help="cache namespace (prefixes are not shared across)")
+    gen.add_argument("--request-id", default="", help="request id (default: the server picks one); see abort")
     gen.add_argument(
         "--chat",
         action="store_true",
@@ -100,6 +101,20 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", parents=[model_conn], help="the served model and KV pool")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(command=cmd_info, default_timeout=UNARY_TIMEOUT_S)
+
+    load = commands.add_parser("load", parents=[model_conn], help="the replica's load now")
+    load.add_argument("--json", action="store_true", help="print JSON")
+    load.set_defaults(command=cmd_load, default_timeout=UNARY_TIMEOUT_S)
+
+    abort = commands.add_parser(
+        "abort",
+        parents=[model_conn],
+        help="end a running request by id",
+        description="Ends the live request REQUEST_ID, whoever opened it: its stream ends with "
+        "finish_reason abort.",
+    )
+    abort.add_argument("request_id", metavar="REQUEST_ID")
+    abort.set_defaults(command=cmd_abort, default_timeout=UNARY_TIMEOUT_S)
     return parser
 
 
@@ -142,7 +157,9 @@ def _text_arg(value: str) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _text_arg(args.prompt)
-    options = GenerateOptions(stop=args.stop, ignore_eos=args.ignore_eos, namespace=args.namespace)
+    options = GenerateOptions(
+        stop=args.stop, ignore_eos=args.ignore_eos, namespace=args.namespace, request_id=args.request_id
+    )
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)  # type: ignore[literal-required]
@@ -193,13 +210,30 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     with _client(args) as client:
         info = dataclasses.asdict(client.model_info())
-    if args.json:
-        print(json.dumps(info, indent=2))
-    else:
-        width = max(len(k) for k in info)
-        for key, value in info.items():
-            print(f"{key:<{width}}  {value}")
+    _print_fields(info, args.json)
     return 0
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        load = dataclasses.asdict(client.get_load())
+    _print_fields(load, args.json)
+    return 0
+
+
+def cmd_abort(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        client.abort(args.request_id)
+    return 0
+
+
+def _print_fields(fields: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(fields, indent=2))
+        return
+    width = max(len(k) for k in fields)
+    for key, value in fields.items():
+        print(f"{key:<{width}}  {value}")
 
 
 # ---------------------------------------------------------------------------- formatting

@@ -39,6 +39,14 @@ class Usage:
     time_to_first_token: float = 0.0
     total_time: float = 0.0
     num_preemptions: int = 0
+    # Why the uncached prompt tokens missed, at first admission (they add up to
+    # prompt_tokens - cached_prompt_tokens): pages this replica evicted, pages cached on another
+    # replica, pages cached here under another namespace, never seen.
+    miss_evicted_tokens: int = 0
+    miss_other_replica_tokens: int = 0
+    miss_other_namespace_tokens: int = 0
+    miss_new_tokens: int = 0
+    served_by: str = ""  # the serving address of the replica that ran the request
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +131,24 @@ class ModelInfo:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    serving_addr: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """A replica's load now (ModelService.GetLoad)."""
+
+    num_running_requests: int
+    num_waiting_requests: int
+    num_waiting_tokens: int  # prompt tokens not computed yet, of waiting and running requests
+    kv_usage: float  # share of the KV pool not free, in [0, 1]
+    num_blocks: int
+    num_free_blocks: int
+    prefix_hit_rate: float  # over first admissions since the replica started
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    serving_addr: str
+    pool_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +175,7 @@ class PoolStats:
     num_finished: int
     num_released: int
     lease_remaining_seconds: float
+    serving_addr: str = ""
 
 
 def pool_stats_list(response: cache_pb2.StatsResponse) -> list[PoolStats]:

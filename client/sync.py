@@ -17,6 +17,7 @@ from .messages import ChatMessage, GenerateOptions, generate_request, tokenize_r
 from .results import (
     GenerateChunk,
     GenerateResult,
+    Load,
     ModelInfo,
     PoolStats,
     TokenizeResult,
@@ -108,6 +109,16 @@ class RadixKVClient:
         """The served model and its KV pool."""
         response = self._unary(self._model.ModelInfo, model_pb2.ModelInfoRequest(), "ModelInfo", timeout)
         return from_proto(ModelInfo, response)
+
+    def abort(self, request_id: str, *, timeout: float | None = None) -> None:
+        """Ends the live request ``request_id``, whoever opened it: its stream ends with
+        finish_reason "abort" (and usage). ``NOT_FOUND`` for an unknown or finished id."""
+        self._unary(self._model.Abort, model_pb2.AbortRequest(request_id=request_id), "Abort", timeout)
+
+    def get_load(self, *, timeout: float | None = None) -> Load:
+        """The replica's load now: running and waiting requests, KV usage, prefix hit rate."""
+        response = self._unary(self._model.GetLoad, model_pb2.GetLoadRequest(), "GetLoad", timeout)
+        return from_proto(Load, response)
 
     def stats(self, pool_id: str = "", *, timeout: float | None = None) -> list[PoolStats]:
         """The cache service's per-pool block accounting, hit rate and evictions."""

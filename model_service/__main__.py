@@ -32,11 +32,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+def host_port(text: str) -> str:
+    """'HOST:PORT' (IPv6 as '[::1]:50052') with a port in [1, 65535]."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"not HOST:PORT: {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m model_service", description="radixkv model service (gRPC)")
     p.add_argument("--port", type=int, default=50052, help="gRPC port (0: pick a free one)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--cache-addr", default="127.0.0.1:50051", help="cache manager address HOST:PORT")
+    p.add_argument("--advertise-addr", type=host_port, default=None, metavar="HOST:PORT",
+                   help="address clients and routers dial to reach this replica, sent to the cache manager "
+                        "and reported by ModelInfo (default: --host:--port, the bound port when --port is 0)")
     p.add_argument("--model", default=None,
                    help="local HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
@@ -76,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory, device=args.device, dtype=args.dtype,
         attention=args.attention, max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting, metrics_port=args.metrics_port, worker_id=args.worker_id,
-        cache_timeout=args.cache_timeout)
+        cache_timeout=args.cache_timeout, advertise_addr=args.advertise_addr)
     try:
         return asyncio.run(serve(config))
     except (FileNotFoundError, ValueError) as e:

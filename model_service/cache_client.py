@@ -1,6 +1,7 @@
 """The model service's side of the cache-manager protocol: register, one Step per scheduler step,
-heartbeat. Translates scheduler objects <-> protos; raises `CachePoolLost` on any failure after
-which the pool's state can no longer be trusted (cache down, restarted, lease expired)."""
+heartbeat (both carry the replica's load). Translates scheduler objects <-> protos; raises
+`CachePoolLost` on any failure after which the pool's state can no longer be trusted (cache
+down, restarted, lease expired)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,16 @@ import time
 
 import grpc
 
-from model_service.scheduler import AdmitReply, CachePlan, CacheReply, CommitReply, ExtendReply, FinishRecord
+from model_service.request import MissBreakdown
+from model_service.scheduler import (
+    AdmitReply,
+    CachePlan,
+    CacheReply,
+    CommitReply,
+    ExtendReply,
+    FinishRecord,
+    ReplicaLoad,
+)
 from protos import cache_pb2, cache_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -35,7 +45,7 @@ class CachePoolLost(Exception):
 
 class CacheClient:
     def __init__(self, address: str, worker_id: str, num_blocks: int, block_size: int,
-                 model_fingerprint: str, vocab_size: int, timeout: float = 10.0) -> None:
+                 model_fingerprint: str, vocab_size: int, timeout: float = 10.0, serving_addr: str = "") -> None:
         self.address = address
         self.worker_id = worker_id
         self.num_blocks = num_blocks
@@ -43,6 +53,10 @@ class CacheClient:
         self.model_fingerprint = model_fingerprint
         self.vocab_size = vocab_size
         self.timeout = timeout
+        self.serving_addr = serving_addr  # where clients reach this replica (set before register())
+        # The replica's load for heartbeats: replaced whole (never mutated) by the engine thread,
+        # so the background heartbeat thread reads a consistent snapshot.
+        self.load = ReplicaLoad()
         self.pool_id = ""
         self.epoch = 0
         self.lease_seconds = 0.0
@@ -63,7 +77,8 @@ class CacheClient:
         try:
             reply = self._stub.RegisterPool(cache_pb2.RegisterPoolRequest(
                 worker_id=self.worker_id, num_blocks=self.num_blocks, block_size=self.block_size,
-                model_fingerprint=self.model_fingerprint, vocab_size=self.vocab_size), timeout=self.timeout)
+                model_fingerprint=self.model_fingerprint, vocab_size=self.vocab_size,
+                serving_addr=self.serving_addr), timeout=self.timeout)
         except grpc.RpcError as e:
             self.pool_id = ""
             raise CachePoolLost(f"RegisterPool failed: {e.code().name}: {e.details()}") from e
@@ -80,22 +95,31 @@ class CacheClient:
             extends=[cache_pb2.Extend(request_id=e.request.request_id, num_tokens=e.num_tokens)
                      for e in plan.extends],
             admits=[cache_pb2.Admit(request_id=r.request_id, token_ids=r.all_token_ids, namespace=r.namespace,
-                                    num_lookahead_tokens=1) for r in plan.admits],
-            commits=[cache_pb2.Commit(request_id=c.request.request_id, num_computed_tokens=c.num_computed_tokens)
-                     for c in plan.commits],
+                                    num_lookahead_tokens=1, resumed=r.was_admitted) for r in plan.admits],
+            commits=[cache_pb2.Commit(request_id=c.request.request_id, num_computed_tokens=c.num_computed_tokens,
+                                      output_token_ids=c.output_token_ids) for c in plan.commits],
+            load=_load_proto(plan.load),
         )
         reply = self._call(self._stub.Step, request)
         return CacheReply(
             admits=[AdmitReply(a.request_id, a.status == cache_pb2.ADMIT_STATUS_ADMITTED, a.cached_tokens,
-                               list(a.block_table)) for a in reply.admits],
+                               list(a.block_table), _miss(a)) for a in reply.admits],
             extends=[ExtendReply(e.request_id, e.ok, list(e.new_block_ids)) for e in reply.extends],
             commits=[CommitReply(c.request_id, c.cached_tokens, list(c.cached_block_ids)) for c in reply.commits],
+            num_free_blocks=reply.num_free_blocks,
         )
 
     def heartbeat_if_due(self) -> None:
         """Renews the lease when a third of it passed without a call."""
         if self.registered and time.monotonic() - self.last_call > self.lease_seconds / 3:
-            self._call(self._stub.Heartbeat, cache_pb2.HeartbeatRequest(pool_id=self.pool_id, epoch=self.epoch))
+            self.heartbeat()
+
+    def heartbeat(self) -> None:
+        """Renews the lease now, reporting `self.load`. Raises CachePoolLost on failure."""
+        self._call(self._stub.Heartbeat, self._heartbeat_request())
+
+    def _heartbeat_request(self) -> cache_pb2.HeartbeatRequest:
+        return cache_pb2.HeartbeatRequest(pool_id=self.pool_id, epoch=self.epoch, load=_load_proto(self.load))
 
     def keep_lease_alive(self, stop: threading.Event) -> threading.Thread:
         """Starts a daemon thread that renews the lease whenever a third of it passes without a
@@ -107,8 +131,7 @@ class CacheClient:
                 if not self.registered or time.monotonic() - self.last_call <= self.lease_seconds / 3:
                     continue
                 try:
-                    self._stub.Heartbeat(cache_pb2.HeartbeatRequest(pool_id=self.pool_id, epoch=self.epoch),
-                                         timeout=self.timeout)
+                    self._stub.Heartbeat(self._heartbeat_request(), timeout=self.timeout)
                     self.last_call = time.monotonic()
                 except grpc.RpcError as e:
                     log.debug("background heartbeat failed: %s", e.code().name)
@@ -130,3 +153,16 @@ class CacheClient:
 def _finish_proto(record: FinishRecord) -> cache_pb2.Finish:
     return cache_pb2.Finish(request_id=record.request_id, output_token_ids=record.output_token_ids,
                             num_computed_tokens=record.num_computed_tokens, block_table=record.block_table)
+
+
+def _load_proto(load: ReplicaLoad) -> cache_pb2.ReplicaLoad:
+    return cache_pb2.ReplicaLoad(num_waiting_requests=load.num_waiting_requests,
+                                 num_waiting_tokens=load.num_waiting_tokens,
+                                 num_running_requests=load.num_running_requests)
+
+
+def _miss(result: cache_pb2.AdmitResult) -> MissBreakdown | None:
+    if not result.HasField("miss"):
+        return None
+    m = result.miss
+    return MissBreakdown(m.evicted_tokens, m.other_replica_tokens, m.other_namespace_tokens, m.new_tokens)

@@ -1,8 +1,9 @@
 """The engine loop: scheduler + one cache Step + model forward + sampling, in its own thread.
 
 The gRPC servicer submits requests and receives `GenerationOutput`s through a sink callback
-(called from the engine thread). Failures of the cache manager never fail a client: the
-engine re-registers its pool and recomputes in-flight requests.
+(called from the engine thread); it may abort any live request by id and read the engine's
+load from any thread. Failures of the cache manager never fail a client: the engine
+re-registers its pool and recomputes in-flight requests.
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ from typing import NamedTuple
 from model_service.cache_client import CacheClient, CachePoolLost
 from model_service.metrics import ModelMetrics
 from model_service.model_runner import ModelRunner
-from model_service.request import FinishReason, Request
+from model_service.request import FinishReason, MissBreakdown, Request
 from model_service.sampler import Sampler
 from model_service.scheduler import CacheReply, QueueFullError, ScheduledBatch, Scheduler
 
 log = logging.getLogger(__name__)
+
+
+class DuplicateRequestError(Exception):
+    """A request with this id is already live (submitted and not finished)."""
 
 
 class Usage(NamedTuple):
@@ -32,6 +37,32 @@ class Usage(NamedTuple):
     time_to_first_token: float
     total_time: float
     num_preemptions: int
+    # Why the uncached prompt tokens missed, at first admission (zeros when never admitted).
+    miss_evicted_tokens: int = 0
+    miss_other_replica_tokens: int = 0
+    miss_other_namespace_tokens: int = 0
+    miss_new_tokens: int = 0
+
+
+class EngineLoad(NamedTuple):
+    """The engine's load, as of its last step (a snapshot any thread may read)."""
+
+    num_running_requests: int = 0
+    num_waiting_requests: int = 0
+    num_waiting_tokens: int = 0  # tokens still to prefill, of waiting and running requests
+    num_blocks: int = 0
+    num_free_blocks: int = 0  # as the cache manager's last Step reply said
+    prompt_tokens: int = 0  # prompt tokens of first admissions since start
+    cached_prompt_tokens: int = 0  # of those, served from the prefix cache
+
+    @property
+    def kv_usage(self) -> float:
+        """Share of the pool not free (cached or held by requests), in [0, 1]."""
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 class GenerationOutput(NamedTuple):
@@ -72,6 +103,12 @@ class Engine:
         self._count_lock = threading.Lock()
         self._num_in_flight = 0  # submitted, not finished
         self._num_running = 0  # len(scheduler.running), kept in sync by the engine thread
+        self._live_ids: set[str] = set()  # submitted, not finished (guarded by _count_lock)
+        self._num_free_blocks = cache.num_blocks
+        self._prompt_tokens = 0
+        self._cached_prompt_tokens = 0
+        # Replaced whole by the engine thread after every change, read by any thread.
+        self.load = EngineLoad(num_blocks=cache.num_blocks, num_free_blocks=cache.num_blocks)
         self._thread = threading.Thread(target=self._run, name="radixkv-engine", daemon=True)
 
     # ------------------------------------------------------------------ API (any thread)
@@ -86,16 +123,35 @@ class Engine:
         self._thread.join(timeout)
 
     def submit(self, request: Request, sink: OutputSink) -> None:
-        """Queues a request (never blocks); raises QueueFullError when the waiting queue is full.
-        `request.request_id` must be unique among live requests."""
+        """Queues a request (never blocks). Raises DuplicateRequestError when a live request has
+        its id, QueueFullError when the waiting queue is full."""
         with self._count_lock:
+            if request.request_id in self._live_ids:
+                raise DuplicateRequestError(f"request id {request.request_id!r} is already in use by a live request")
             if self._num_in_flight - self._num_running >= self.scheduler.config.max_waiting:
                 raise QueueFullError(f"waiting queue is full ({self.scheduler.config.max_waiting} requests)")
             self._num_in_flight += 1
-        self._inbox.put(("add", request, sink))
+            self._live_ids.add(request.request_id)
+            self._inbox.put(("add", request, sink))  # under the lock: an abort() for it comes after
 
-    def cancel(self, request_id: str) -> None:
-        self._inbox.put(("cancel", request_id))
+    def cancel(self, request: Request) -> None:
+        """Ends `request` (its client went away) without a final output; no-op once it finished."""
+        self._inbox.put(("cancel", request))
+
+    def is_live(self, request_id: str) -> bool:
+        """True while a request with this id is submitted and not finished."""
+        with self._count_lock:
+            return request_id in self._live_ids
+
+    def abort(self, request_id: str) -> bool:
+        """Ends the live request with this id, whoever submitted it: its sink gets a final output
+        with FinishReason.ABORT and usage (no error), its blocks go back to the cache. Returns
+        False when no live request has this id."""
+        with self._count_lock:
+            if request_id not in self._live_ids:
+                return False
+            self._inbox.put(("abort", request_id))
+        return True
 
     # ------------------------------------------------------------------ loop
 
@@ -113,6 +169,7 @@ class Engine:
                 self._heartbeat()
                 if self.cache.registered and self.scheduler.has_work():
                     self._step()
+                    self._publish_load()
         except Exception:
             log.exception("engine loop crashed")
             raise
@@ -133,10 +190,14 @@ class Engine:
         preemptions_before = self.scheduler.num_preemptions
         batch = self.scheduler.apply_cache_reply(plan, reply)
         self.metrics.preemptions.inc(self.scheduler.num_preemptions - preemptions_before)
+        if reply.num_free_blocks is not None:
+            self._num_free_blocks = reply.num_free_blocks
         for request, admit in zip(plan.admits, reply.admits, strict=False):
-            if admit.admitted and request.num_preemptions == 0:
+            if admit.admitted and request.num_preemptions == 0:  # first admissions only (as the pool's hit rate)
                 self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
                 self.metrics.cached_prompt_tokens.inc(admit.cached_tokens)
+                self._prompt_tokens += len(request.prompt_token_ids)
+                self._cached_prompt_tokens += admit.cached_tokens
         self.metrics.waiting.set(len(self.scheduler.waiting))
         self.metrics.running.set(len(self.scheduler.running))
         self._sync_counts()
@@ -191,6 +252,7 @@ class Engine:
         self.scheduler.finish(request, reason)
         self.metrics.requests.labels(reason.value).inc()
         now = time.monotonic()
+        miss = request.miss or MissBreakdown()
         usage = Usage(
             prompt_tokens=len(request.prompt_token_ids),
             cached_prompt_tokens=request.cached_prompt_tokens or 0,
@@ -198,19 +260,33 @@ class Engine:
             time_to_first_token=(request.first_token_time or now) - request.arrival_time,
             total_time=now - request.arrival_time,
             num_preemptions=request.num_preemptions,
+            miss_evicted_tokens=miss.evicted_tokens,
+            miss_other_replica_tokens=miss.other_replica_tokens,
+            miss_other_namespace_tokens=miss.other_namespace_tokens,
+            miss_new_tokens=miss.new_tokens,
         )
         self._emit(GenerationOutput(request.request_id, text, token_ids or [], reason, matched_stop, usage, error))
         self._requests.pop(request.request_id, None)
         self._sinks.pop(request.request_id, None)
-        self._sync_counts(finished=1)
+        self._sync_counts(finished=request.request_id)
         self._last_token_time.pop(request.request_id, None)
 
-    def _sync_counts(self, finished: int = 0) -> None:
+    def _sync_counts(self, finished: str | None = None) -> None:
         """Keeps the counts `submit()` bounds the waiting queue with exact (engine thread only):
-        call after every change to the running set."""
+        call after every change to the running set, with the id of a request that finished."""
         with self._count_lock:
-            self._num_in_flight -= finished
+            if finished is not None:
+                self._num_in_flight -= 1
+                self._live_ids.discard(finished)
             self._num_running = len(self.scheduler.running)
+
+    def _publish_load(self) -> None:
+        """Replaces the load snapshot other threads read (the servicer, the heartbeat thread)."""
+        queues = self.scheduler.load()
+        self.cache.load = queues
+        self.load = EngineLoad(queues.num_running_requests, queues.num_waiting_requests, queues.num_waiting_tokens,
+                               self.cache.num_blocks, self._num_free_blocks, self._prompt_tokens,
+                               self._cached_prompt_tokens)
 
     def _emit(self, output: GenerationOutput) -> None:
         sink = self._sinks.get(output.request_id)
@@ -225,6 +301,7 @@ class Engine:
             try:
                 item = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
             except queue.Empty:
+                self._publish_load()
                 return
             block = False
             kind = item[0]
@@ -234,11 +311,16 @@ class Engine:
                 self._requests[request.request_id] = request
                 self._sinks[request.request_id] = sink
             elif kind == "cancel":
-                request = self._requests.get(item[1])
-                if request is not None:
+                request = item[1]
+                if self._requests.get(request.request_id) is request:  # not a later one with its id
                     log.info("request %s cancelled by the client", request.request_id)
                     self._sinks.pop(request.request_id, None)
                     self._finish(request, FinishReason.CANCELLED, "")
+            elif kind == "abort":
+                request = self._requests.get(item[1])
+                if request is not None:
+                    log.info("request %s aborted", request.request_id)
+                    self._finish(request, FinishReason.ABORT, request.detokenizer.finish())
 
     def _try_register(self) -> None:
         try:
@@ -258,6 +340,7 @@ class Engine:
                     why, len(self.scheduler.running))
         self.metrics.cache_reconnects.inc()
         self.scheduler.reset()
+        self._num_free_blocks = self.cache.num_blocks  # the next registration is a fresh, empty pool
         self._sync_counts()
 
     def _abort_all(self, why: str) -> None:

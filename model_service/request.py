@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -21,8 +22,17 @@ class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     CANCELLED = "cancelled"
-    ABORT = "abort"  # server shutting down
+    ABORT = "abort"  # server shutting down (with an error) or an Abort call (without)
     ERROR = "error"  # the model step failed
+
+
+class MissBreakdown(NamedTuple):
+    """Why a prompt's uncached tokens missed at first admission (cache.proto MissBreakdown)."""
+
+    evicted_tokens: int = 0
+    other_replica_tokens: int = 0
+    other_namespace_tokens: int = 0
+    new_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -50,7 +60,8 @@ class Request:
     num_computed_tokens: int = 0
     num_admitted_tokens: int = 0  # tokens sent to the cache manager at the last admission
     num_shared_tokens: int = 0  # leading tokens whose pages the cache's tree holds (hit + commits)
-    cached_prompt_tokens: int | None = None  # cache hit at first admission
+    cached_prompt_tokens: int | None = None  # cache hit at first admission (None: never admitted)
+    miss: MissBreakdown | None = None  # why the rest missed, at first admission
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None
@@ -67,6 +78,22 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def was_admitted(self) -> bool:
+        """True once the cache manager admitted the request (a later admission is a resumption)."""
+        return self.cached_prompt_tokens is not None
+
+    def tokens_after_admitted(self, end: int | None = None) -> list[int]:
+        """The request's tokens after those sent at its last admission, up to position `end`
+        (default: all): the output_token_ids the cache manager needs in a Commit or Finish."""
+        end = self.num_tokens if end is None else end
+        if end <= self.num_admitted_tokens:
+            return []
+        n = len(self.prompt_token_ids)
+        if self.num_admitted_tokens >= n:
+            return self.output_token_ids[self.num_admitted_tokens - n:end - n]
+        return self.all_token_ids[self.num_admitted_tokens:end]
 
     @property
     def is_finished(self) -> bool:

@@ -2,8 +2,10 @@
 
 Semantics follow `radixkv.v1.SamplingParams`:
 
-- `temperature == 0` is greedy: exactly `torch.argmax` of the logits (first index on ties, as
-  `transformers`' greedy search). `top_k == 1` is greedy too (same argmax, so ties behave the same).
+- `temperature < GREEDY_TEMPERATURE` (1e-5, as vLLM; 0 included) is greedy: exactly `torch.argmax`
+  of the logits (first index on ties, as `transformers`' greedy search); dividing logits by such a
+  temperature would overflow to inf and the softmax to NaN. `top_k == 1` is greedy too (same
+  argmax, so ties behave the same).
 - Otherwise, in this order (as `transformers`' logits warpers): divide the logits by the
   temperature; keep the `top_k` largest (0 = disabled; ties with the k-th value are kept); keep
   the smallest set of most likely tokens whose probability mass reaches `top_p` (the most likely
@@ -22,17 +24,19 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Sampler", "SamplingOptions", "make_generator"]
+__all__ = ["GREEDY_TEMPERATURE", "Sampler", "SamplingOptions", "make_generator"]
 
 _MAX_SEED = 2**64 - 1
+# Temperatures below this are greedy: logits / t would overflow float32 for tiny t.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(slots=True)
 class SamplingOptions:
     """One request's sampling options, validated on construction.
 
-    `temperature`: 0 = greedy, must be finite and >= 0. `top_p`: in (0, 1], 1 = disabled.
-    `top_k`: >= 0, 0 = disabled. `seed`: in [0, 2**64) or None (see `make_generator`).
+    `temperature`: finite and >= 0; below `GREEDY_TEMPERATURE` (0 included) = greedy.
+    `top_p`: in (0, 1], 1 = disabled. `top_k`: >= 0, 0 = disabled. `seed`: in [0, 2**64) or None (see `make_generator`).
     """
 
     temperature: float = 1.0
@@ -70,8 +74,9 @@ class SamplingOptions:
 
     @property
     def is_greedy(self) -> bool:
-        """True when the next token is the argmax of the logits (temperature 0 or top_k 1)."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when the next token is the argmax of the logits (temperature below
+        `GREEDY_TEMPERATURE`, 0 included, or top_k 1)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:

@@ -2,7 +2,8 @@
 
 Knows nothing of gRPC. Each step is two calls around one cache-manager round trip:
 `plan_cache_step()` says what the cache must do (finishes, releases, commits of freshly
-computed prompt pages, block extensions, admissions), `apply_cache_reply()` applies the answer and returns the batch to execute.
+computed pages, block extensions, admissions) and the replica's load, `apply_cache_reply()`
+applies the answer and returns the batch to execute.
 Prefill and decode are one concept: a running request computes tokens
 [num_computed_tokens, num_tokens) -- a chunk of them per step within the token budget.
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from model_service.model_runner import SequenceChunk
-from model_service.request import FinishReason, Request, RequestStatus
+from model_service.request import FinishReason, MissBreakdown, Request, RequestStatus
 
 
 class QueueFullError(Exception):
@@ -38,7 +39,20 @@ class ExtendItem(NamedTuple):
 
 class CommitItem(NamedTuple):
     request: Request
-    num_computed_tokens: int  # admitted tokens whose KV is written (a multiple of the block size)
+    # Tokens (those sent at admission, then output_token_ids) whose KV is written: a multiple of
+    # the block size.
+    num_computed_tokens: int
+    # The request's tokens after those sent at admission, up to num_computed_tokens at least
+    # (empty for a prompt-only commit); always a prefix of what later commits and the finish send.
+    output_token_ids: list[int]
+
+
+class ReplicaLoad(NamedTuple):
+    """The replica's queues as routers see them (cache.proto ReplicaLoad)."""
+
+    num_waiting_requests: int = 0
+    num_waiting_tokens: int = 0  # tokens still to prefill, of waiting and running requests
+    num_running_requests: int = 0
 
 
 class AdmitReply(NamedTuple):
@@ -46,6 +60,7 @@ class AdmitReply(NamedTuple):
     admitted: bool
     cached_tokens: int
     block_table: list[int]
+    miss: MissBreakdown | None = None  # first admissions only
 
 
 class ExtendReply(NamedTuple):
@@ -64,6 +79,7 @@ class CacheReply(NamedTuple):
     admits: list[AdmitReply]
     extends: list[ExtendReply]
     commits: Sequence[CommitReply] = ()
+    num_free_blocks: int | None = None  # the pool's free blocks after the step (None: unknown)
 
 
 @dataclass(slots=True)
@@ -74,8 +90,11 @@ class CachePlan:
     finishes: list[FinishRecord] = field(default_factory=list)
     extends: list[ExtendItem] = field(default_factory=list)
     admits: list[Request] = field(default_factory=list)
-    # Running requests whose newly computed prompt pages the cache should share right away.
+    # Running requests whose newly computed full pages the cache should share right away.
     commits: list[CommitItem] = field(default_factory=list)
+    # The replica's load once this step is applied, assuming its admissions succeed (one that does
+    # not is planned again, so the next step's RPC corrects it).
+    load: ReplicaLoad = ReplicaLoad()
 
     @property
     def is_empty(self) -> bool:
@@ -126,6 +145,13 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
+    def load(self) -> ReplicaLoad:
+        """Requests waiting and running, and the tokens they still have to prefill (waiting
+        requests: all of theirs; running ones: those of the admitted tokens not computed yet)."""
+        tokens = sum(r.num_tokens for r in self.waiting)
+        tokens += sum(max(0, r.num_admitted_tokens - r.num_computed_tokens) for r in self.running)
+        return ReplicaLoad(len(self.waiting), tokens, len(self.running))
+
     def reset(self) -> None:
         """The cache pool was lost: every running request goes back to waiting to be recomputed."""
         for request in reversed(self.running):
@@ -146,34 +172,50 @@ class Scheduler:
         budget = self.config.max_batch_tokens
         for request in self.running:
             budget -= request.num_uncomputed_tokens
-            if len(request.block_table) * bs < request.num_tokens:
+            extending = len(request.block_table) * bs < request.num_tokens
+            if extending:
                 plan.extends.append(ExtendItem(request, request.num_tokens))
-            # Pages of the admitted tokens (the prompt) computed since the last commit: cache them
-            # now, so requests admitted from this step on share them (not only after this one ends).
-            committable = min(request.num_computed_tokens, request.num_admitted_tokens) // bs * bs
+            # Full pages computed since the last commit go to the tree now, so requests admitted
+            # from this step on share them (not only after this one ends): the admitted tokens'
+            # (the prompt's) after each prefill chunk, and decode pages as they fill (as vLLM
+            # shares full blocks), with the extension into the next block, so no RPC of their own.
+            computed = request.num_computed_tokens
+            committable = (computed if extending else min(computed, request.num_admitted_tokens)) // bs * bs
             if committable > request.num_shared_tokens:
-                plan.commits.append(CommitItem(request, committable))
+                plan.commits.append(CommitItem(request, committable, request.tokens_after_admitted(computed)))
         if self._pause_admission:
             self._pause_admission = False
-            return plan
+        else:
+            self._plan_admissions(plan, budget)
+        queues, admitted = self.load(), len(plan.admits)
+        plan.load = queues._replace(num_waiting_requests=queues.num_waiting_requests - admitted,
+                                    num_running_requests=queues.num_running_requests + admitted)
+        return plan
+
+    def _plan_admissions(self, plan: CachePlan, budget: int) -> None:
+        # A new request may reuse the id of one whose finish is in this step; the cache manager
+        # takes an id once per step, so it waits for the next one (and so does everyone after it).
+        leaving = {r.request_id for r in plan.finishes} | {r.request_id for r in plan.releases}
         slots = self.config.max_num_seqs - len(self.running)
         for request in self.waiting:
-            if budget <= 0 or slots <= 0:
+            if budget <= 0 or slots <= 0 or request.request_id in leaving:
                 break
             plan.admits.append(request)
             budget -= request.num_tokens
             slots -= 1
-        return plan
 
     def apply_cache_reply(self, plan: CachePlan, reply: CacheReply) -> ScheduledBatch:
         for item, com in zip(plan.commits, reply.commits, strict=True):
             item.request.block_table[:len(com.cached_block_ids)] = com.cached_block_ids
             item.request.num_shared_tokens = com.cached_tokens
+        failed: list[ExtendItem] = []
         for item, ext in zip(plan.extends, reply.extends, strict=True):
-            if ext.ok:
+            if ext.ok:  # first, so a victim's release below includes the blocks it just got
                 item.request.block_table.extend(ext.new_block_ids)
-            elif item.request.status is RequestStatus.RUNNING:
-                self._preempt_newest()
+            else:
+                failed.append(item)
+        if failed:
+            self._make_room(failed)
         for request, adm in zip(plan.admits, reply.admits, strict=True):
             if not adm.admitted:
                 break
@@ -185,6 +227,7 @@ class Scheduler:
             request.num_admitted_tokens = request.num_tokens
             if request.cached_prompt_tokens is None:
                 request.cached_prompt_tokens = adm.cached_tokens
+                request.miss = adm.miss
             self.running.append(request)
         return self._build_batch()
 
@@ -222,20 +265,42 @@ class Scheduler:
             return request.output_token_ids[start - n:end - n]
         return request.all_token_ids[start:end]
 
-    def _preempt_newest(self) -> None:
-        """Out of blocks: release the newest running request, keeping its computed pages cached."""
-        if not self.running:
-            return
+    def _make_room(self, failed: list[ExtendItem]) -> None:
+        """Some extensions failed (no free block even after eviction): preempt the newest running
+        requests, but only as many as needed. A victim's blocks come back only in the next step
+        (its release), so the blocks this step's victims give back are a credit: a request whose
+        extension failed but that the credit covers is not preempted, it skips this step and is
+        extended again in the next one, which admits nothing (the freed blocks are its)."""
+        bs = self.config.block_size
+        credit = 0
+        for item in failed:
+            request = item.request
+            need = max(1, -(-item.num_tokens // bs) - len(request.block_table))
+            while request.status is RequestStatus.RUNNING and credit < need:
+                victim, freed = self._preempt_newest()
+                credit += freed
+                if victim is request:
+                    break
+            if request.status is RequestStatus.RUNNING:
+                credit -= need
+        self._pause_admission = True
+
+    def _preempt_newest(self) -> tuple[Request, int]:
+        """Releases the newest running request (its computed pages stay cached); returns it and
+        how many blocks its release makes free or evictable at least: those of its blocks no other
+        running request holds (its private ones, and tree pages only it locks)."""
         victim = self.running.pop()
+        held = {block for r in self.running for block in r.block_table}
+        freed = len(set(victim.block_table) - held)
         self._pending_releases.append(self._record(victim))
         victim.reset_cache_state()
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
         self._pause_admission = True
+        return victim, freed
 
     @staticmethod
     def _record(request: Request) -> FinishRecord:
-        admitted = request.num_admitted_tokens
-        return FinishRecord(request.request_id, request.all_token_ids[admitted:],
+        return FinishRecord(request.request_id, request.tokens_after_admitted(),
                             request.num_computed_tokens, list(request.block_table))

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from common.grpc_server import add_health_and_reflection, format_address, set_health
 from model_service.attention import create_attention_backend
 from model_service.cache_client import CacheClient
 from model_service.engine import Engine, EngineConfig
@@ -30,7 +29,6 @@ from protos import model_pb2, model_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = model_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name
-HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -52,11 +50,10 @@ class ModelServiceConfig:
     metrics_port: int | None = None
     worker_id: str | None = None
     cache_timeout: float = 10.0
+    # Address clients dial to reach this replica (reported to the cache manager and in
+    # ModelInfo). None: host:port, with the port actually bound when port is 0.
+    advertise_addr: str | None = None
     grace_seconds: float = 2.0
-
-
-def format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -122,14 +119,15 @@ async def serve(config: ModelServiceConfig) -> int:
     engine, servicer = await asyncio.to_thread(build_engine, config, worker_id)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME], server)
+    health_servicer = add_health_and_reflection(server, SERVICE_NAME)
     try:
         bound = server.add_insecure_port(address)
     except RuntimeError as e:
         print(f"model_service: cannot listen on {address} (port in use?): {e}", file=sys.stderr, flush=True)
         return 1
+    serving_addr = config.advertise_addr or format_address(config.host, bound)
+    servicer.info.serving_addr = serving_addr
+    engine.cache.serving_addr = serving_addr  # before engine.start(): the pool registers with it
     if config.metrics_port is not None:
         try:
             engine.metrics.serve(config.metrics_port, config.host)
@@ -145,9 +143,9 @@ async def serve(config: ModelServiceConfig) -> int:
     engine.start()
     try:
         await server.start()
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await set_health(health_servicer, [SERVICE_NAME])
         print(f"model_service listening on {format_address(config.host, bound)}", flush=True)
+        log.info("serving address %s", serving_addr)
         await stop.wait()
         log.info("shutting down")
     finally:

@@ -1,4 +1,5 @@
-"""gRPC ModelService: validates requests, translates proto <-> engine objects, streams outputs."""
+"""gRPC ModelService: validates requests, translates proto <-> engine objects, streams outputs,
+aborts requests by id and reports the replica's load."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 
 from model_service.detokenizer import IncrementalDetokenizer
-from model_service.engine import Engine, GenerationOutput
+from model_service.engine import DuplicateRequestError, Engine, GenerationOutput
 from model_service.model_loader import LoadedModel
 from model_service.request import FinishReason, Request
 from model_service.sampler import SamplingOptions, make_generator
@@ -48,6 +49,7 @@ class ServingInfo:
     attention_backend: str
     cache_addr: str
     worker_id: str
+    serving_addr: str = ""  # where clients reach this replica (known once the port is bound)
 
     @property
     def pool_capacity_tokens(self) -> int:
@@ -69,15 +71,17 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             engine_request = self._build_request(request, arrival)
         except InvalidRequest as e:
             await context.abort(e.code, str(e))
-        client_id = request.request_id or engine_request.request_id
+        request_id = engine_request.request_id
         outputs: asyncio.Queue[GenerationOutput] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         try:
             self.engine.submit(engine_request, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+        except DuplicateRequestError as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except QueueFullError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        log.info("request %s (%s): %d prompt tokens, max_tokens %d", client_id, engine_request.request_id,
-                 len(engine_request.prompt_token_ids), engine_request.max_tokens)
+        log.info("request %s: %d prompt tokens, max_tokens %d", request_id, len(engine_request.prompt_token_ids),
+                 engine_request.max_tokens)
         finished = False
         try:
             while not finished:
@@ -87,10 +91,10 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE if out.finish_reason is FinishReason.ABORT
                                         else grpc.StatusCode.INTERNAL, out.error)
                 finished = out.finish_reason is not None
-                yield _response(client_id, out)
+                yield _response(request_id, out, self.info.serving_addr)
         finally:
             if not finished:  # client cancelled, disconnected or its deadline passed
-                self.engine.cancel(engine_request.request_id)
+                self.engine.cancel(engine_request)
 
     def _build_request(self, request: model_pb2.GenerateRequest, arrival: float) -> Request:
         prompt_ids = self._prompt_token_ids(request)
@@ -109,7 +113,8 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         self._check_vocab(sampling.stop_token_ids, "stop_token_ids")
         max_tokens = self._max_tokens(sampling, len(prompt_ids))
         return Request(
-            request_id=uuid.uuid4().hex,
+            # The client's id when given (a router aborts by it), unique among live requests.
+            request_id=request.request_id or uuid.uuid4().hex,
             prompt_token_ids=prompt_ids,
             sampling=options,
             max_tokens=max_tokens,
@@ -210,11 +215,39 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             num_layers=config.num_hidden_layers,
             num_kv_heads=config.num_key_value_heads,
             head_dim=getattr(config, "head_dim", config.hidden_size // config.num_attention_heads),
+            serving_addr=self.info.serving_addr,
+        )
+
+    # ------------------------------------------------------------------ Abort, GetLoad
+
+    async def Abort(self, request: model_pb2.AbortRequest, context: grpc.aio.ServicerContext):
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        if not self.engine.abort(request.request_id):
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no live request with id {request.request_id!r} (unknown or already finished)")
+        log.info("request %s: abort requested", request.request_id)
+        return model_pb2.AbortResponse()
+
+    async def GetLoad(self, request: model_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
+        load = self.engine.load
+        return model_pb2.GetLoadResponse(
+            num_running_requests=load.num_running_requests,
+            num_waiting_requests=load.num_waiting_requests,
+            num_waiting_tokens=load.num_waiting_tokens,
+            kv_usage=load.kv_usage,
+            num_blocks=load.num_blocks,
+            num_free_blocks=load.num_free_blocks,
+            prefix_hit_rate=load.prefix_hit_rate,
+            prompt_tokens=load.prompt_tokens,
+            cached_prompt_tokens=load.cached_prompt_tokens,
+            serving_addr=self.info.serving_addr,
+            pool_id=self.engine.cache.pool_id or self.info.worker_id,
         )
 
 
-def _response(client_id: str, out: GenerationOutput) -> model_pb2.GenerateResponse:
-    response = model_pb2.GenerateResponse(request_id=client_id, text=out.text, token_ids=out.token_ids)
+def _response(request_id: str, out: GenerationOutput, served_by: str) -> model_pb2.GenerateResponse:
+    response = model_pb2.GenerateResponse(request_id=request_id, text=out.text, token_ids=out.token_ids)
     if out.finish_reason is not None:
         response.finish_reason = _FINISH_REASONS[out.finish_reason]
         response.matched_stop = out.matched_stop
@@ -222,5 +255,8 @@ def _response(client_id: str, out: GenerationOutput) -> model_pb2.GenerateRespon
         response.usage.CopyFrom(model_pb2.Usage(
             prompt_tokens=u.prompt_tokens, cached_prompt_tokens=u.cached_prompt_tokens,
             completion_tokens=u.completion_tokens, time_to_first_token=u.time_to_first_token,
-            total_time=u.total_time, num_preemptions=u.num_preemptions))
+            total_time=u.total_time, num_preemptions=u.num_preemptions,
+            miss_evicted_tokens=u.miss_evicted_tokens, miss_other_replica_tokens=u.miss_other_replica_tokens,
+            miss_other_namespace_tokens=u.miss_other_namespace_tokens, miss_new_tokens=u.miss_new_tokens,
+            served_by=served_by))
     return response

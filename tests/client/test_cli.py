@@ -149,3 +149,26 @@ def test_info_prints_the_model(model_service: Running):
     assert fields["block_size"] == "16"
     assert fields["num_blocks"] == str(MODEL_NUM_BLOCKS)
     assert fields["model_name"]
+    assert fields["serving_addr"] == model_service.addr
+
+
+def test_load_prints_the_replica_load(model_service: Running):
+    result = run_cli("load", "--addr", model_service.addr)
+    assert result.returncode == 0, result.stderr
+    fields = dict(line.split(None, 1) for line in result.stdout.splitlines() if len(line.split(None, 1)) == 2)
+    assert fields["num_blocks"] == str(MODEL_NUM_BLOCKS) and fields["serving_addr"] == model_service.addr
+    as_json = json.loads(run_cli("load", "--addr", model_service.addr, "--json").stdout)
+    assert as_json["num_blocks"] == MODEL_NUM_BLOCKS and 0.0 <= as_json["kv_usage"] <= 1.0
+
+
+def test_abort_of_an_unknown_request_is_not_found(model_service: Running):
+    result = run_cli("abort", "no-such-request", "--addr", model_service.addr)
+    assert result.returncode == 1
+    assert "NOT_FOUND" in result.stderr and "no-such-request" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_generate_with_a_request_id_echoes_it(model_service: Running):
+    result = run_cli(*gen(model_service, "--json", "--request-id", "cli-chosen-id"))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["request_id"] == "cli-chosen-id"

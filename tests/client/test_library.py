@@ -81,6 +81,28 @@ def test_stats_and_model_info(client: RadixKVClient):
     assert 0.0 <= pool.hit_rate <= 1.0
 
 
+def test_abort_from_another_client_and_get_load(client: RadixKVClient, model_service: Running):
+    stream = client.stream(PROMPT, max_tokens=200, ignore_eos=True, temperature=0, request_id="lib-abort")
+    first = next(stream)
+    assert first.request_id == "lib-abort"
+    with RadixKVClient(model_service.addr, timeout=30) as other:
+        other.abort("lib-abort")
+        last = list(stream)[-1]
+        assert last.finish_reason == "abort" and last.usage is not None
+        assert last.usage.completion_tokens < 200 and last.usage.served_by == model_service.addr
+        usage = last.usage
+        assert (usage.miss_evicted_tokens + usage.miss_other_replica_tokens + usage.miss_other_namespace_tokens
+                + usage.miss_new_tokens) in (0, usage.prompt_tokens - usage.cached_prompt_tokens)
+        with pytest.raises(RadixKVError) as raised:
+            other.abort("lib-abort")
+        assert raised.value.code == grpc.StatusCode.NOT_FOUND and raised.value.method == "Abort"
+    info = client.model_info()
+    load = client.get_load()
+    assert (load.serving_addr, load.pool_id) == (info.serving_addr, info.pool_id) == (model_service.addr, info.pool_id)
+    assert load.num_blocks == MODEL_NUM_BLOCKS and 0.0 <= load.kv_usage <= 1.0
+    assert load.prompt_tokens >= usage.prompt_tokens and 0.0 <= load.prefix_hit_rate <= 1.0
+
+
 def test_stats_finds_the_cache_through_model_info(model_service: Running, cache_service: Running):
     with RadixKVClient(model_service.addr, timeout=30) as client:  # no cache_addr given
         assert client.model_info().cache_addr == cache_service.addr
@@ -102,6 +124,11 @@ def test_async_client(model_service: Running, cache_service: Running):
             assert (await client.tokenize(PROMPT)).token_ids
             info = await client.model_info()
             assert info.pool_id in {p.pool_id for p in await client.stats()}
+            load = await client.get_load()
+            assert load.pool_id == info.pool_id and load.num_blocks == info.num_blocks
+            with pytest.raises(RadixKVError) as raised:
+                await client.abort("no-such-request")
+            assert raised.value.code_name == "NOT_FOUND"
             many = await asyncio.gather(
                 *(client.generate(f"{PROMPT} {i}", max_tokens=4, temperature=0) for i in range(3))
             )

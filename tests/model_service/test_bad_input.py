@@ -69,6 +69,8 @@ BAD_REQUESTS: list[tuple[str, Callable[[], model_pb2.GenerateRequest], grpc.Stat
      (f"prompt has {CONTEXT + 100} tokens", "context")),
     ("temperature-negative", lambda: request(temperature=-0.1), INVALID, ("temperature", ">= 0")),
     ("temperature-nan", lambda: request(temperature=float("nan")), INVALID, ("temperature", "finite")),
+    ("temperature-inf", lambda: request(temperature=float("inf")), INVALID, ("temperature", "finite")),
+    ("top-p-nan", lambda: request(top_p=float("nan")), INVALID, ("top_p must be in (0, 1]",)),
     ("top-p-zero", lambda: request(top_p=0.0), INVALID, ("top_p must be in (0, 1]", "got 0.0")),
     ("top-p-above-one", lambda: request(top_p=1.5), INVALID, ("top_p must be in (0, 1]", "got 1.5")),
     ("top-k-negative", lambda: request(top_k=-1), INVALID, ("top_k", ">= 0", "got -1")),

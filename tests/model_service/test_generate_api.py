@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from protos import cache_pb2_grpc, model_pb2, model_pb2_grpc
-from tests.model_service.checks import pool_stats, wait_until_idle
+from tests.model_service.checks import wait_until_idle
 from tests.model_service.generation import generate, greedy
 from tests.services import SHARED_NUM_BLOCKS, SHARED_POOL_ID
 
@@ -36,7 +36,7 @@ def test_model_info_agrees_with_the_tokenizer_and_the_cache(model_stub: model_pb
     assert info.head_dim == config.hidden_size // config.num_attention_heads
     assert (info.block_size, info.num_blocks, info.pool_id) == (16, SHARED_NUM_BLOCKS, SHARED_POOL_ID)
     assert (info.device, info.dtype, info.attention_backend) == ("cpu", "float32", "torch")
-    stats = pool_stats(cache_stub, info.pool_id)
+    stats = wait_until_idle(cache_stub, info.pool_id)  # also waits for the pool to be registered
     assert stats.model_fingerprint == info.model_fingerprint
     assert (stats.num_blocks, stats.block_size) == (info.num_blocks, info.block_size)
 

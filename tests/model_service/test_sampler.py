@@ -89,6 +89,29 @@ def test_very_low_temperature_is_finite_and_picks_the_max(sampler: Sampler) -> N
     assert torch.equal(out, logits.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("temperature", [1e-38, 1e-30, 1e-7, 9.9e-6])
+def test_tiny_positive_temperature_is_greedy(sampler: Sampler, temperature: float) -> None:
+    """Regression: temperature=1e-38 passed validation, logits / t overflowed to inf, the softmax
+    was NaN and argmax picked token 0. Temperatures below 1e-5 are greedy (as vLLM does)."""
+    logits = random_logits(16, seed=5)
+    logits[:, 0] = logits.min() - 1.0  # token 0 is never the right answer
+    options = [SamplingOptions(temperature=temperature, seed=i) for i in range(16)]
+    generators = [make_generator(i, "cpu") for i in range(16)]
+    states = [g.get_state() for g in generators]
+    out = sampler.sample(logits, options, generators)
+    assert torch.equal(out, logits.argmax(dim=-1))
+    assert all(opt.is_greedy for opt in options)
+    assert all(torch.equal(g.get_state(), s) for g, s in zip(generators, states, strict=True))  # no draws
+    mixed = options[:8] + [SamplingOptions(temperature=1.0, seed=i) for i in range(8)]
+    assert torch.equal(sampler.sample(logits, mixed, [make_generator(i, "cpu") for i in range(16)])[:8],
+                       logits[:8].argmax(dim=-1))
+
+
+def test_greedy_threshold_is_exactly_1e_5() -> None:
+    assert SamplingOptions(temperature=9.99e-6).is_greedy
+    assert not SamplingOptions(temperature=1e-5).is_greedy
+
+
 def test_top_k_never_samples_outside_the_k_best(sampler: Sampler) -> None:
     logits = random_logits(1, seed=4).expand(2000, VOCAB)
     allowed = set(logits[0].topk(3).indices.tolist())

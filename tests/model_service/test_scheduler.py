@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from model_service.detokenizer import IncrementalDetokenizer
-from model_service.request import FinishReason, Request, RequestStatus
+from model_service.request import FinishReason, MissBreakdown, Request, RequestStatus
 from model_service.sampler import SamplingOptions
 from model_service.scheduler import (
     AdmitReply,
@@ -181,3 +181,233 @@ def test_finished_and_preempted_requests_are_not_committed(scheduler):
     scheduler.finish(done, FinishReason.STOP)
     plan = scheduler.plan_cache_step()
     assert plan.commits == [] and [f.request_id for f in plan.finishes] == ["done"]
+
+
+# ---------------------------------------------------------------- preemption under a full pool
+
+
+class SyntheticPool:
+    """The cache manager's block accounting for one pool, without a radix tree: a released or
+    finished request's blocks are free again at once (as the real pool's unlocked cached pages
+    are evictable at once), commits keep the request's own blocks. Checks, as the real one does,
+    that a release's block table is exactly what the pool gave the request."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.free = list(range(num_blocks))
+        self.block_size = block_size
+        self.tables: dict[str, list[int]] = {}
+
+    def _take(self, num_tokens: int, table: list[int]) -> list[int] | None:
+        need = -(-num_tokens // self.block_size) - len(table)
+        if need > len(self.free):
+            return None
+        new, self.free = self.free[:need], self.free[need:]
+        table.extend(new)
+        return new
+
+    def step(self, plan) -> CacheReply:
+        for record in [*plan.releases, *plan.finishes]:
+            assert record.block_table == self.tables[record.request_id]
+            self.free.extend(self.tables.pop(record.request_id))
+        extends = []
+        for item in plan.extends:
+            new = self._take(item.num_tokens, self.tables[item.request.request_id])
+            extends.append(ExtendReply(item.request.request_id, new is not None, new or []))
+        admits, full = [], False
+        for request in plan.admits:
+            table: list[int] = []
+            full = full or self._take(request.num_tokens + 1, table) is None
+            if not full:
+                self.tables[request.request_id] = table
+            admits.append(AdmitReply(request.request_id, not full, 0, [] if full else table))
+        return CacheReply(admits, extends, commit_all(plan, self.block_size), len(self.free))
+
+
+def run_step(scheduler: Scheduler, pool: SyntheticPool, max_tokens: int):
+    """One engine step: plan, the pool's answer, execute, sample token 7 for every finished chunk."""
+    plan = scheduler.plan_cache_step()
+    preempted_before = scheduler.num_preemptions
+    batch = scheduler.apply_cache_reply(plan, pool.step(plan))
+    scheduler.on_executed(batch)
+    for request, chunk in zip(batch.requests, batch.chunks, strict=True):
+        if chunk.needs_logits:
+            request.output_token_ids.append(7)
+            if len(request.output_token_ids) >= max_tokens:
+                scheduler.finish(request, FinishReason.LENGTH)
+    return plan, batch, scheduler.num_preemptions - preempted_before
+
+
+def test_lockstep_decodes_in_a_full_pool_preempt_only_as_many_as_needed():
+    """Regression: 8 requests decoding in lockstep in a 40-block pool (5 blocks each) all cross
+    into a 6th block in the same step; every failed extension preempted another request (the
+    victims' blocks come back only in the next step), 4 in all, where 2 free enough (10 blocks
+    for the 6 left). Their full pages are committed in that step too, so counting only blocks
+    outside the tree as a victim's credit would preempt 4 again."""
+    bs, max_tokens = 16, 20
+    scheduler = Scheduler(SchedulerConfig(block_size=bs, max_batch_tokens=1024, max_num_seqs=8))
+    pool = SyntheticPool(40, bs)
+    requests = [make_request(f"r{i}", 64, max_tokens) for i in range(8)]
+    for request in requests:
+        scheduler.add(request)
+    per_step = []
+    for _ in range(200):
+        if not scheduler.has_work():
+            break
+        plan, batch, preempted = run_step(scheduler, pool, max_tokens)
+        per_step.append(preempted)
+        if preempted:
+            assert len(plan.extends) == 8 and len(plan.commits) == 8  # the crossing step
+            assert [r.request_id for r in scheduler.waiting] == ["r6", "r7"]
+            assert batch.requests == []  # the six left skip this step, and get the blocks next step
+            plan, batch, preempted = run_step(scheduler, pool, max_tokens)
+            assert preempted == 0 and plan.admits == []
+            assert [e.request.request_id for e in plan.extends] == [f"r{i}" for i in range(6)]
+            assert [r.request_id for r in batch.requests] == [f"r{i}" for i in range(6)]
+    assert not scheduler.has_work()
+    assert sum(per_step) == scheduler.num_preemptions == 2
+    assert [r.num_preemptions for r in requests] == [0] * 6 + [1, 1]
+    assert all(len(r.output_token_ids) == max_tokens for r in requests)
+    assert sorted(pool.free) == list(range(40))
+
+
+def _admitted(scheduler: Scheduler, tables: dict[str, list[int]], num_prompt: int, cached: int) -> list[Request]:
+    """Admits one request per entry with the given block tables and cache hit, prefills it and
+    samples one token."""
+    for rid in tables:
+        scheduler.add(make_request(rid, num_prompt))
+    plan = scheduler.plan_cache_step()
+    reply = CacheReply([AdmitReply(r.request_id, True, cached, list(tables[r.request_id])) for r in plan.admits], [])
+    scheduler.on_executed(scheduler.apply_cache_reply(plan, reply))
+    for request in scheduler.running:
+        request.output_token_ids.append(7)
+    return list(scheduler.running)
+
+
+def test_blocks_survivors_still_hold_are_no_credit():
+    """Three requests share a two-page prefix; each fills its third page and needs a fourth, none
+    is free. Preempting the newest frees only its own third page (the prefix stays locked by the
+    others): enough for the oldest alone, so the middle one must go too -- not all three (a credit
+    of only non-tree blocks), not one (a credit of every block of the victim)."""
+    scheduler = Scheduler(SchedulerConfig(block_size=16, max_batch_tokens=1024, max_num_seqs=8))
+    a, b, c = _admitted(scheduler, {"a": [0, 1, 2], "b": [0, 1, 3], "c": [0, 1, 4]}, 40, cached=32)
+    for request in (a, b, c):
+        request.output_token_ids.extend(range(8))
+        request.num_computed_tokens = request.num_tokens - 1  # 48: three full pages, next one needs a block
+    plan = scheduler.plan_cache_step()
+    assert [(i.request.request_id, i.num_computed_tokens) for i in plan.commits] == [("a", 48), ("b", 48), ("c", 48)]
+    reply = CacheReply([], [ExtendReply(r, False, []) for r in "abc"], commit_all(plan))
+    batch = scheduler.apply_cache_reply(plan, reply)
+    assert scheduler.num_preemptions == 2 and scheduler.running == [a]
+    assert batch.requests == []  # a waits one step for the blocks c releases
+    plan = scheduler.plan_cache_step()
+    assert [r.request_id for r in plan.releases] == ["c", "b"]
+    assert [e.request for e in plan.extends] == [a] and plan.admits == []
+
+
+def test_a_victim_release_includes_the_blocks_it_got_in_the_same_step():
+    """The oldest request needs two blocks and gets none; the newest got its one: preempting it
+    must release that block too (the cache's record of its table includes it)."""
+    scheduler = Scheduler(SchedulerConfig(block_size=16, max_batch_tokens=1024, max_num_seqs=8))
+    old, new = _admitted(scheduler, {"old": [0, 1], "new": [2, 3]}, 20, cached=0)
+    old.output_token_ids.extend(range(29))  # 50 tokens: needs 4 blocks, has 2
+    old.num_computed_tokens = 32
+    new.output_token_ids.extend(range(12))  # 32 tokens computed, the 33rd needs a third block
+    new.num_computed_tokens = 32
+    plan = scheduler.plan_cache_step()
+    reply = CacheReply([], [ExtendReply("old", False, []), ExtendReply("new", True, [9])], commit_all(plan))
+    batch = scheduler.apply_cache_reply(plan, reply)
+    assert scheduler.running == [old] and new.block_table == []
+    assert batch.requests == []  # old's credit: new's three blocks cover its two
+    (release,) = scheduler.plan_cache_step().releases
+    assert release.request_id == "new" and release.block_table == [2, 3, 9]
+
+
+def test_failing_request_that_is_the_newest_preempts_only_itself():
+    scheduler = Scheduler(SchedulerConfig(block_size=16, max_batch_tokens=1024, max_num_seqs=8))
+    old, new = _admitted(scheduler, {"old": [0, 1], "new": [2, 3]}, 20, cached=0)
+    for request in (old, new):
+        request.output_token_ids.extend(range(12))
+        request.num_computed_tokens = 32
+    plan = scheduler.plan_cache_step()
+    reply = CacheReply([], [ExtendReply("old", True, [5]), ExtendReply("new", False, [])], commit_all(plan))
+    batch = scheduler.apply_cache_reply(plan, reply)
+    assert scheduler.num_preemptions == 1 and scheduler.running == [old]
+    assert batch.requests == [old]
+
+
+# ---------------------------------------------------------------- decode commits, ids, load, misses
+
+
+def test_decode_pages_are_committed_with_the_extension_into_the_next_block(scheduler):
+    request = _decode_ready(scheduler, "r0", 32)  # 32 prompt + 1 lookahead: 3 blocks
+    assert request.num_admitted_tokens == 32
+    plan = scheduler.plan_cache_step()
+    assert [(c.num_computed_tokens, c.output_token_ids) for c in plan.commits] == [(32, [])]
+    scheduler.apply_cache_reply(plan, admit_all(plan))
+    outputs = [7]
+    for step in range(40):
+        token = 100 + step
+        request.num_computed_tokens += 1  # the last sampled token is computed ...
+        request.output_token_ids.append(token)  # ... and the next one sampled
+        outputs.append(token)
+        plan = scheduler.plan_cache_step()
+        crossing = request.num_tokens - 1 in (48, 64)
+        assert bool(plan.extends) == bool(plan.commits) == crossing, step
+        if crossing:
+            (commit,) = plan.commits
+            assert commit.num_computed_tokens == request.num_tokens - 1
+            assert commit.output_token_ids == outputs[:commit.num_computed_tokens - 32]
+        scheduler.apply_cache_reply(plan, admit_all(plan))
+    assert request.num_shared_tokens == 64
+    scheduler.finish(request, FinishReason.STOP)
+    (finish,) = scheduler.plan_cache_step().finishes
+    assert finish.output_token_ids == outputs  # starts with what the commits sent
+
+
+def test_a_resumed_request_commits_the_tokens_after_its_readmission(scheduler):
+    request = _decode_ready(scheduler, "r0", 20)
+    request.output_token_ids.extend(range(100, 120))  # 41 tokens
+    scheduler.reset()
+    plan = scheduler.plan_cache_step()
+    assert request.was_admitted and request.num_preemptions == 1
+    scheduler.on_executed(scheduler.apply_cache_reply(plan, admit_all(plan)))  # 41 admitted, 3 blocks
+    assert request.num_admitted_tokens == 41 and request.num_computed_tokens == 41
+    request.output_token_ids.extend(range(200, 208))  # 49 tokens: crosses into the 4th block
+    request.num_computed_tokens = 48
+    plan = scheduler.plan_cache_step()
+    (commit,) = plan.commits
+    assert commit.num_computed_tokens == 48 and commit.output_token_ids == list(range(200, 207))
+
+
+def test_reused_id_waits_for_the_finish_of_its_predecessor(scheduler):
+    old = _decode_ready(scheduler, "same", 10)
+    scheduler.finish(old, FinishReason.STOP)
+    scheduler.add(make_request("same", 5))
+    plan = scheduler.plan_cache_step()
+    assert [f.request_id for f in plan.finishes] == ["same"] and plan.admits == []
+    scheduler.apply_cache_reply(plan, admit_all(plan))
+    assert [r.request_id for r in scheduler.plan_cache_step().admits] == ["same"]
+
+
+def test_load_counts_tokens_left_to_prefill(scheduler):
+    for i, n in enumerate((100, 100, 30)):
+        scheduler.add(make_request(f"r{i}", n))
+    plan = scheduler.plan_cache_step()
+    assert plan.load == (1, 230, 2)  # as if the planned admissions succeed; nothing computed yet
+    batch = scheduler.apply_cache_reply(plan, admit_all(plan))
+    scheduler.on_executed(batch)  # r0 whole, r1 a 50-token chunk; r2 waits
+    assert scheduler.load() == (1, 30 + 50, 2)
+
+
+def test_miss_breakdown_is_kept_from_the_first_admission_only(scheduler):
+    request = make_request("r0", 40)
+    scheduler.add(request)
+    plan = scheduler.plan_cache_step()
+    miss = MissBreakdown(evicted_tokens=16, other_replica_tokens=8, other_namespace_tokens=0, new_tokens=16)
+    reply = admit_all(plan)
+    reply = reply._replace(admits=[reply.admits[0]._replace(miss=miss)])
+    scheduler.apply_cache_reply(plan, reply)
+    scheduler.reset()
+    plan = scheduler.plan_cache_step()
+    scheduler.apply_cache_reply(plan, admit_all(plan, cached=32))
+    assert request.miss == miss and request.cached_prompt_tokens == 0

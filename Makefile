@@ -12,11 +12,13 @@ NODE_STAMP := client/node/node_modules/.installed
 HOST ?= 127.0.0.1
 CACHE_PORT ?= 50051
 MODEL_PORT ?= 50052
+ROUTER_PORT ?= 50050
+HTTP_PORT ?= 8000
 MODEL ?=
 RUN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install proto node run test bench lint clean
+.PHONY: install proto node run run-fleet test bench lint clean
 
 install: $(STAMP) $(PROTO_OUT)
 
@@ -43,6 +45,12 @@ $(NODE_STAMP): client/node/package.json client/node/package-lock.json
 run: install
 	$(BIN)/python -m scripts.serve --host $(HOST) --cache-port $(CACHE_PORT) --model-port $(MODEL_PORT) \
 		$(if $(MODEL),--model $(MODEL)) $(RUN_ARGS)
+
+# Cache service + two replicas (ports MODEL_PORT, MODEL_PORT+1; --num-threads 1 each) + the router
+# (gRPC ROUTER_PORT, OpenAI HTTP HTTP_PORT). RUN_ARGS go to the launcher (see scripts/serve_fleet.py).
+run-fleet: install
+	$(BIN)/python -m scripts.serve_fleet --host $(HOST) --cache-port $(CACHE_PORT) --model-port $(MODEL_PORT) \
+		--router-port $(ROUTER_PORT) --http-port $(HTTP_PORT) $(if $(MODEL),--model $(MODEL)) $(RUN_ARGS)
 
 test: install node
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -21,7 +21,7 @@ import shlex
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 from scripts.service_process import ServiceError, ServiceProcess, Sink, port_in_use
@@ -76,20 +76,30 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     return parser.parse_known_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args, model_args = parse_args(argv)
-    console = Console()
-    for port in (args.cache_port, args.model_port):
-        if port_in_use(args.host, port):
+def ports_free(console: Console, host: str, ports: Sequence[int], hint: str) -> bool:
+    """False (after saying why) when one of the ports is taken or two of them are the same."""
+    for port in ports:
+        if port_in_use(host, port):
             console.error(
-                f"port {port} is already in use on {args.host} (is radixkv already running?). "
-                "Stop whatever holds it, or pick other ports: make run CACHE_PORT=... MODEL_PORT=..."
+                f"port {port} is already in use on {host} (is radixkv already running?). "
+                f"Stop whatever holds it, or pick other ports: {hint}"
             )
-            return EXIT_FAILED
-    if args.cache_port == args.model_port and args.cache_port != 0:
-        console.error(f"the cache and model services cannot share port {args.cache_port}")
-        return EXIT_FAILED
+            return False
+    fixed = [p for p in ports if p != 0]
+    if len(set(fixed)) != len(fixed):
+        duplicate = next(p for p in fixed if fixed.count(p) > 1)
+        console.error(f"two services cannot share port {duplicate}")
+        return False
+    return True
 
+
+Starter = Callable[[threading.Event, list[ServiceProcess]], None]
+
+
+def run_in_foreground(console: Console, grace_seconds: float, start: Starter) -> int:
+    """Runs ``start(stop, children)`` (it starts the services, appending each to ``children``, and
+    waits until they serve), then serves until Ctrl-C / SIGTERM or until a child dies; always
+    stops the children, last started first. Returns the exit code."""
     stop = threading.Event()
 
     def request_stop(signum: int, _frame: FrameType | None) -> None:
@@ -102,18 +112,63 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     children: list[ServiceProcess] = []
     try:
-        return serve(args, model_args, console, stop, children)
+        start(stop, children)
+        while not stop.wait(0.5):
+            for child in children:
+                if not child.running():
+                    console.error(f"{child.name} exited unexpectedly with code {child.proc.returncode}")
+                    return EXIT_FAILED
+        return EXIT_OK
     except ServiceError as error:
         if stop.is_set():
             return EXIT_OK
         console.error(str(error))
         return EXIT_FAILED
     finally:
-        for child in reversed(children):  # the model service first: it talks to the cache service
+        for child in reversed(children):  # clients of the cache service first
             if child.running():
                 console.line(f"==> stopping {child.name} (pid {child.pid})")
-            code = child.stop(args.grace_seconds)
+            code = child.stop(grace_seconds)
             console.line(f"==> {child.name} exited with code {code}")
+
+
+def start_cache(host: str, port: int, cache_args: str, console: Console, stop: threading.Event,
+                children: list[ServiceProcess]) -> ServiceProcess:
+    """Starts the cache service; returns once it prints its address (not yet SERVING)."""
+    console.line(f"==> starting cache_service on {host}:{port}")
+    cache_argv = ["--host", host, "--port", str(port), *shlex.split(cache_args)]
+    cache = ServiceProcess("cache_service", cache_argv, console.sink("cache"))
+    children.append(cache)
+    cache.wait_listening(60.0, stop)
+    return cache
+
+
+def start_model(argv: list[str], console: Console, children: list[ServiceProcess],
+                prefix: str = "model") -> ServiceProcess:
+    """Starts a model service (loading takes a while: wait with wait_model)."""
+    model = ServiceProcess("model_service", argv, console.sink(prefix))
+    children.append(model)
+    return model
+
+
+def wait_model(model: ServiceProcess, timeout_s: float, console: Console, stop: threading.Event,
+               watch: Sequence[ServiceProcess]) -> None:
+    model.wait_serving(
+        timeout_s,
+        stop=stop,
+        watch=watch,
+        progress=lambda s: console.line(f"==> still loading the model ... {s:.0f} s"),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, model_args = parse_args(argv)
+    console = Console()
+    if not ports_free(console, args.host, (args.cache_port, args.model_port),
+                      "make run CACHE_PORT=... MODEL_PORT=..."):
+        return EXIT_FAILED
+    return run_in_foreground(console, args.grace_seconds,
+                             lambda stop, children: serve(args, model_args, console, stop, children))
 
 
 def serve(
@@ -122,39 +177,24 @@ def serve(
     console: Console,
     stop: threading.Event,
     children: list[ServiceProcess],
-) -> int:
+) -> None:
     host = args.host
-    console.line(f"==> starting cache_service on {host}:{args.cache_port}")
-    cache_argv = ["--host", host, "--port", str(args.cache_port), *shlex.split(args.cache_args)]
-    cache = ServiceProcess("cache_service", cache_argv, console.sink("cache"))
-    children.append(cache)
-    cache_addr = cache.wait_listening(60.0, stop)
+    cache = start_cache(host, args.cache_port, args.cache_args, console, stop, children)
+    assert cache.addr is not None
+    cache_addr = cache.addr
 
     console.line(f"==> starting model_service on {host}:{args.model_port} (cache service at {cache_addr})")
     model_argv = ["--host", host, "--port", str(args.model_port), "--cache-addr", cache_addr]
     if args.model:
         model_argv += ["--model", args.model]
-    model = ServiceProcess("model_service", [*model_argv, *model_args], console.sink("model"))
-    children.append(model)
+    model = start_model([*model_argv, *model_args], console, children)
 
     cache.wait_serving(60.0, stop=stop)
     console.line(f"==> cache_service is SERVING at {cache_addr}")
     console.line("==> waiting for model_service: loading the model (the first start can take a minute)")
-    model.wait_serving(
-        args.startup_timeout,
-        stop=stop,
-        watch=[cache],
-        progress=lambda s: console.line(f"==> still loading the model ... {s:.0f} s"),
-    )
+    wait_model(model, args.startup_timeout, console, stop, [cache])
     assert model.addr is not None
     console.line(how_to_query(model.addr, cache_addr))
-
-    while not stop.wait(0.5):
-        for child in children:
-            if not child.running():
-                console.error(f"{child.name} exited unexpectedly with code {child.proc.returncode}")
-                return EXIT_FAILED
-    return EXIT_OK
 
 
 def how_to_query(model_addr: str, cache_addr: str) -> str:

@@ -13,6 +13,7 @@ from scripts.service_process import ServiceError, ServiceProcess
 REPO = Path(__file__).resolve().parents[1]
 CACHE_START_TIMEOUT_S = 60.0
 MODEL_START_TIMEOUT_S = 300.0
+ROUTER_START_TIMEOUT_S = 60.0
 
 # The session-wide model service (tests/conftest.py): bundled model, a pool smaller than the
 # model's 8192-token context (so "larger than the pool" is reachable), big enough for the
@@ -33,18 +34,36 @@ class Running:
         return "\n".join(self.log)
 
 
+@dataclass(frozen=True)
+class Launched:
+    """A service started but not waited for (start several, then wait: they load in parallel)."""
+
+    name: str
+    process: ServiceProcess
+    log: collections.deque[str]
+    timeout_s: float
+
+    def wait(self) -> Running:
+        """Waits for its 'listening on' line and health SERVING (fails the test if it does not)."""
+        try:
+            addr = self.process.wait_listening(self.timeout_s)
+            self.process.wait_serving(self.timeout_s)
+        except ServiceError as error:
+            self.process.stop(5.0)
+            output = "\n".join(self.log)
+            pytest.fail(f"{error}\n--- {self.name} output ---\n{output}", pytrace=False)
+        return Running(addr, self.process, self.log)
+
+
+def launch_service(name: str, args: list[str], timeout_s: float) -> Launched:
+    """Starts `python -m NAME ARGS` without waiting for it."""
+    log: collections.deque[str] = collections.deque(maxlen=400)
+    return Launched(name, ServiceProcess(name, args, log.append, cwd=str(REPO)), log, timeout_s)
+
+
 def start_service(name: str, args: list[str], timeout_s: float) -> Running:
     """Starts `python -m NAME ARGS`, waits for its 'listening on' line and health SERVING."""
-    log: collections.deque[str] = collections.deque(maxlen=400)
-    process = ServiceProcess(name, args, log.append, cwd=str(REPO))
-    try:
-        addr = process.wait_listening(timeout_s)
-        process.wait_serving(timeout_s)
-    except ServiceError as error:
-        process.stop(5.0)
-        output = "\n".join(log)
-        pytest.fail(f"{error}\n--- {name} output ---\n{output}", pytrace=False)
-    return Running(addr, process, log)
+    return launch_service(name, args, timeout_s).wait()
 
 
 def start_cache(extra: list[str] | None = None) -> Running:
@@ -52,6 +71,16 @@ def start_cache(extra: list[str] | None = None) -> Running:
                          CACHE_START_TIMEOUT_S)
 
 
-def start_model(cache_addr: str, *extra: str) -> Running:
+def launch_model(cache_addr: str, *extra: str) -> Launched:
     args = ["--host", "127.0.0.1", "--port", "0", "--cache-addr", cache_addr, *extra]
-    return start_service("model_service", args, MODEL_START_TIMEOUT_S)
+    return launch_service("model_service", args, MODEL_START_TIMEOUT_S)
+
+
+def start_model(cache_addr: str, *extra: str) -> Running:
+    return launch_model(cache_addr, *extra).wait()
+
+
+def start_router(cache_addr: str, *extra: str) -> Running:
+    """A router (SERVING once one of its replicas is reachable); extra: --replica, --http-port ..."""
+    args = ["--host", "127.0.0.1", "--port", "0", "--cache-addr", cache_addr, *extra]
+    return start_service("router", args, ROUTER_START_TIMEOUT_S)

@@ -13,13 +13,13 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from model_service.model_loader import LoadedModel, _convert_gguf, bundled_model_path, load_model
+from model_service.model_loader import LoadedModel, load_model
 from protos import model_pb2, model_pb2_grpc
 from tests.model_service.checks import wait_until_idle
 from tests.model_service.generation import generate, greedy, reference_greedy
 from tests.services import start_model
+from tests.tiny_model import save_tiny_llama
 
 MAX_TOKENS = 12
 
@@ -27,14 +27,7 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A 2-layer random Llama with the bundled tokenizer, saved as a local HF folder."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    AutoTokenizer.from_pretrained(_convert_gguf(bundled_model_path())).save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")

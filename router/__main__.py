@@ -1,0 +1,59 @@
+"""`python -m router --port P --cache-addr HOST:PORT`: one radixkv ModelService endpoint in front of
+the model replicas, routing each request by KV prefix (see router/core.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from router.policy import POLICIES
+from router.server import RouterConfig, serve
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m router", description="radixkv router (gRPC ModelService + "
+                                "OpenAI-compatible HTTP) in front of model replicas")
+    p.add_argument("--port", type=int, default=50050, help="gRPC port (0: pick a free one)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--cache-addr", default="127.0.0.1:50051", help="cache manager address HOST:PORT")
+    p.add_argument("--policy", choices=POLICIES, default="kv",
+                   help="kv: the cache manager's Route (cached prefix + load); least-loaded; round-robin")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="OpenAI-compatible HTTP API port (0: pick a free one; off when not given)")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (off when not given)")
+    p.add_argument("--replica", action="append", default=[], metavar="HOST:PORT",
+                   help="a model replica to route to besides those the cache manager lists (repeatable)")
+    p.add_argument("--advertise-addr", default=None,
+                   help="address clients dial to reach this router (ModelInfo.serving_addr; default HOST:PORT)")
+    p.add_argument("--check-interval", type=float, default=1.0,
+                   help="seconds between background checks of the replicas and the cache manager")
+    p.add_argument("--reserve-ms", type=int, default=2000,
+                   help="how long Route pins the chosen replica's cached prefix for the request")
+    p.add_argument("--route-timeout", type=float, default=1.0,
+                   help="deadline of each cache manager call (s); past it routing falls back to load")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("port", "http_port", "metrics_port"):
+        value = getattr(args, name)
+        if value is not None and not 0 <= value <= 65535:
+            parser.error(f"--{name.replace('_', '-')} must be in [0, 65535]")
+    if args.check_interval <= 0 or args.route_timeout <= 0 or args.reserve_ms < 0:
+        parser.error("--check-interval and --route-timeout must be > 0, --reserve-ms >= 0")
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = RouterConfig(host=args.host, port=args.port, cache_addr=args.cache_addr, policy=args.policy,
+                          http_port=args.http_port, metrics_port=args.metrics_port, replicas=args.replica,
+                          advertise_addr=args.advertise_addr, check_interval_s=args.check_interval,
+                          reserve_ms=args.reserve_ms, route_timeout_s=args.route_timeout, log_level=args.log_level)
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

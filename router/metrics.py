@@ -1,0 +1,55 @@
+"""Prometheus metrics of the router: served on --metrics-port and at /metrics of the HTTP door."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
+from router.policy import REASONS
+
+_LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0)
+_FORWARD_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1)
+
+
+class RouterMetrics:
+    """A private registry (tests may build several routers in one process)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("radixkv_router_requests", "Generate attempts per replica, by outcome (a status name)",
+                                ["replica", "code"], registry=r)
+        self.decisions = Counter("radixkv_router_route_decisions", "Route decisions by reason (retry: one per "
+                                 "further replica tried)", ["reason"], registry=r)
+        for reason in REASONS:
+            self.decisions.labels(reason)
+        self.routing_seconds = Histogram("radixkv_router_routing_seconds",
+                                         "Request arrival to the first replica call (tokenize + route)",
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.first_message_seconds = Histogram("radixkv_router_first_message_seconds",
+                                               "Request arrival to the replica's first message (TTFT at the router)",
+                                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.forward_seconds = Histogram("radixkv_router_forward_seconds",
+                                         "Per streamed message: handing it on to the client (the per-token overhead)",
+                                         buckets=_FORWARD_BUCKETS, registry=r)
+        self.replicas_reachable = Gauge("radixkv_router_replicas_reachable", "Replicas answering health checks",
+                                        registry=r)
+        self.cache_manager_up = Gauge("radixkv_router_cache_manager_up",
+                                      "1 while the cache manager answers, else 0 (routing falls back to load)",
+                                      registry=r)
+        self.http_requests = Counter("radixkv_router_http_requests", "OpenAI HTTP requests by path and status",
+                                     ["path", "status"], registry=r)
+        self._http = None
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Starts the /metrics HTTP endpoint; returns the bound port."""
+        self._http, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
+
+    def stop(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,158 @@
+"""The router process: grpc.aio ModelService + health + reflection, the OpenAI HTTP door (uvicorn
+in the same event loop), background replica checks, metrics, graceful stop on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from common.grpc_server import NOT_SERVING, SERVING, add_health_and_reflection, format_address, set_health
+from protos import model_pb2, model_pb2_grpc
+from router.core import CoreConfig, RouterCore
+from router.metrics import RouterMetrics
+from router.replicas import ReplicaSet
+from router.servicer import RouterServicer
+from router.upstream import CacheManagerClient, ReplicaClients
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = model_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 50050
+    cache_addr: str = "127.0.0.1:50051"
+    policy: str = "kv"
+    http_port: int | None = None
+    metrics_port: int | None = None
+    replicas: list[str] = field(default_factory=list)
+    advertise_addr: str | None = None
+    check_interval_s: float = 1.0
+    reserve_ms: int = 2000
+    route_timeout_s: float = 1.0
+    grace_seconds: float = 2.0
+    log_level: str = "INFO"
+
+
+def _bind_http(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+def _http_server(app, sock: socket.socket, log_level: str):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn without its own signal handling: the router's stops it (should_exit)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    config = uvicorn.Config(app, fd=None, lifespan="off", log_config=None, access_log=False,
+                            log_level=log_level.lower(), timeout_graceful_shutdown=2)
+    return Server(config)
+
+
+async def serve(config: RouterConfig) -> int:
+    """Runs until SIGTERM/SIGINT; returns the process exit code."""
+    address = format_address(config.host, config.port)
+    metrics = RouterMetrics()
+    replicas = ReplicaSet(config.replicas)
+    upstream = ReplicaClients()
+    cache = CacheManagerClient(config.cache_addr)
+    try:
+        core_config = CoreConfig(policy=config.policy, reserve_ms=config.reserve_ms,
+                                 route_timeout_s=config.route_timeout_s)
+    except ValueError as e:
+        print(f"router: {e}", file=sys.stderr, flush=True)
+        return 2
+    core = RouterCore(core_config, replicas, upstream, cache, metrics)
+
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", -1)])
+    model_pb2_grpc.add_ModelServiceServicer_to_server(RouterServicer(core), server)
+    health_servicer = add_health_and_reflection(server, SERVICE_NAME)
+    await set_health(health_servicer, [SERVICE_NAME], NOT_SERVING)
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as e:
+        print(f"router: cannot listen on {address} (port in use?): {e}", file=sys.stderr, flush=True)
+        return 1
+    core_config.serving_addr = config.advertise_addr or format_address(config.host, bound)
+
+    http = None
+    if config.http_port is not None:
+        from router.openai_api import build_app
+
+        try:
+            sock = _bind_http(config.host, config.http_port)
+        except OSError as e:
+            print(f"router: cannot serve HTTP on port {config.http_port}: {e.strerror}", file=sys.stderr, flush=True)
+            return 1
+        http = _http_server(build_app(core), sock, config.log_level)
+        http_addr = format_address(config.host, sock.getsockname()[1])
+    if config.metrics_port is not None:
+        try:
+            metrics_bound = metrics.serve(config.metrics_port, config.host)
+        except OSError as e:
+            print(f"router: cannot serve metrics on port {config.metrics_port}: {e.strerror}", file=sys.stderr,
+                  flush=True)
+            return 1
+        print(f"router metrics on http://{format_address(config.host, metrics_bound)}/metrics", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def on_change(reachable: bool) -> None:
+        await set_health(health_servicer, [SERVICE_NAME], SERVING if reachable else NOT_SERVING)
+        log.info("router is %s", "SERVING" if reachable else "NOT_SERVING (no replica reachable)")
+
+    checks: asyncio.Task | None = None
+    http_task: asyncio.Task | None = None
+    try:
+        await server.start()
+        checks = asyncio.create_task(core.run_checks(config.check_interval_s, on_change))
+        if http is not None:
+            http_task = asyncio.create_task(http.serve(sockets=[sock]))
+            print(f"router OpenAI HTTP API on http://{http_addr}/v1", flush=True)
+        print(f"router ({config.policy}, cache manager {config.cache_addr}) listening on "
+              f"{format_address(config.host, bound)}", flush=True)
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        await health_servicer.enter_graceful_shutdown()
+        if http is not None:
+            http.should_exit = True  # stops accepting, lets in-flight requests finish (bounded)
+        await server.stop(config.grace_seconds)
+        if http_task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(http_task, config.grace_seconds + 3)
+        if checks is not None:
+            checks.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checks
+        await upstream.close()
+        await cache.close()
+        metrics.stop()
+    return 0

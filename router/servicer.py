@@ -1,0 +1,57 @@
+"""radixkv.v1.ModelService served by the router: a thin layer over RouterCore that maps its
+RouterError to the same gRPC status and the call's deadline to the core's clock."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from protos import model_pb2, model_pb2_grpc
+from router.core import RouterCore
+from router.errors import RouterError
+
+
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: RouterError) -> None:
+    await context.abort(grpc.StatusCode[error.code], error.message)
+
+
+class RouterServicer(model_pb2_grpc.ModelServiceServicer):
+    def __init__(self, core: RouterCore) -> None:
+        self.core = core
+
+    async def Generate(self, request: model_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            async for message in self.core.generate(request, _deadline(context)):
+                yield message
+        except RouterError as e:
+            await _abort(context, e)
+
+    async def Tokenize(self, request: model_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
+        try:
+            return await self.core.tokenize(request, _deadline(context))
+        except RouterError as e:
+            await _abort(context, e)
+
+    async def ModelInfo(self, request: model_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
+        try:
+            return await self.core.model_info(_deadline(context))
+        except RouterError as e:
+            await _abort(context, e)
+
+    async def Abort(self, request: model_pb2.AbortRequest, context: grpc.aio.ServicerContext):
+        try:
+            return await self.core.abort(request.request_id, _deadline(context))
+        except RouterError as e:
+            await _abort(context, e)
+
+    async def GetLoad(self, request: model_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
+        try:
+            return await self.core.get_load(_deadline(context))
+        except RouterError as e:
+            await _abort(context, e)

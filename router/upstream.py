@@ -1,0 +1,113 @@
+"""gRPC clients of the router: the replicas (one cached grpc.aio channel per address) and the
+cache manager. They implement router.core's ReplicaPort and CachePort; every failure becomes an
+UpstreamError carrying the status name."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import cache_pb2, cache_pb2_grpc, model_pb2, model_pb2_grpc
+from router.errors import UpstreamError
+
+# Fail fast (no waitForReady), no gRPC retries (the router retries on other replicas itself), and
+# reconnect quickly to a replica or cache manager that comes back (gRPC's default backoff grows
+# to two minutes).
+CHANNEL_OPTIONS: list[tuple[str, object]] = [
+    ("grpc.enable_retries", 0),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+]
+
+
+def _error(error: grpc.aio.AioRpcError) -> UpstreamError:
+    return UpstreamError(error.code().name, error.details() or "")
+
+
+class ReplicaClients:
+    """ModelService (and health) calls by replica address."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _channel(self, addr: str) -> grpc.aio.Channel:
+        channel = self._channels.get(addr)
+        if channel is None:
+            channel = self._channels[addr] = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        return channel
+
+    def _stub(self, addr: str) -> model_pb2_grpc.ModelServiceStub:
+        return model_pb2_grpc.ModelServiceStub(self._channel(addr))
+
+    async def generate(self, addr: str, request: model_pb2.GenerateRequest,
+                       timeout: float | None) -> AsyncIterator[model_pb2.GenerateResponse]:
+        call = self._stub(addr).Generate(request, timeout=timeout)
+        try:
+            async for message in call:
+                yield message
+        except grpc.aio.AioRpcError as e:
+            raise _error(e) from None
+        finally:
+            call.cancel()  # a no-op once the call is done; else the replica stops generating
+
+    async def _unary(self, method, request, timeout: float | None):
+        try:
+            return await method(request, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise _error(e) from None
+
+    async def tokenize(self, addr: str, request: model_pb2.TokenizeRequest,
+                       timeout: float | None) -> model_pb2.TokenizeResponse:
+        return await self._unary(self._stub(addr).Tokenize, request, timeout)
+
+    async def model_info(self, addr: str, timeout: float | None) -> model_pb2.ModelInfoResponse:
+        return await self._unary(self._stub(addr).ModelInfo, model_pb2.ModelInfoRequest(), timeout)
+
+    async def abort(self, addr: str, request: model_pb2.AbortRequest, timeout: float | None) -> model_pb2.AbortResponse:
+        return await self._unary(self._stub(addr).Abort, request, timeout)
+
+    async def get_load(self, addr: str, timeout: float | None) -> model_pb2.GetLoadResponse:
+        return await self._unary(self._stub(addr).GetLoad, model_pb2.GetLoadRequest(), timeout)
+
+    async def check(self, addr: str, timeout: float | None) -> bool:
+        stub = health_pb2_grpc.HealthStub(self._channel(addr))
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            with contextlib.suppress(Exception):
+                await channel.close()
+
+
+class CacheManagerClient:
+    def __init__(self, addr: str) -> None:
+        self.addr = addr
+        self._channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        self._stub = cache_pb2_grpc.CacheManagerStub(self._channel)
+
+    async def route(self, request: cache_pb2.RouteRequest, timeout: float | None) -> cache_pb2.RouteResponse:
+        try:
+            return await self._stub.Route(request, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise _error(e) from None
+
+    async def stats(self, timeout: float | None) -> cache_pb2.StatsResponse:
+        try:
+            return await self._stub.Stats(cache_pb2.StatsRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise _error(e) from None
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._channel.close()

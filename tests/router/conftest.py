@@ -25,6 +25,7 @@ from tests.tiny_model import save_tiny_llama
 HTTP_LINE = re.compile(r"router OpenAI HTTP API on (http://\S+)/v1\s*$")
 REPLICA_BLOCKS = 256
 CHECK_INTERVAL = "0.3"
+LEASE_SECONDS = 4
 
 
 def http_url(router: Running) -> str:
@@ -85,7 +86,7 @@ def replica_args(model: Path, worker_id: str) -> list[str]:
 @pytest.fixture(scope="module")
 def fleet(tiny_model: Path) -> Iterator[Fleet]:
     """Tests may restart its services: they put the new ones in the Fleet, stopped at the end."""
-    cache = start_cache()
+    cache = start_cache(["--lease-seconds", str(LEASE_SECONDS)])  # short: a killed replica's pool goes soon
     launched = [launch_model(cache.addr, *replica_args(tiny_model, name)) for name in ("router-a", "router-b")]
     fleet: Fleet | None = None
     try:

@@ -7,10 +7,13 @@ cache manager restarts. Destructive tests come last (they run in file order)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import openai
@@ -18,8 +21,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from protos import model_pb2, model_pb2_grpc
-from tests.router.conftest import CHECK_INTERVAL, Fleet, ScriptedReplica, http_url, metric
+from protos import cache_pb2, cache_pb2_grpc, model_pb2, model_pb2_grpc
+from tests.router.conftest import CHECK_INTERVAL, LEASE_SECONDS, Fleet, ScriptedReplica, http_url, metric
 from tests.services import Running, start_cache, start_router
 
 pytestmark = pytest.mark.timeout(120)
@@ -383,7 +386,7 @@ def test_cache_manager_restart_requests_complete_and_routing_resumes(fleet: Flee
         while not metric(fleet.router, "radixkv_router_route_decisions_total", reason="fallback_no_cache_manager"):
             assert time.monotonic() < deadline, "the router did not fall back"
             time.sleep(0.1)
-        fleet.cache = start_cache(["--port", port])
+        fleet.cache = start_cache(["--port", port, "--lease-seconds", str(LEASE_SECONDS)])
         thread.join(60)
         assert "error" not in outcome, outcome.get("error")
         assert outcome["messages"][-1].finish_reason != model_pb2.FINISH_REASON_UNSPECIFIED
@@ -401,11 +404,79 @@ def test_cache_manager_restart_requests_complete_and_routing_resumes(fleet: Flee
         assert second[-1].usage.served_by == first[-1].usage.served_by
 
 
-def test_replica_down_requests_go_to_the_other(fleet: Fleet) -> None:
-    fleet.b.process.stop(10.0)
+def wait_registered(fleet: Fleet, pool_ids: set[str]) -> None:
+    """Until the cache manager lists these pools (a replica re-registers after a restart within
+    a third of its lease)."""
+    channel = grpc.insecure_channel(fleet.cache.addr)
+    with channel:
+        cache = cache_pb2_grpc.CacheManagerStub(channel)
+        deadline = time.monotonic() + 3 * LEASE_SECONDS
+        while not pool_ids <= {p.pool_id for p in cache.Stats(cache_pb2.StatsRequest(), timeout=5).pools}:
+            assert time.monotonic() < deadline, f"pools {pool_ids} did not register"
+            time.sleep(0.1)
+
+
+def test_unrelated_requests_spread_over_both_replicas(fleet: Fleet) -> None:
+    wait_registered(fleet, {"router-a", "router-b"})
+    prompts = [f"unrelated request number {i}: " + "lorem ipsum " * (4 + i) for i in range(8)]
+    channel, s = stub(fleet.router.addr)
+    with channel, ThreadPoolExecutor(8) as pool:
+        finals = list(pool.map(lambda p: generate(s, prompt=p, sampling=greedy(24, ignore_eos=True))[-1], prompts))
+    served = [f.usage.served_by for f in finals]
+    assert set(served) == fleet.replica_addrs, served
+    assert min(served.count(a) for a in fleet.replica_addrs) >= 2  # load spreads them, not one each by luck
+
+
+def _stream(s, prompt: str, out: dict) -> None:
+    """Reads one long stream to its end, recording its messages and how it ended."""
+    out["messages"] = []
+    try:
+        for message in s.Generate(model_pb2.GenerateRequest(prompt=prompt, sampling=greedy(400, ignore_eos=True)),
+                                  timeout=60):
+            out["messages"].append(message)
+        out["code"] = grpc.StatusCode.OK
+    except grpc.RpcError as err:
+        out["code"], out["details"] = err.code(), err.details()
+
+
+def test_replica_sigkilled_mid_load_survivor_serves_and_pool_is_reclaimed(fleet: Fleet) -> None:
     channel, s = stub(fleet.router.addr)
     with channel:
-        for i in range(4):
-            assert generate(s, prompt=f"one replica left {i}")[-1].usage.served_by == fleet.a.addr
-        with urllib.request.urlopen(http_url(fleet.router) + "/health", timeout=5) as reply:
-            assert json.loads(reply.read())["replicas"] == [fleet.a.addr]
+        outs = [{} for _ in range(6)]
+        threads = [threading.Thread(target=_stream, args=(s, f"long stream {i} " * (3 + i), out))
+                   for i, out in enumerate(outs)]
+        for t in threads:
+            t.start()
+        load_channel, b_stub = stub(fleet.b.addr)
+        with load_channel:
+            deadline = time.monotonic() + 30
+            while b_stub.GetLoad(model_pb2.GetLoadRequest(), timeout=5).num_running_requests == 0:
+                assert time.monotonic() < deadline, "replica b never got a request"
+                time.sleep(0.05)
+        while not all(o.get("messages") for o in outs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(fleet.b.process.pid, signal.SIGKILL)  # no goodbye: streams and lease just stop
+        killed_at = time.monotonic()
+        for t in threads:
+            t.join(timeout=40)
+        assert not any(t.is_alive() for t in threads), "a stream hung after its replica died"
+        assert time.monotonic() - killed_at < 40
+        codes = [o["code"] for o in outs]
+        assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, codes
+        assert grpc.StatusCode.UNAVAILABLE in codes  # b's streams end, with their partial output
+        for o in outs:
+            if o["code"] == grpc.StatusCode.UNAVAILABLE:
+                assert o["messages"] and "partial output" in o["details"]
+            else:
+                assert o["messages"][-1].usage.served_by == fleet.a.addr
+        for i in range(4):  # new requests go to the survivor
+            assert generate(s, prompt=f"after the kill {i}")[-1].usage.served_by == fleet.a.addr
+    cache_channel = grpc.insecure_channel(fleet.cache.addr)
+    with cache_channel:
+        cache = cache_pb2_grpc.CacheManagerStub(cache_channel)
+        deadline = time.monotonic() + 3 * LEASE_SECONDS
+        while any(p.pool_id == "router-b" for p in cache.Stats(cache_pb2.StatsRequest(), timeout=5).pools):
+            assert time.monotonic() < deadline, "the dead replica's pool outlived its lease"
+            time.sleep(0.2)
+    with urllib.request.urlopen(http_url(fleet.router) + "/health", timeout=5) as reply:
+        assert json.loads(reply.read())["replicas"] == [fleet.a.addr]

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from cache_service.pool_registry import PoolRegistry
+from common.metrics_server import MetricsServer
 
 
 class PoolCollector(Collector):
@@ -68,11 +69,11 @@ class PoolCollector(Collector):
         yield from (blocks, total, running, hit_rate, *counters.values())
 
 
-class Metrics:
+class Metrics(MetricsServer):
     """A private registry (several servers may live in one test process) and RPC metrics."""
 
     def __init__(self, pools: PoolRegistry) -> None:
-        self.registry = CollectorRegistry()
+        super().__init__(CollectorRegistry())
         self.step_latency = Histogram(
             "radixkv_cache_step_seconds", "Step RPC handling time in the server",
             buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25),
@@ -83,15 +84,3 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(PoolCollector(pools))
-        self._http = None
-
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Start the /metrics HTTP endpoint; returns the bound port."""
-        self._http, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return self._http.server_port
-
-    def stop(self) -> None:
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None

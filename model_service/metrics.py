@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from common.metrics_server import MetricsServer
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
-class ModelMetrics:
+class ModelMetrics(MetricsServer):
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+        super().__init__(registry or CollectorRegistry())
         r = self.registry
         self.requests = Counter("radixkv_model_requests", "Generate requests finished, by reason",
                                 ["finish_reason"], registry=r)
@@ -31,6 +33,3 @@ class ModelMetrics:
                                    buckets=_LATENCY_BUCKETS, registry=r)
         self.cache_reconnects = Counter("radixkv_model_cache_pool_lost",
                                         "Times the cache pool was lost and re-registered", registry=r)
-
-    def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=host, registry=self.registry)

@@ -130,12 +130,12 @@ async def serve(config: ModelServiceConfig) -> int:
     engine.cache.serving_addr = serving_addr  # before engine.start(): the pool registers with it
     if config.metrics_port is not None:
         try:
-            engine.metrics.serve(config.metrics_port, config.host)
+            metrics_bound = engine.metrics.serve(config.metrics_port, config.host)
         except OSError as e:
             print(f"model_service: cannot serve metrics on port {config.metrics_port}: {e.strerror}",
                   file=sys.stderr, flush=True)
             return 1
-        log.info("metrics on http://%s/metrics", format_address(config.host, config.metrics_port))
+        log.info("metrics on http://%s/metrics", format_address(config.host, metrics_bound))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from common.metrics_server import MetricsServer
 from router.policy import REASONS
 
 _LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -11,11 +12,12 @@ _LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 
 _FORWARD_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1)
 
 
-class RouterMetrics:
+class RouterMetrics(MetricsServer):
     """A private registry (tests may build several routers in one process)."""
 
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+        super().__init__(CollectorRegistry())
+        r = self.registry
         self.requests = Counter("radixkv_router_requests", "Generate attempts per replica, by outcome (a status name)",
                                 ["replica", "code"], registry=r)
         self.decisions = Counter("radixkv_router_route_decisions", "Route decisions by reason (retry: one per "
@@ -38,18 +40,6 @@ class RouterMetrics:
                                       registry=r)
         self.http_requests = Counter("radixkv_router_http_requests", "OpenAI HTTP requests by path and status",
                                      ["path", "status"], registry=r)
-        self._http = None
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
-
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Starts the /metrics HTTP endpoint; returns the bound port."""
-        self._http, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return self._http.server_port
-
-    def stop(self) -> None:
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None

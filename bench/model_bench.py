@@ -31,13 +31,12 @@ stolen by the hypervisor; the report warns when it is high. With 2 OpenMP thread
 cores, each parallel op can wait a scheduler time slice for a descheduled thread, so contention
 slows both sides by up to ~10x and unevenly: compare `--threads 1` runs on a busy box.
 Results: a table on stdout and `bench/results/model_bench.json`.
+Its helpers live in bench/harness.py; the suite (`python -m bench`) reuses phases 1-4.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import collections
 import copy
 import json
 import os
@@ -45,281 +44,47 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
 
 import grpc
-import numpy as np
 import torch
 import torch.nn.functional as F
 import transformers
 from torch.profiler import ProfilerActivity, profile
-from transformers.generation.streamers import BaseStreamer
 
+from bench.harness import (
+    BLOCK_SIZE,
+    CONTENDED_CORES,
+    MIN_REPS,
+    NUM_BLOCKS,
+    REPO,
+    WARMUP_TOKENS,
+    Json,
+    LoadMonitor,
+    Progress,
+    Prompts,
+    Reference,
+    Services,
+    TimingStreamer,
+    alternate,
+    dist,
+    repetitions,
+    stream_concurrent,
+    stream_sync,
+    summary,
+    table,
+)
 from model_service.attention import create_attention_backend
 from model_service.kv_cache import KVCache, KVCacheSpec
 from model_service.model_loader import LoadedModel, load_model
 from model_service.model_runner import ModelRunner, SequenceChunk
 from model_service.short_gemm import short_linear
-from protos import model_pb2, model_pb2_grpc
-from scripts.service_process import ServiceError, ServiceProcess
+from protos import model_pb2_grpc
+from scripts.service_process import ServiceError
 
-try:
-    import psutil
-except ImportError:  # a dev dependency; without it the foreign-CPU figure is left out
-    psutil = None
-
-REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "model_bench.json"
-BLOCK_SIZE = 16
-NUM_BLOCKS = 2048  # 32k tokens: the whole run fits, no eviction during measurements
-TOKEN_RANGE = (1000, 40000)  # plain vocabulary tokens, away from special ids
-START_TIMEOUT_S = 300.0
-RPC_TIMEOUT_S = 300.0
-WARMUP_TOKENS = 8  # decode warm-ups exercise every code path; their length does not matter
-MIN_REPS = 2  # a phase past its share of the time budget stops repeating after this many
 # Share of --budget-s per phase (startup takes the rest).
 PHASE_SHARE = {"ttft": 0.2, "decode_b1": 0.25, "decode_b16": 0.35, "step": 0.1}
-CONTENDED_CORES = 0.25  # other processes using more than this on average: numbers are not clean
-
-Json = dict[str, Any]
-
-
-# ---------------------------------------------------------------------- small helpers
-
-
-def summary(samples: Sequence[float]) -> Json:
-    """Median (the reported figure), min, max and all samples."""
-    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples),
-            "n": len(samples), "samples": list(samples)}
-
-
-class Prompts:
-    """Fresh random token ids from one seeded generator (the same sequence on every run)."""
-
-    def __init__(self, seed: int) -> None:
-        self._rng = np.random.default_rng(seed)
-
-    def ids(self, n: int) -> list[int]:
-        return self._rng.integers(*TOKEN_RANGE, n).tolist()
-
-    def lengths(self, count: int, low: int, high: int) -> list[int]:
-        return self._rng.integers(low, high + 1, count).tolist()
-
-
-def repetitions(reps: int, deadline: float) -> Iterator[int]:
-    """0..reps-1, stopping early (after MIN_REPS) once `deadline` (perf_counter) has passed."""
-    for rep in range(reps):
-        if rep >= MIN_REPS and time.perf_counter() > deadline:
-            return
-        yield rep
-
-
-def alternate(rep: int, ours: Callable[[], None], theirs: Callable[[], None]) -> None:
-    """Runs both sides of one repetition, swapping which goes first every other repetition."""
-    for fn in ((ours, theirs) if rep % 2 == 0 else (theirs, ours)):
-        fn()
-
-
-class LoadMonitor:
-    """Load average and CPU used by processes other than ours during a phase."""
-
-    def __init__(self, pids: Callable[[], list[int]]) -> None:
-        self._pids = pids
-        self.phases: dict[str, Json] = {}
-
-    def _ours_cpu(self) -> float:
-        total = 0.0
-        for pid in self._pids():
-            try:
-                t = psutil.Process(pid).cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
-        return total
-
-    @staticmethod
-    def _busy_cpu() -> tuple[float, float]:
-        """(busy CPU seconds incl. time stolen by the hypervisor, stolen seconds)."""
-        t = psutil.cpu_times()
-        return sum(t) - t.idle - getattr(t, "iowait", 0.0), getattr(t, "steal", 0.0)
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        load_before = os.getloadavg()[0]
-        start = time.perf_counter()
-        busy0 = steal0 = ours0 = 0.0
-        if psutil is not None:
-            (busy0, steal0), ours0 = self._busy_cpu(), self._ours_cpu()
-        yield
-        wall = time.perf_counter() - start
-        record: Json = {"wall_s": wall, "load1_before": load_before, "load1_after": os.getloadavg()[0]}
-        if psutil is not None:
-            (busy1, steal1), ours1 = self._busy_cpu(), self._ours_cpu()
-            # average cores used by other processes or stolen by the hypervisor
-            record["foreign_cpu_cores"] = max(0.0, (busy1 - busy0) - (ours1 - ours0)) / wall
-            record["steal_cpu_cores"] = (steal1 - steal0) / wall
-        self.phases[name] = record
-
-
-# ---------------------------------------------------------------------- our services over gRPC
-
-
-class Services:
-    """cache_service + model_service as child processes (see scripts/service_process.py)."""
-
-    def __init__(self) -> None:
-        self.log: collections.deque[str] = collections.deque(maxlen=200)
-        self.cache: ServiceProcess | None = None
-        self.model: ServiceProcess | None = None
-        self.model_addr = ""
-
-    def start(self) -> None:
-        """Starts both; returns once the model service is loading (call `wait` later)."""
-        self.cache = ServiceProcess("cache_service", ["--host", "127.0.0.1", "--port", "0"],
-                                    self.log.append, cwd=str(REPO))
-        cache_addr = self.cache.wait_listening(60.0)
-        self.cache.wait_serving(60.0)
-        self.model = ServiceProcess(
-            "model_service",
-            ["--host", "127.0.0.1", "--port", "0", "--cache-addr", cache_addr, "--num-blocks", str(NUM_BLOCKS),
-             "--block-size", str(BLOCK_SIZE), "--dtype", "float32", "--device", "cpu", "--attention", "torch",
-             "--log-level", "WARNING", "--worker-id", "model-bench"],
-            self.log.append, cwd=str(REPO))
-
-    def wait(self) -> str:
-        assert self.model is not None and self.cache is not None
-        self.model_addr = self.model.wait_listening(START_TIMEOUT_S, watch=[self.cache])
-        self.model.wait_serving(START_TIMEOUT_S, watch=[self.cache])
-        return self.model_addr
-
-    def pids(self) -> list[int]:
-        return [p.pid for p in (self.cache, self.model) if p is not None and p.running()]
-
-    def stop(self) -> None:
-        for process in (self.model, self.cache):
-            if process is not None:
-                process.stop(10.0)
-        self.model = self.cache = None
-
-
-def generate_request(ids: list[int], max_tokens: int) -> model_pb2.GenerateRequest:
-    return model_pb2.GenerateRequest(
-        token_ids=model_pb2.TokenIds(ids=ids),
-        sampling=model_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-
-
-@dataclass(slots=True)
-class Streamed:
-    """One Generate call seen from the client."""
-
-    sent: float  # perf_counter at the call
-    times: list[float] = field(default_factory=list)  # arrival time of every generated token
-    token_ids: list[int] = field(default_factory=list)
-    usage: model_pb2.Usage = field(default_factory=model_pb2.Usage)
-
-    def add(self, message: model_pb2.GenerateResponse) -> None:
-        """Records one streamed message as it arrives."""
-        self.times.extend([time.perf_counter()] * len(message.token_ids))
-        self.token_ids.extend(message.token_ids)
-        if message.HasField("usage"):
-            self.usage = message.usage
-
-    @property
-    def ttft(self) -> float:
-        return self.times[0] - self.sent
-
-    def decode_tok_s(self) -> float:
-        return (len(self.times) - 1) / (self.times[-1] - self.times[0])
-
-    def e2e_tok_s(self) -> float:
-        return len(self.times) / (self.times[-1] - self.sent)
-
-
-def stream_sync(stub: model_pb2_grpc.ModelServiceStub, ids: list[int], max_tokens: int) -> Streamed:
-    streamed = Streamed(time.perf_counter())
-    for message in stub.Generate(generate_request(ids, max_tokens), timeout=RPC_TIMEOUT_S):
-        streamed.add(message)
-    return streamed
-
-
-async def _stream_async(stub: model_pb2_grpc.ModelServiceStub, ids: list[int], max_tokens: int) -> Streamed:
-    streamed = Streamed(time.perf_counter())
-    async for message in stub.Generate(generate_request(ids, max_tokens), timeout=RPC_TIMEOUT_S):
-        streamed.add(message)
-    return streamed
-
-
-def stream_concurrent(addr: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[Streamed]]:
-    """All prompts at once over one grpc.aio channel; returns (wall seconds, per-request results)."""
-
-    async def run() -> tuple[float, list[Streamed]]:
-        async with grpc.aio.insecure_channel(addr) as channel:
-            stub = model_pb2_grpc.ModelServiceStub(channel)
-            await channel.channel_ready()
-            start = time.perf_counter()
-            results = await asyncio.gather(*(_stream_async(stub, p, max_tokens) for p in prompts))
-            return time.perf_counter() - start, list(results)
-
-    return asyncio.run(run())
-
-
-# ---------------------------------------------------------------------- transformers in-process
-
-
-class TimingStreamer(BaseStreamer):
-    """Records the time of every generated token (generate() first puts the prompt: skipped)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self._prompt_seen:
-            self._prompt_seen = True
-            return
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
-class Reference:
-    """transformers' own generate() on the same weights (sdpa attention, its DynamicCache)."""
-
-    def __init__(self, loaded: LoadedModel) -> None:
-        self.model = loaded.model
-        self.pad_id = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
-
-    def _config(self, max_new_tokens: int) -> transformers.GenerationConfig:
-        config = copy.deepcopy(self.model.generation_config)
-        config.max_new_tokens = max_new_tokens
-        config.min_new_tokens = None
-        config.do_sample = False
-        # ignore_eos, as our requests. None would be filled in from the model's defaults by
-        # generate(); an id outside the vocabulary is never produced, so it never stops.
-        config.eos_token_id = self.model.config.vocab_size
-        config.pad_token_id = self.pad_id
-        return config
-
-    @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int,
-                 streamer: BaseStreamer | None = None) -> tuple[float, list[list[int]]]:
-        """Left-padded batch generate; returns (wall seconds, generated ids per prompt)."""
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        start = time.perf_counter()
-        out = self.model.generate(ids, attention_mask=mask, generation_config=self._config(max_new_tokens),
-                                  streamer=streamer)
-        wall = time.perf_counter() - start
-        generated = out[:, width:].tolist()
-        if any(len(g) != max_new_tokens for g in generated):
-            raise RuntimeError("transformers stopped early: EOS was not ignored")
-        return wall, generated
 
 
 # ---------------------------------------------------------------------- phases 1-3
@@ -417,10 +182,15 @@ def bench_decode_b1(stub: model_pb2_grpc.ModelServiceStub, ref: Reference, promp
 
 
 def bench_batch(addr: str, ref: Reference, prompts: Prompts, reps: int, deadline: float, batch: int,
-                new_tokens: int) -> Json:
+                new_tokens: int, progress: Progress | None = None) -> Json:
+    """`batch` concurrent requests (prompts of 32-64 tokens) vs a static batch of the same prompts:
+    aggregate tok/s, and from our streams TTFT and inter-token latency distributions (all reps)."""
+    progress = progress or Progress(enabled=False)
     ours_tok_s: list[float] = []
     theirs_tok_s: list[float] = []
     inter_token_ms: list[float] = []
+    all_ttft: list[float] = []
+    all_gaps_ms: list[float] = []
     identical: list[float] = []
     batch_prompts: list[list[int]] = []
     our_tokens: list[list[int]] = []
@@ -428,16 +198,22 @@ def bench_batch(addr: str, ref: Reference, prompts: Prompts, reps: int, deadline
 
     def ours(record: bool) -> None:
         nonlocal our_tokens
-        wall, results = stream_concurrent(addr, batch_prompts, new_tokens if record else WARMUP_TOKENS)
+        n = new_tokens if record else WARMUP_TOKENS
+        with progress.run(f"radixkv x{batch}" + ("" if record else " (warm-up)"), batch * n) as tick:
+            wall, results = stream_concurrent(addr, batch_prompts, n, on_tokens=tick)
         our_tokens = [r.token_ids for r in results]
         if record:
             ours_tok_s.append(sum(len(r.times) for r in results) / wall)
-            gaps = [b - a for r in results for a, b in zip(r.times, r.times[1:], strict=False)]
+            gaps = [g for r in results for g in r.gaps()]
             inter_token_ms.append(1e3 * statistics.median(gaps))
+            all_gaps_ms.extend(1e3 * g for g in gaps)
+            all_ttft.extend(r.ttft for r in results)
 
     def reference(record: bool) -> None:
         nonlocal their_tokens
-        wall, their_tokens = ref.generate(batch_prompts, new_tokens if record else WARMUP_TOKENS)
+        n = new_tokens if record else WARMUP_TOKENS
+        with progress.run(f"transformers static {batch}" + ("" if record else " (warm-up)"), batch * n) as tick:
+            wall, their_tokens = ref.generate(batch_prompts, n, TimingStreamer(tick))
         if record:
             theirs_tok_s.append(batch * new_tokens / wall)
 
@@ -452,6 +228,7 @@ def bench_batch(addr: str, ref: Reference, prompts: Prompts, reps: int, deadline
         "batch": batch, "prompt_tokens": "32-64", "new_tokens": new_tokens,
         "ours_tok_s": summary(ours_tok_s), "transformers_tok_s": summary(theirs_tok_s),
         "ours_server_step_ms_from_inter_token_gap": summary(inter_token_ms),
+        "ours_ttft_s": dist(all_ttft), "ours_inter_token_ms": dist(all_gaps_ms),
         "speedup": statistics.median(ours_tok_s) / statistics.median(theirs_tok_s),
         "greedy_sequences_identical_fraction": identical,
     }
@@ -571,16 +348,6 @@ def bench_step(loaded: LoadedModel, prompts: Prompts, reps: int, deadline: float
 
 
 # ---------------------------------------------------------------------- report
-
-
-def table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = [" | ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths,
-                                                                                               strict=True)))]
-    lines.append("-+-".join("-" * w for w in widths))
-    lines += [" | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-              for r in rows]
-    return "\n".join(lines)
 
 
 def verdict(value: float, target: float) -> str:

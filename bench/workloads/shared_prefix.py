@@ -1,0 +1,235 @@
+"""Shared prefix: G groups x N requests, each group sharing a 1024-token prefix (random token ids),
+a 32-token question each, 64 output tokens (greedy, ignore_eos), all G*N sent at once.
+
+Sides (one run each, in this order so that machine drift hits ours and theirs alike):
+  radixkv, prefix cache on           every request streamed at once over gRPC
+  transformers static batching       generate() with left padding, one group (batch N) at a time
+  radixkv, cache defeated            a distinct `namespace` per request: nothing can hit
+  transformers continuous batching   the manager behind model.generate_batch(), block sharing on
+  vLLM CPU (fp32, bf16)              when .venv-vllm has it: LLM.generate, prefix caching on
+The large variant (8 x 16) runs radixkv with the cache on and transformers static batching (capped:
+it stops after the groups that fit the cap) unless --all-baselines; vLLM runs there too.
+
+Greedy agreement: share of sequences whose tokens equal transformers' static batch (within a group
+every prompt has the same length, so there is no padding on that side).
+Time split: radixkv (and continuous batching): prefill = start until every request has its first
+token, decode = the rest of the wall time (they overlap under continuous batching: early requests
+decode while later ones prefill); transformers static: the sum over groups of start-to-first-token
+and first-to-last-token.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from bench import peers
+from bench.harness import (
+    BLOCK_SIZE,
+    WARMUP_TOKENS,
+    Json,
+    dist,
+    identical_fraction,
+    metrics_delta,
+    stream_concurrent,
+    stream_stats,
+    table,
+    time_split,
+)
+from bench.workloads.base import Context, Workload, num
+
+
+def sizes(ctx: Context, large: bool) -> Json:
+    if ctx.quick:
+        return {"groups": 2, "per_group": 4, "prefix": 256, "question": 16, "new_tokens": 16}
+    return {"groups": 8 if large else 4, "per_group": 16 if large else 8, "prefix": 1024, "question": 32,
+            "new_tokens": 64}
+
+
+def _runs(large: bool, ctx: Context) -> int:
+    full = not large or ctx.all_baselines
+    return 3 + (2 if full else 0) + (0 if peers.vllm_absent_reason() else len(peers.VLLM_DTYPES))
+
+
+def _radixkv(ctx: Context, label: str, prompts: list[list[int]], new_tokens: int, defeat: bool) -> Json:
+    ctx.clear_cache()
+    namespaces = [f"nocache-{uuid.uuid4().hex[:8]}-{i}" for i in range(len(prompts))] if defeat else None
+    before = ctx.scrape()
+    with ctx.progress.run(label, len(prompts) * new_tokens) as tick:
+        start = time.perf_counter()
+        wall, results = stream_concurrent(ctx.addr, prompts, new_tokens, namespaces=namespaces, on_tokens=tick)
+    out = stream_stats(start, results)
+    out.update(wall_s=wall, tok_s=out["completion_tokens"] / wall, split=time_split(start, start + wall, results),
+               metrics=metrics_delta(before, ctx.scrape()), ttft_samples_s=[r.ttft for r in results])
+    out["_tokens"] = [r.token_ids for r in results]
+    return out
+
+
+def run(ctx: Context, deadline: float, large: bool) -> Json:
+    cfg = sizes(ctx, large)
+    g, n, new = cfg["groups"], cfg["per_group"], cfg["new_tokens"]
+    groups = []
+    for _ in range(g):
+        prefix = ctx.prompts.ids(cfg["prefix"])
+        groups.append([prefix + ctx.prompts.ids(cfg["question"]) for _ in range(n)])
+    prompts = [p for group in groups for p in group]
+    full = not large or ctx.all_baselines
+    ideal = (g * (n - 1) * (cfg["prefix"] // BLOCK_SIZE) * BLOCK_SIZE) / sum(len(p) for p in prompts)
+    detail: Json = {"config": {**cfg, "requests": g * n, "sent": "all at once",
+                               "radixkv": {"num_blocks": ctx.services.num_blocks, "max_num_seqs": 64,
+                                           "max_batch_tokens": 2048, "block_size": 16},
+                               "hf_static_batch": n},
+                    "ideal_hit_rate": ideal}
+
+    # warm-ups (excluded): every side's first call pays one-off costs
+    warm = [ctx.prompts.ids(64) for _ in range(4)]
+    with ctx.progress.run("warm-up", 0):
+        stream_concurrent(ctx.addr, warm, WARMUP_TOKENS)
+        ctx.ref.generate(warm[:2], WARMUP_TOKENS)
+
+    detail["radixkv"] = _radixkv(ctx, "radixkv cache on", prompts, new, defeat=False)
+    # transformers static batching gets about half of what is left of the cap
+    hf_deadline = time.perf_counter() + max(0.0, (deadline - time.perf_counter()) * (0.5 if full else 0.9))
+    with ctx.progress.run(f"transformers static {n}/group", g * n * new) as tick:
+        hf = ctx.ref.static_batches(groups, new, deadline=hf_deadline, on_tokens=tick)
+    detail["hf_static"] = hf
+    reference = hf.pop("tokens")
+    ran = len(reference)
+    agreement = {"radixkv": identical_fraction(detail["radixkv"]["_tokens"][:ran], reference),
+                 "reference": f"transformers static batching ({hf['batches_run']} of {g} groups)"}
+    if full:
+        detail["radixkv_nocache"] = _radixkv(ctx, "radixkv cache defeated", prompts, new, defeat=True)
+        agreement["radixkv_nocache"] = identical_fraction(detail["radixkv_nocache"]["_tokens"][:ran], reference)
+        try:
+            with ctx.progress.run("transformers continuous batching", g * n * new) as tick:
+                cb = ctx.cb_ref().run(prompts, new, on_tokens=tick, timeout_s=max(120.0, deadline - time.perf_counter()))
+            agreement["hf_cb"] = identical_fraction(cb.pop("tokens")[:ran], reference)
+            detail["hf_cb"] = cb
+        except Exception as error:  # recorded, not fatal: a baseline that fails on this model says why
+            detail["hf_cb"] = {"error": f"{type(error).__name__}: {error}"}
+        finally:
+            ctx.drop_cb_ref()
+    else:
+        detail["skipped"] = ("radixkv with the cache defeated and transformers' continuous batching: "
+                             "run with --all-baselines (together they add ~10 min on 2 cores)")
+
+    absent = peers.vllm_absent_reason()
+    if absent:
+        detail["vllm"] = {"absent": absent}
+    else:
+        detail["vllm"] = {}
+        for dtype in peers.VLLM_DTYPES:
+            with ctx.progress.run(f"vLLM {dtype}", 0):
+                out = peers.run_vllm([{"name": "run", "prompts": prompts, "max_tokens": new}], dtype, ctx.threads,
+                                     timeout_s=1200.0, warmup=warm, max_model_len=2048,
+                                     register_pid=lambda pid: ctx.extra_pids.clear() if pid is None
+                                     else ctx.extra_pids.add(pid))
+            if "error" in out:
+                detail["vllm"][dtype] = out
+                continue
+            r = out["runs"]["run"]
+            tokens = r.pop("tokens")
+            entry = {"wall_s": r["wall_s"], "tok_s": sum(len(t) for t in tokens) / r["wall_s"],
+                     "version": out["vllm_version"], "startup_s": out["startup_s"],
+                     "greedy_agreement": identical_fraction(tokens[:ran], reference)}
+            if r.get("ttft_s"):  # where this vLLM reports it: the split as for radixkv
+                entry["ttft_s"] = dist(r["ttft_s"])
+                entry["split"] = {"prefill_s": max(r["ttft_s"]), "decode_s": r["wall_s"] - max(r["ttft_s"])}
+            detail["vllm"][dtype] = entry
+    detail["greedy_agreement"] = agreement
+    for side in ("radixkv", "radixkv_nocache"):
+        if side in detail:
+            detail[side].pop("_tokens", None)
+    return detail
+
+
+def flat(detail: Json, prefix: str) -> Json:
+    ours, hf = detail["radixkv"], detail["hf_static"]
+    agree = detail["greedy_agreement"]
+    out = {
+        f"{prefix}_tok_s": ours["tok_s"], f"{prefix}_wall_s": ours["wall_s"],
+        f"{prefix}_hit_rate": ours["hit_rate"], f"{prefix}_ideal_hit_rate": detail["ideal_hit_rate"],
+        f"{prefix}_ttft_p50_s": ours["ttft_s"]["p50"], f"{prefix}_ttft_p99_s": ours["ttft_s"]["p99"],
+        f"{prefix}_prefill_s": ours["split"]["prefill_s"], f"{prefix}_decode_s": ours["split"]["decode_s"],
+        f"{prefix}_greedy_agreement": agree["radixkv"],
+        f"hf_{prefix}_tok_s": hf["tok_s"], f"hf_{prefix}_prefill_s": hf["prefill_s"],
+        f"hf_{prefix}_decode_s": hf["decode_s"], f"hf_{prefix}_groups_run": hf["batches_run"],
+    }
+    if "radixkv_nocache" in detail:
+        nc = detail["radixkv_nocache"]
+        out.update({f"{prefix}_nocache_tok_s": nc["tok_s"], f"{prefix}_nocache_hit_rate": nc["hit_rate"],
+                    f"{prefix}_nocache_greedy_agreement": agree.get("radixkv_nocache")})
+    cb = detail.get("hf_cb")
+    if cb is not None:
+        out[f"hf_cb_{prefix}_tok_s"] = cb.get("tok_s")
+        out[f"hf_cb_{prefix}_greedy_agreement"] = agree.get("hf_cb")
+        if "error" in cb:
+            out[f"hf_cb_{prefix}_error"] = cb["error"]
+    metrics = ours.get("metrics") or {}
+    if metrics and prefix == "shared_prefix":
+        out.update(cache_rpcs_per_step=num(metrics["cache_rpcs_per_step"]),
+                   cache_step_rpc_p50_ms=num(metrics["cache_rpc_p50_ms"]),
+                   cache_step_rpc_p99_ms=num(metrics["cache_rpc_p99_ms"]),
+                   cache_step_rpc_mean_ms=num(metrics["cache_rpc_mean_ms"]))
+    for dtype, v in (detail.get("vllm") or {}).items():
+        if isinstance(v, dict) and "tok_s" in v:
+            tag = "vllm" if dtype == "float32" else "vllm_bf16"
+            out[f"{tag}_{prefix}_tok_s"] = v["tok_s"]
+            out[f"{tag}_{prefix}_greedy_agreement"] = v["greedy_agreement"]
+    return out
+
+
+def report(detail: Json) -> str:
+    c = detail["config"]
+    rows = []
+
+    def row(name: str, d: Json | None, agree: float | None) -> None:
+        if not d:
+            return
+        if "error" in d:
+            return
+        split = d.get("split") or {"prefill_s": d.get("prefill_s"), "decode_s": d.get("decode_s")}
+        ttft = d.get("ttft_s") or d.get("ttft_from_start_s") or {}
+        hit = d.get("hit_rate")
+        rows.append([name, f"{d['wall_s']:.1f}", f"{d['tok_s']:.1f}",
+                     f"{100 * hit:.0f}%" if hit is not None else "",
+                     f"{ttft['p50']:.2f} / {ttft['p99']:.2f}" if ttft.get("n") else "",
+                     f"{split['prefill_s']:.1f} / {split['decode_s']:.1f}" if split.get("prefill_s") is not None else "",
+                     f"{100 * agree:.0f}%" if agree is not None else ""])
+
+    agree = detail["greedy_agreement"]
+    row("radixkv, prefix cache on", detail["radixkv"], agree.get("radixkv"))
+    row("radixkv, cache defeated (namespace/request)", detail.get("radixkv_nocache"), agree.get("radixkv_nocache"))
+    hf = detail["hf_static"]
+    row(f"transformers static batch {c['per_group']}/group ({hf['batches_run']}/{hf['batches_total']} groups)", hf,
+        1.0)
+    row("transformers continuous batching", detail.get("hf_cb"), agree.get("hf_cb"))
+    notes = []
+    for dtype, v in (detail.get("vllm") or {}).items():
+        if dtype == "absent":
+            notes.append(f"vLLM not run: {v}")
+        elif "error" in v:
+            notes.append(f"vLLM {dtype} failed: {v['error']}")
+        else:
+            row(f"vLLM CPU {dtype}", v, v.get("greedy_agreement"))
+    cb = detail.get("hf_cb")
+    if cb and "error" in cb:
+        notes.append(f"transformers continuous batching failed: {cb['error']}")
+    head = (f"shared prefix: {c['groups']} groups x {c['per_group']} requests, {c['prefix']}-token prefix + "
+            f"{c['question']}-token question, {c['new_tokens']} tokens out, all at once "
+            f"(ideal hit rate {100 * detail['ideal_hit_rate']:.0f}%)")
+    text = head + "\n" + table(rows, ["side", "wall s", "tok/s", "hit", "TTFT p50/p99 s", "prefill/decode s",
+                                      "greedy = HF"])
+    if detail.get("skipped"):
+        notes.append(f"not run: {detail['skipped']}")
+    return "\n".join([text, *notes])
+
+
+SHARED_PREFIX = Workload(
+    name="shared_prefix", help="4 groups x 8 requests sharing a 1024-token prefix (+ every baseline)",
+    run=lambda ctx, deadline: run(ctx, deadline, large=False), flat=lambda d: flat(d, "shared_prefix"),
+    report=report, cap_s=600.0, runs=lambda ctx: _runs(False, ctx))
+SHARED_PREFIX_LARGE = Workload(
+    name="shared_prefix_large", help="8 groups x 16 requests sharing a 1024-token prefix",
+    run=lambda ctx, deadline: run(ctx, deadline, large=True), flat=lambda d: flat(d, "shared_prefix_large"),
+    report=report, cap_s=420.0, runs=lambda ctx: _runs(True, ctx))

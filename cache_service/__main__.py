@@ -8,6 +8,8 @@ import logging
 import sys
 
 from cache_service.server import serve
+from common.auth import add_auth_args, token_store_from_args
+from common.security import add_server_tls_args, server_tls_from_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--event-buffer-mb", type=float, default=64.0,
                         help="replay buffer of WatchEvents, in MiB (oldest events dropped first; default 64)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_server_tls_args(parser)
+    add_auth_args(parser)
     args = parser.parse_args(argv)
     if args.lease_seconds <= 0:
         parser.error("--lease-seconds must be > 0")
@@ -26,13 +30,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--event-buffer-mb must be > 0")
     if not 0 <= args.port <= 65535:
         parser.error("--port must be in [0, 65535]")
+    tls = server_tls_from_args(args, parser)
+    tokens = token_store_from_args(args, parser)
     logging.basicConfig(
         level=args.log_level,
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     return asyncio.run(serve(args.host, args.port, args.lease_seconds, args.metrics_port,
-                             event_buffer_bytes=int(args.event_buffer_mb * 1024 * 1024)))
+                             event_buffer_bytes=int(args.event_buffer_mb * 1024 * 1024), tls=tls, tokens=tokens))
 
 
 if __name__ == "__main__":

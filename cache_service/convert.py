@@ -163,7 +163,8 @@ def cache_event(ev: CacheEvent) -> cache_pb2.CacheEvent:
             )
         )
     elif isinstance(p, BlockRemoved):
-        msg.removed.CopyFrom(cache_pb2.BlockRemoved(block_hashes=p.block_hashes, block_ids=p.block_ids))
+        msg.removed.CopyFrom(cache_pb2.BlockRemoved(block_hashes=p.block_hashes, block_ids=p.block_ids,
+                                                      namespace=p.namespace))
     elif isinstance(p, AllCleared):
         msg.cleared.SetInParent()
     return msg

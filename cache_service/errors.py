@@ -37,6 +37,12 @@ class ResourceExhausted(CacheError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class PermissionDenied(CacheError):
+    """A namespace-limited reader token asked about another namespace."""
+
+    code = "PERMISSION_DENIED"
+
+
 class OutOfRange(CacheError):
     """An event sequence the replay buffer no longer (or not yet) holds."""
 

@@ -34,6 +34,7 @@ class BlockStored:
 class BlockRemoved:
     block_hashes: list[int]
     block_ids: list[int]
+    namespace: str = ""
 
 
 @dataclass(slots=True)

@@ -388,9 +388,14 @@ class Pool:
         if self._events is not None:
             if clearing and self.tree.total_size == 0:
                 self._events.publish(self.pool_id, AllCleared())
-            else:
-                hashes = [h for node in evicted for h in node.hashes]
-                self._events.publish(self.pool_id, BlockRemoved(hashes, blocks))
+            else:  # one event per namespace of the batch (namespace-limited watchers filter by it)
+                by_namespace: dict[str, BlockRemoved] = {}
+                for node in evicted:
+                    removed = by_namespace.setdefault(node.namespace, BlockRemoved([], [], node.namespace))
+                    removed.block_hashes.extend(node.hashes)
+                    removed.block_ids.extend(node.block_ids)
+                for removed in by_namespace.values():
+                    self._events.publish(self.pool_id, removed)
         log.debug("evict pool=%s blocks=%d", self.pool_id, len(blocks))
         return len(blocks)
 

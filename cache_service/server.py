@@ -14,8 +14,10 @@ from grpc_health.v1 import health
 from cache_service.events import DEFAULT_BUFFER_BYTES, EventLog
 from cache_service.metrics import Metrics
 from cache_service.pool_registry import PoolRegistry
-from cache_service.servicer import SERVICE_NAME, CacheManagerServicer
+from cache_service.servicer import METHOD_ROLES, SERVICE_NAME, CacheManagerServicer
+from common.auth import TokenStore, reload_on_sighup, server_interceptors
 from common.grpc_server import add_health_and_reflection, format_address, set_health
+from common.security import ServerTLS, add_port
 from protos import cache_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -29,10 +31,13 @@ async def create_server(
     metrics: Metrics | None = None,
     health_servicer: health.aio.HealthServicer | None = None,
     watch_queue_size: int = 65536,
+    credentials: grpc.ServerCredentials | None = None,
+    tokens: TokenStore | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Build (not start) a server bound to `address`; returns it and the bound port.
 
-    Port 0 picks a free port. Raises RuntimeError when the address cannot be bound (in use).
+    Port 0 picks a free port. `credentials`: TLS (plaintext when None); `tokens`: require a
+    bearer token with the method's role (common/auth.py) on every call but health. Raises RuntimeError when the address cannot be bound (in use).
     Call from inside a running event loop.
     """
     registry = registry if registry is not None else PoolRegistry()
@@ -40,13 +45,14 @@ async def create_server(
     # so_reuseport off: a second server on a busy port must fail, not silently share it.
     # A Step of a big batch of long prompts can exceed gRPC's default 4 MiB request limit.
     server = grpc.aio.server(
-        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+        interceptors=server_interceptors(tokens, {SERVICE_NAME: METHOD_ROLES}),
     )
     servicer = CacheManagerServicer(registry, metrics, watch_queue_size)
     cache_pb2_grpc.add_CacheManagerServicer_to_server(servicer, server)
     add_health_and_reflection(server, SERVICE_NAME, health_servicer)
     await set_health(health_servicer, [SERVICE_NAME])
-    port = server.add_insecure_port(address)
+    port = add_port(server, address, credentials)
     return server, port
 
 
@@ -66,6 +72,8 @@ async def serve(
     metrics_port: int | None = None,
     grace_seconds: float = 2.0,
     event_buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    tls: ServerTLS | None = None,
+    tokens: TokenStore | None = None,
 ) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
     registry = PoolRegistry(lease_seconds=lease_seconds, events=EventLog(max_bytes=event_buffer_bytes))
@@ -73,7 +81,9 @@ async def serve(
     health_servicer = health.aio.HealthServicer()
     address = format_address(host, port)
     try:
-        server, bound = await create_server(address, registry, metrics, health_servicer)
+        server, bound = await create_server(address, registry, metrics, health_servicer,
+                                            credentials=tls.credentials() if tls is not None else None,
+                                            tokens=tokens)
     except RuntimeError as err:
         print(f"cache_service: cannot listen on {address} (port in use?): {err}", file=sys.stderr, flush=True)
         return 1
@@ -89,11 +99,14 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reload_on_sighup(loop, tokens)
     expiry = asyncio.create_task(expire_leases_forever(registry, min(0.25, lease_seconds / 4)))
     try:
         await server.start()
         print(f"cache_service listening on {format_address(host, bound)}", flush=True)
-        log.info("lease_seconds=%s", lease_seconds)
+        log.info("lease_seconds=%s tls=%s auth=%s", lease_seconds,
+                 "off" if tls is None else "mutual" if tls.client_ca else "on",
+                 "off" if tokens is None else f"{len(tokens)} tokens")
         await stop.wait()
         log.info("shutting down")
     finally:

@@ -16,15 +16,30 @@ from typing import TypeVar
 import grpc
 
 from cache_service import convert
-from cache_service.errors import CacheError, InvalidArgument, ResourceExhausted
-from cache_service.events import CacheEvent, tree_snapshot
+from cache_service.errors import CacheError, InvalidArgument, PermissionDenied, ResourceExhausted
+from cache_service.events import BlockRemoved, BlockStored, CacheEvent, tree_snapshot
 from cache_service.metrics import Metrics
 from cache_service.pool_registry import PoolRegistry
+from common.auth import Principal, current_principal
 from protos import cache_pb2, cache_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheManager"].full_name
+
+# The role a bearer token needs for each method when the server runs with --auth-token-file
+# (common/auth.py). A method missing here is refused to every token.
+METHOD_ROLES: dict[str, str] = {
+    "RegisterPool": "replica",
+    "Step": "replica",
+    "Heartbeat": "replica",
+    "Match": "reader",
+    "Stats": "reader",
+    "WatchEvents": "reader",
+    "Route": "reader",
+    "Evict": "admin",
+    "Clear": "admin",
+}
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -33,6 +48,23 @@ Handler = Callable[["CacheManagerServicer", Req, grpc.aio.ServicerContext], Awai
 
 def _status(err: CacheError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, err.code, grpc.StatusCode.INTERNAL)
+
+
+def _check_namespace(namespace: str) -> None:
+    """A namespace-limited reader token may ask only about its namespaces."""
+    principal = current_principal()
+    if principal is not None and not principal.may_read(namespace):
+        raise PermissionDenied(f"this token may not read namespace {namespace!r}")
+
+
+def visible(event: CacheEvent, principal: Principal | None) -> bool:
+    """Whether a watcher with this token sees the event (AllCleared: always)."""
+    if principal is None or principal.namespaces is None:
+        return True
+    payload = event.payload
+    if isinstance(payload, BlockStored | BlockRemoved):
+        return principal.may_read(payload.namespace)
+    return True
 
 
 def _rpc(method: Handler) -> Handler:
@@ -95,6 +127,7 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
     async def Match(self, request: cache_pb2.MatchRequest, context) -> cache_pb2.MatchResponse:
         if not request.token_ids:
             raise InvalidArgument("token_ids must be non-empty")
+        _check_namespace(request.namespace)
         if request.pool_id:
             pools = [self.registry.peek(request.pool_id)]
         else:
@@ -115,6 +148,7 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
 
     @_rpc
     async def Route(self, request: cache_pb2.RouteRequest, context) -> cache_pb2.RouteResponse:
+        _check_namespace(request.namespace)
         return convert.route_response(self.registry.route(convert.route_query(request)))
 
     @_rpc
@@ -145,14 +179,17 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
         The backlog is taken and the subscription made without yielding to the event loop in
         between, so no event can slip past. A watcher more than `watch_queue_size` events
         behind is cut off with RESOURCE_EXHAUSTED (reconnect with snapshot or start_sequence).
+        A namespace-limited reader token sees the BlockStored / BlockRemoved events of its
+        namespaces only.
         """
         events = self.registry.events
         pool_id = request.pool_id
+        principal = current_principal()
         queue: asyncio.Queue[CacheEvent | None] = asyncio.Queue()
         unsubscribe: Callable[[], object] | None = None
 
         def on_event(event: CacheEvent) -> None:
-            if pool_id and event.pool_id != pool_id:
+            if (pool_id and event.pool_id != pool_id) or not visible(event, principal):
                 return
             if queue.qsize() >= self.watch_queue_size:
                 if unsubscribe is not None:
@@ -172,6 +209,7 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
                     backlog.extend(tree_snapshot(pool.pool_id, pool.tree, seq, now))
             elif request.start_sequence:
                 backlog = events.replay(request.start_sequence, pool_id)
+            backlog = [event for event in backlog if visible(event, principal)]
             unsubscribe = events.subscribe(on_event)
         except CacheError as err:
             self._count_error("WatchEvents", _status(err))

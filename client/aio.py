@@ -48,9 +48,11 @@ class AsyncRadixKVClient:
         tls: bool = False,
         root_certificates: bytes | str | Path | None = None,
         token: str | None = None,
+        client_cert: bytes | str | Path | None = None,
+        client_key: bytes | str | Path | None = None,
     ) -> None:
         self.settings = ClientSettings(
-            addr, cache_addr, timeout, retry, wait_for_ready, tls, root_certificates, token
+            addr, cache_addr, timeout, retry, wait_for_ready, tls, root_certificates, token, client_cert, client_key
         )
         self._channel = open_aio_channel(self.settings, addr)
         self._model = model_pb2_grpc.ModelServiceStub(self._channel)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import grpc
 
+from common.security import channel_credentials
+
 MODEL_SERVICE = "radixkv.v1.ModelService"
 CACHE_SERVICE = "radixkv.v1.CacheManager"
 
@@ -82,18 +84,20 @@ def call_metadata(token: str | None) -> Sequence[tuple[str, str]] | None:
 
 
 def tls_credentials(
-    tls: bool, root_certificates: bytes | str | Path | None
+    tls: bool,
+    root_certificates: bytes | str | Path | None,
+    client_cert: bytes | str | Path | None = None,
+    client_key: bytes | str | Path | None = None,
 ) -> grpc.ChannelCredentials | None:
     """TLS credentials, or None for a plaintext channel.
 
     ``root_certificates``: PEM bytes, or the path of a PEM file; implies TLS. With ``tls=True``
-    and no roots, the system's default roots are used.
+    and no roots, the system's default roots are used. ``client_cert`` and ``client_key`` (PEM
+    bytes or paths, both or neither; imply TLS): this client's certificate for mutual TLS.
     """
-    if root_certificates is None and not tls:
+    if root_certificates is None and client_cert is None and client_key is None and not tls:
         return None
-    if isinstance(root_certificates, (str, Path)):
-        root_certificates = Path(root_certificates).read_bytes()
-    return grpc.ssl_channel_credentials(root_certificates=root_certificates)
+    return channel_credentials(root_certificates, client_cert, client_key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,12 +112,14 @@ class ClientSettings:
     tls: bool = False
     root_certificates: bytes | str | Path | None = None
     token: str | None = None
+    client_cert: bytes | str | Path | None = None
+    client_key: bytes | str | Path | None = None
 
     def options(self) -> list[tuple[str, object]]:
         return channel_options(self.retry, self.wait_for_ready)
 
     def credentials(self) -> grpc.ChannelCredentials | None:
-        return tls_credentials(self.tls, self.root_certificates)
+        return tls_credentials(self.tls, self.root_certificates, self.client_cert, self.client_key)
 
     def metadata(self) -> Sequence[tuple[str, str]] | None:
         return call_metadata(self.token)

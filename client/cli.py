@@ -132,6 +132,9 @@ def _connection_parser(flag: str, default: str, what: str) -> argparse.ArgumentP
     )
     conn.add_argument("--tls", action="store_true", help="connect with TLS (system root certificates)")
     conn.add_argument("--root-certs", metavar="PEM", help="root certificates file for TLS (implies --tls)")
+    conn.add_argument("--client-cert", metavar="PEM",
+                      help="client certificate for mutual TLS (implies --tls; needs --client-key)")
+    conn.add_argument("--client-key", metavar="PEM", help="private key of --client-cert")
     conn.add_argument(
         "--token",
         default=os.environ.get("RADIXKV_TOKEN"),
@@ -142,7 +145,8 @@ def _connection_parser(flag: str, default: str, what: str) -> argparse.ArgumentP
 
 def _client(args: argparse.Namespace, *, cache: bool = False) -> RadixKVClient:
     timeout = args.timeout if args.timeout is not None else args.default_timeout
-    common = dict(timeout=timeout, tls=args.tls, root_certificates=args.root_certs, token=args.token)
+    common = dict(timeout=timeout, tls=args.tls, root_certificates=args.root_certs, token=args.token,
+                  client_cert=args.client_cert, client_key=args.client_key)
     if cache:
         return RadixKVClient(cache_addr=args.addr, **common)  # type: ignore[arg-type]
     return RadixKVClient(args.addr, **common)  # type: ignore[arg-type]

@@ -47,6 +47,8 @@ class RadixKVClient:
         tls: use TLS (system roots unless ``root_certificates`` is given).
         root_certificates: PEM bytes or a PEM file path; implies TLS.
         token: sent as ``authorization: Bearer <token>`` metadata on every call.
+        client_cert, client_key: this client's certificate and its key (PEM bytes or file
+            paths, both or neither; imply TLS), for servers that require mutual TLS.
 
     Every failed call raises ``RadixKVError`` (``.code``, ``.message``).
     """
@@ -62,9 +64,11 @@ class RadixKVClient:
         tls: bool = False,
         root_certificates: bytes | str | Path | None = None,
         token: str | None = None,
+        client_cert: bytes | str | Path | None = None,
+        client_key: bytes | str | Path | None = None,
     ) -> None:
         self.settings = ClientSettings(
-            addr, cache_addr, timeout, retry, wait_for_ready, tls, root_certificates, token
+            addr, cache_addr, timeout, retry, wait_for_ready, tls, root_certificates, token, client_cert, client_key
         )
         self._channel = open_channel(self.settings, addr)
         self._model = model_pb2_grpc.ModelServiceStub(self._channel)

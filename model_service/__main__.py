@@ -10,6 +10,13 @@ import sys
 
 import torch
 
+from common.auth import add_auth_args, client_token_from_args, token_store_from_args
+from common.security import (
+    add_client_tls_args,
+    add_server_tls_args,
+    client_tls_from_args,
+    server_tls_from_args,
+)
 from model_service.malloc_tuning import keep_freed_memory
 from model_service.server import DTYPES, ModelServiceConfig, serve
 
@@ -72,11 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "cores are shared with other busy processes")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (off when not given)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_server_tls_args(p)
+    add_auth_args(p)
+    add_client_tls_args(p, "cache", "the cache manager")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    tls = server_tls_from_args(args, parser)
+    tokens = token_store_from_args(args, parser)
+    cache_tls = client_tls_from_args(args, parser, "cache")
+    cache_token = client_token_from_args(args, parser, "cache")
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
@@ -87,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory, device=args.device, dtype=args.dtype,
         attention=args.attention, max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting, metrics_port=args.metrics_port, worker_id=args.worker_id,
-        cache_timeout=args.cache_timeout, advertise_addr=args.advertise_addr)
+        cache_timeout=args.cache_timeout, advertise_addr=args.advertise_addr, tls=tls, tokens=tokens,
+        cache_tls=cache_tls, cache_token=cache_token)
     try:
         return asyncio.run(serve(config))
     except (FileNotFoundError, ValueError) as e:

@@ -12,6 +12,8 @@ import time
 
 import grpc
 
+from common.auth import ClientToken
+from common.security import open_channel
 from model_service.request import MissBreakdown
 from model_service.scheduler import (
     AdmitReply,
@@ -45,7 +47,8 @@ class CachePoolLost(Exception):
 
 class CacheClient:
     def __init__(self, address: str, worker_id: str, num_blocks: int, block_size: int,
-                 model_fingerprint: str, vocab_size: int, timeout: float = 10.0, serving_addr: str = "") -> None:
+                 model_fingerprint: str, vocab_size: int, timeout: float = 10.0, serving_addr: str = "",
+                 credentials: grpc.ChannelCredentials | None = None, token: ClientToken | None = None) -> None:
         self.address = address
         self.worker_id = worker_id
         self.num_blocks = num_blocks
@@ -61,7 +64,9 @@ class CacheClient:
         self.epoch = 0
         self.lease_seconds = 0.0
         self.last_call = 0.0
-        self._channel = grpc.insecure_channel(address, options=[
+        # TLS when credentials are given; the bearer token (reloadable) goes with every call.
+        self.token = token if token is not None else ClientToken(None)
+        self._channel = open_channel(address, credentials, options=[
             ("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)])
         self._stub = cache_pb2_grpc.CacheManagerStub(self._channel)
 
@@ -78,7 +83,7 @@ class CacheClient:
             reply = self._stub.RegisterPool(cache_pb2.RegisterPoolRequest(
                 worker_id=self.worker_id, num_blocks=self.num_blocks, block_size=self.block_size,
                 model_fingerprint=self.model_fingerprint, vocab_size=self.vocab_size,
-                serving_addr=self.serving_addr), timeout=self.timeout)
+                serving_addr=self.serving_addr), timeout=self.timeout, metadata=self.token.metadata)
         except grpc.RpcError as e:
             self.pool_id = ""
             raise CachePoolLost(f"RegisterPool failed: {e.code().name}: {e.details()}") from e
@@ -131,7 +136,8 @@ class CacheClient:
                 if not self.registered or time.monotonic() - self.last_call <= self.lease_seconds / 3:
                     continue
                 try:
-                    self._stub.Heartbeat(self._heartbeat_request(), timeout=self.timeout)
+                    self._stub.Heartbeat(self._heartbeat_request(), timeout=self.timeout,
+                                         metadata=self.token.metadata)
                     self.last_call = time.monotonic()
                 except grpc.RpcError as e:
                     log.debug("background heartbeat failed: %s", e.code().name)
@@ -142,7 +148,7 @@ class CacheClient:
 
     def _call(self, method, request):
         try:
-            reply = method(request, timeout=self.timeout)
+            reply = method(request, timeout=self.timeout, metadata=self.token.metadata)
         except grpc.RpcError as e:
             self.pool_id = ""
             raise CachePoolLost(f"{e.code().name}: {e.details()}") from e

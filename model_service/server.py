@@ -8,12 +8,14 @@ import logging
 import signal
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
 
+from common.auth import ClientToken, TokenStore, reload_on_sighup, server_interceptors
 from common.grpc_server import add_health_and_reflection, format_address, set_health
+from common.security import ClientTLS, ServerTLS, add_port
 from model_service.attention import create_attention_backend
 from model_service.cache_client import CacheClient
 from model_service.engine import Engine, EngineConfig
@@ -23,7 +25,7 @@ from model_service.model_loader import load_model
 from model_service.model_runner import ModelRunner
 from model_service.sampler import Sampler
 from model_service.scheduler import Scheduler, SchedulerConfig
-from model_service.servicer import ModelServicer, ServingInfo
+from model_service.servicer import METHOD_ROLES, ModelServicer, ServingInfo
 from protos import model_pb2, model_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,11 @@ class ModelServiceConfig:
     # ModelInfo). None: host:port, with the port actually bound when port is 0.
     advertise_addr: str | None = None
     grace_seconds: float = 2.0
+    # TLS of the gRPC port, its bearer tokens (role "client"), and how to reach the cache manager.
+    tls: ServerTLS | None = None
+    tokens: TokenStore | None = None
+    cache_tls: ClientTLS | None = None
+    cache_token: ClientToken = field(default_factory=lambda: ClientToken(None))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -90,7 +97,9 @@ def build_engine(config: ModelServiceConfig, worker_id: str) -> tuple[Engine, Mo
     scheduler = Scheduler(SchedulerConfig(config.block_size, config.max_batch_tokens, config.max_num_seqs,
                                           config.max_waiting))
     cache = CacheClient(config.cache_addr, worker_id, num_blocks, config.block_size, loaded.fingerprint,
-                        loaded.vocab_size, timeout=config.cache_timeout)
+                        loaded.vocab_size, timeout=config.cache_timeout,
+                        credentials=config.cache_tls.credentials() if config.cache_tls is not None else None,
+                        token=config.cache_token)
     engine = Engine(EngineConfig(frozenset(loaded.eos_token_ids), loaded.max_context_tokens), scheduler, runner,
                     Sampler(), cache, ModelMetrics())
     info = ServingInfo(config.block_size, num_blocks, str(dtype).removeprefix("torch."), str(device), backend.name,
@@ -117,11 +126,12 @@ async def serve(config: ModelServiceConfig) -> int:
         return 1
     worker_id = config.worker_id or f"model-{socket.gethostname()}-{config.port}"
     engine, servicer = await asyncio.to_thread(build_engine, config, worker_id)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
+                             interceptors=server_interceptors(config.tokens, {SERVICE_NAME: METHOD_ROLES}))
     model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server, SERVICE_NAME)
     try:
-        bound = server.add_insecure_port(address)
+        bound = add_port(server, address, config.tls.credentials() if config.tls is not None else None)
     except RuntimeError as e:
         print(f"model_service: cannot listen on {address} (port in use?): {e}", file=sys.stderr, flush=True)
         return 1
@@ -140,6 +150,7 @@ async def serve(config: ModelServiceConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reload_on_sighup(loop, config.tokens, config.cache_token)
     engine.start()
     try:
         await server.start()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.auth import one_role
 from model_service.detokenizer import IncrementalDetokenizer
 from model_service.engine import DuplicateRequestError, Engine, GenerationOutput
 from model_service.model_loader import LoadedModel
@@ -22,6 +23,9 @@ from protos import model_pb2, model_pb2_grpc
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 128
+
+# The role a bearer token needs for each method under --auth-token-file (common/auth.py).
+METHOD_ROLES: dict[str, str] = one_role(model_pb2.DESCRIPTOR.services_by_name["ModelService"], "client")
 
 _FINISH_REASONS = {
     FinishReason.STOP: model_pb2.FINISH_REASON_STOP,

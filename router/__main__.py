@@ -8,6 +8,13 @@ import asyncio
 import logging
 import sys
 
+from common.auth import add_auth_args, client_token_from_args, token_store_from_args
+from common.security import (
+    add_client_tls_args,
+    add_server_tls_args,
+    client_tls_from_args,
+    server_tls_from_args,
+)
 from router.policy import POLICIES
 from router.server import RouterConfig, serve
 
@@ -34,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--route-timeout", type=float, default=1.0,
                    help="deadline of each cache manager call (s); past it routing falls back to load")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_server_tls_args(p, "the gRPC port and the HTTP door")
+    add_auth_args(p)
+    add_client_tls_args(p, "cache", "the cache manager")
+    add_client_tls_args(p, "replica", "the replicas")
     return p
 
 
@@ -46,12 +57,20 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be in [0, 65535]")
     if args.check_interval <= 0 or args.route_timeout <= 0 or args.reserve_ms < 0:
         parser.error("--check-interval and --route-timeout must be > 0, --reserve-ms >= 0")
+    tls = server_tls_from_args(args, parser)
+    tokens = token_store_from_args(args, parser)
+    cache_tls = client_tls_from_args(args, parser, "cache")
+    cache_token = client_token_from_args(args, parser, "cache")
+    replica_tls = client_tls_from_args(args, parser, "replica")
+    replica_token = client_token_from_args(args, parser, "replica")
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = RouterConfig(host=args.host, port=args.port, cache_addr=args.cache_addr, policy=args.policy,
                           http_port=args.http_port, metrics_port=args.metrics_port, replicas=args.replica,
                           advertise_addr=args.advertise_addr, check_interval_s=args.check_interval,
-                          reserve_ms=args.reserve_ms, route_timeout_s=args.route_timeout, log_level=args.log_level)
+                          reserve_ms=args.reserve_ms, route_timeout_s=args.route_timeout, log_level=args.log_level,
+                          tls=tls, tokens=tokens, cache_tls=cache_tls, cache_token=cache_token,
+                          replica_tls=replica_tls, replica_token=replica_token)
     return asyncio.run(serve(config))
 
 

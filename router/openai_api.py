@@ -12,6 +12,10 @@ non-text content, several prompts) are a 400, never silently dropped. Completion
 max_tokens 16 as OpenAI's do; chat defaults to the model service's (128, capped by the context).
 An ``X-Request-Id`` header sets the request id (for Abort over gRPC); responses echo it.
 
+With the router's --auth-token-file, every path but /health needs ``Authorization: Bearer TOKEN``
+(a token of that file with the ``client`` role): 401 when missing or unknown, 403 without the
+role, both as OpenAI error JSON (code ``invalid_api_key`` / ``permission_denied``).
+
 Errors are OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``: 400 invalid, 404
 unknown model or path, 429 replica queue full, 503 no replica, 504 deadline, 500 otherwise. Once
 a stream has started, an error arrives as one ``data: {"error": ...}`` event before ``[DONE]``.
@@ -33,6 +37,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common.auth import UNAUTHENTICATED, AuthError, TokenStore, bearer_token
 from protos import model_pb2
 from router import errors
 from router.core import RouterCore
@@ -330,13 +335,33 @@ def _error_response(error: OpenAIError, headers: dict[str, str] | None = None) -
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
-def build_app(core: RouterCore) -> FastAPI:
+OPEN_PATHS = frozenset({"/health"})
+
+
+def auth_error(tokens: TokenStore, authorization: str | None) -> JSONResponse | None:
+    """The 401 / 403 answer to a request whose Authorization header the token file refuses."""
+    try:
+        tokens.authorize(bearer_token(authorization), "client", "this API")
+    except AuthError as e:
+        if e.code == UNAUTHENTICATED:
+            return _error_response(OpenAIError(401, f"{e.message} (send 'Authorization: Bearer <token>')",
+                                               code="invalid_api_key", type_="invalid_request_error"),
+                                   {"www-authenticate": "Bearer"})
+        return _error_response(OpenAIError(403, e.message, code="permission_denied", type_="permission_error"))
+    return None
+
+
+def build_app(core: RouterCore, tokens: TokenStore | None = None) -> FastAPI:
+    """The HTTP door; with `tokens`, every path but /health needs a bearer token with role client."""
     app = FastAPI(title="radixkv router", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = core.metrics
 
     @app.middleware("http")
     async def count(request: Request, call_next):
-        response = await call_next(request)
+        refused = None
+        if tokens is not None and request.url.path not in OPEN_PATHS:
+            refused = auth_error(tokens, request.headers.get("authorization"))
+        response = refused if refused is not None else await call_next(request)
         metrics.http_requests.labels(request.url.path, str(response.status_code)).inc()
         return response
 

@@ -8,18 +8,21 @@ import contextlib
 import logging
 import signal
 import socket
+import ssl
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
 
+from common.auth import ClientToken, TokenStore, reload_on_sighup, server_interceptors
 from common.grpc_server import NOT_SERVING, SERVING, add_health_and_reflection, format_address, set_health
+from common.security import ClientTLS, ServerTLS, add_port
 from protos import model_pb2, model_pb2_grpc
 from router.core import CoreConfig, RouterCore
 from router.metrics import RouterMetrics
 from router.replicas import ReplicaSet
-from router.servicer import RouterServicer
+from router.servicer import METHOD_ROLES, RouterServicer
 from router.upstream import CacheManagerClient, ReplicaClients
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,14 @@ class RouterConfig:
     route_timeout_s: float = 1.0
     grace_seconds: float = 2.0
     log_level: str = "INFO"
+    # TLS and bearer tokens (role "client") of the gRPC port and the HTTP door; how to reach the
+    # cache manager and the replicas.
+    tls: ServerTLS | None = None
+    tokens: TokenStore | None = None
+    cache_tls: ClientTLS | None = None
+    cache_token: ClientToken = field(default_factory=lambda: ClientToken(None))
+    replica_tls: ClientTLS | None = None
+    replica_token: ClientToken = field(default_factory=lambda: ClientToken(None))
 
 
 def _bind_http(host: str, port: int) -> socket.socket:
@@ -58,7 +69,7 @@ def _bind_http(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _http_server(app, sock: socket.socket, log_level: str):
+def _http_server(app, sock: socket.socket, log_level: str, tls: ServerTLS | None = None):
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -68,8 +79,13 @@ def _http_server(app, sock: socket.socket, log_level: str):
         def capture_signals(self) -> Iterator[None]:
             yield
 
+    ssl_args: dict[str, object] = {}
+    if tls is not None:  # the gRPC port's certificate; mutual TLS with the same client CA
+        ssl_args = dict(ssl_certfile=str(tls.cert), ssl_keyfile=str(tls.key))
+        if tls.client_ca is not None:
+            ssl_args.update(ssl_ca_certs=str(tls.client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
     config = uvicorn.Config(app, fd=None, lifespan="off", log_config=None, access_log=False,
-                            log_level=log_level.lower(), timeout_graceful_shutdown=2)
+                            log_level=log_level.lower(), timeout_graceful_shutdown=2, **ssl_args)
     return Server(config)
 
 
@@ -78,8 +94,11 @@ async def serve(config: RouterConfig) -> int:
     address = format_address(config.host, config.port)
     metrics = RouterMetrics()
     replicas = ReplicaSet(config.replicas)
-    upstream = ReplicaClients()
-    cache = CacheManagerClient(config.cache_addr)
+    upstream = ReplicaClients(config.replica_tls.credentials() if config.replica_tls is not None else None,
+                              config.replica_token)
+    cache = CacheManagerClient(config.cache_addr,
+                               config.cache_tls.credentials() if config.cache_tls is not None else None,
+                               config.cache_token)
     try:
         core_config = CoreConfig(policy=config.policy, reserve_ms=config.reserve_ms,
                                  route_timeout_s=config.route_timeout_s)
@@ -88,12 +107,13 @@ async def serve(config: RouterConfig) -> int:
         return 2
     core = RouterCore(core_config, replicas, upstream, cache, metrics)
 
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", -1)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", -1)],
+                             interceptors=server_interceptors(config.tokens, {SERVICE_NAME: METHOD_ROLES}))
     model_pb2_grpc.add_ModelServiceServicer_to_server(RouterServicer(core), server)
     health_servicer = add_health_and_reflection(server, SERVICE_NAME)
     await set_health(health_servicer, [SERVICE_NAME], NOT_SERVING)
     try:
-        bound = server.add_insecure_port(address)
+        bound = add_port(server, address, config.tls.credentials() if config.tls is not None else None)
     except RuntimeError as e:
         print(f"router: cannot listen on {address} (port in use?): {e}", file=sys.stderr, flush=True)
         return 1
@@ -108,7 +128,7 @@ async def serve(config: RouterConfig) -> int:
         except OSError as e:
             print(f"router: cannot serve HTTP on port {config.http_port}: {e.strerror}", file=sys.stderr, flush=True)
             return 1
-        http = _http_server(build_app(core), sock, config.log_level)
+        http = _http_server(build_app(core, config.tokens), sock, config.log_level, config.tls)
         http_addr = format_address(config.host, sock.getsockname()[1])
     if config.metrics_port is not None:
         try:
@@ -123,6 +143,7 @@ async def serve(config: RouterConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reload_on_sighup(loop, config.tokens, config.cache_token, config.replica_token)
 
     async def on_change(reachable: bool) -> None:
         await set_health(health_servicer, [SERVICE_NAME], SERVING if reachable else NOT_SERVING)
@@ -135,7 +156,8 @@ async def serve(config: RouterConfig) -> int:
         checks = asyncio.create_task(core.run_checks(config.check_interval_s, on_change))
         if http is not None:
             http_task = asyncio.create_task(http.serve(sockets=[sock]))
-            print(f"router OpenAI HTTP API on http://{http_addr}/v1", flush=True)
+            scheme = "https" if config.tls is not None else "http"
+            print(f"router OpenAI HTTP API on {scheme}://{http_addr}/v1", flush=True)
         print(f"router ({config.policy}, cache manager {config.cache_addr}) listening on "
               f"{format_address(config.host, bound)}", flush=True)
         await stop.wait()

@@ -7,9 +7,13 @@ import time
 
 import grpc
 
+from common.auth import one_role
 from protos import model_pb2, model_pb2_grpc
 from router.core import RouterCore
 from router.errors import RouterError
+
+# The role a bearer token needs for each method under --auth-token-file (common/auth.py).
+METHOD_ROLES: dict[str, str] = one_role(model_pb2.DESCRIPTOR.services_by_name["ModelService"], "client")
 
 
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:

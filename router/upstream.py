@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.auth import ClientToken
+from common.security import open_aio_channel
 from protos import cache_pb2, cache_pb2_grpc, model_pb2, model_pb2_grpc
 from router.errors import UpstreamError
 
@@ -31,15 +33,18 @@ def _error(error: grpc.aio.AioRpcError) -> UpstreamError:
 
 
 class ReplicaClients:
-    """ModelService (and health) calls by replica address."""
+    """ModelService (and health) calls by replica address: TLS when credentials are given, the
+    token (if any) on every call."""
 
-    def __init__(self) -> None:
+    def __init__(self, credentials: grpc.ChannelCredentials | None = None, token: ClientToken | None = None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._credentials = credentials
+        self.token = token if token is not None else ClientToken(None)
 
     def _channel(self, addr: str) -> grpc.aio.Channel:
         channel = self._channels.get(addr)
         if channel is None:
-            channel = self._channels[addr] = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+            channel = self._channels[addr] = open_aio_channel(addr, self._credentials, CHANNEL_OPTIONS)
         return channel
 
     def _stub(self, addr: str) -> model_pb2_grpc.ModelServiceStub:
@@ -47,7 +52,7 @@ class ReplicaClients:
 
     async def generate(self, addr: str, request: model_pb2.GenerateRequest,
                        timeout: float | None) -> AsyncIterator[model_pb2.GenerateResponse]:
-        call = self._stub(addr).Generate(request, timeout=timeout)
+        call = self._stub(addr).Generate(request, timeout=timeout, metadata=self.token.metadata)
         try:
             async for message in call:
                 yield message
@@ -58,7 +63,7 @@ class ReplicaClients:
 
     async def _unary(self, method, request, timeout: float | None):
         try:
-            return await method(request, timeout=timeout)
+            return await method(request, timeout=timeout, metadata=self.token.metadata)
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
 
@@ -91,20 +96,22 @@ class ReplicaClients:
 
 
 class CacheManagerClient:
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, credentials: grpc.ChannelCredentials | None = None,
+                 token: ClientToken | None = None) -> None:
         self.addr = addr
-        self._channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        self.token = token if token is not None else ClientToken(None)
+        self._channel = open_aio_channel(addr, credentials, CHANNEL_OPTIONS)
         self._stub = cache_pb2_grpc.CacheManagerStub(self._channel)
 
     async def route(self, request: cache_pb2.RouteRequest, timeout: float | None) -> cache_pb2.RouteResponse:
         try:
-            return await self._stub.Route(request, timeout=timeout)
+            return await self._stub.Route(request, timeout=timeout, metadata=self.token.metadata)
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
 
     async def stats(self, timeout: float | None) -> cache_pb2.StatsResponse:
         try:
-            return await self._stub.Stats(cache_pb2.StatsRequest(), timeout=timeout)
+            return await self._stub.Stats(cache_pb2.StatsRequest(), timeout=timeout, metadata=self.token.metadata)
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
 

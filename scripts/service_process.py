@@ -74,10 +74,13 @@ def _die_with_parent() -> Callable[[], None] | None:
 
 
 class ServiceProcess:
-    """A started service. ``name`` is its module (``"cache_service"``)."""
+    """A started service. ``name`` is its module (``"cache_service"``). ``health_credentials``:
+    the channel credentials of its health checks, for a service serving TLS."""
 
-    def __init__(self, name: str, args: Sequence[str], sink: Sink, *, cwd: str | None = None) -> None:
+    def __init__(self, name: str, args: Sequence[str], sink: Sink, *, cwd: str | None = None,
+                 health_credentials: grpc.ChannelCredentials | None = None) -> None:
         self.name = name
+        self.health_credentials = health_credentials
         self.argv = [sys.executable, "-u", "-m", name, *args]
         self._sink = sink
         self._listening = threading.Event()
@@ -155,7 +158,8 @@ class ServiceProcess:
                 self._check_alive(stop, watch)
                 if channel is None and self._listening.is_set():
                     assert self.addr is not None
-                    channel = grpc.insecure_channel(self.addr)
+                    channel = (grpc.insecure_channel(self.addr) if self.health_credentials is None
+                               else grpc.secure_channel(self.addr, self.health_credentials))
                 if channel is not None and _is_serving(channel):
                     return
                 now = time.monotonic()

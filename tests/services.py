@@ -6,6 +6,7 @@ import collections
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 
 from scripts.service_process import ServiceError, ServiceProcess
@@ -55,32 +56,37 @@ class Launched:
         return Running(addr, self.process, self.log)
 
 
-def launch_service(name: str, args: list[str], timeout_s: float) -> Launched:
-    """Starts `python -m NAME ARGS` without waiting for it."""
+Credentials = grpc.ChannelCredentials | None
+
+
+def launch_service(name: str, args: list[str], timeout_s: float, credentials: Credentials = None) -> Launched:
+    """Starts `python -m NAME ARGS` without waiting for it (`credentials`: for its health checks
+    when it serves TLS)."""
     log: collections.deque[str] = collections.deque(maxlen=400)
-    return Launched(name, ServiceProcess(name, args, log.append, cwd=str(REPO)), log, timeout_s)
+    process = ServiceProcess(name, args, log.append, cwd=str(REPO), health_credentials=credentials)
+    return Launched(name, process, log, timeout_s)
 
 
-def start_service(name: str, args: list[str], timeout_s: float) -> Running:
+def start_service(name: str, args: list[str], timeout_s: float, credentials: Credentials = None) -> Running:
     """Starts `python -m NAME ARGS`, waits for its 'listening on' line and health SERVING."""
-    return launch_service(name, args, timeout_s).wait()
+    return launch_service(name, args, timeout_s, credentials).wait()
 
 
-def start_cache(extra: list[str] | None = None) -> Running:
+def start_cache(extra: list[str] | None = None, credentials: Credentials = None) -> Running:
     return start_service("cache_service", ["--host", "127.0.0.1", "--port", "0", *(extra or [])],
-                         CACHE_START_TIMEOUT_S)
+                         CACHE_START_TIMEOUT_S, credentials)
 
 
-def launch_model(cache_addr: str, *extra: str) -> Launched:
+def launch_model(cache_addr: str, *extra: str, credentials: Credentials = None) -> Launched:
     args = ["--host", "127.0.0.1", "--port", "0", "--cache-addr", cache_addr, *extra]
-    return launch_service("model_service", args, MODEL_START_TIMEOUT_S)
+    return launch_service("model_service", args, MODEL_START_TIMEOUT_S, credentials)
 
 
-def start_model(cache_addr: str, *extra: str) -> Running:
-    return launch_model(cache_addr, *extra).wait()
+def start_model(cache_addr: str, *extra: str, credentials: Credentials = None) -> Running:
+    return launch_model(cache_addr, *extra, credentials=credentials).wait()
 
 
-def start_router(cache_addr: str, *extra: str) -> Running:
+def start_router(cache_addr: str, *extra: str, credentials: Credentials = None) -> Running:
     """A router (SERVING once one of its replicas is reachable); extra: --replica, --http-port ..."""
     args = ["--host", "127.0.0.1", "--port", "0", "--cache-addr", cache_addr, *extra]
-    return start_service("router", args, ROUTER_START_TIMEOUT_S)
+    return start_service("router", args, ROUTER_START_TIMEOUT_S, credentials)

@@ -47,11 +47,18 @@ function loadProtos() {
 
 /**
  * Opens stubs: { model, cache } (each only if its address is given).
- * options.token: sent as "authorization: Bearer <token>"; options.rootCerts: PEM Buffer (TLS).
+ * options.token: sent as "authorization: Bearer <token>"; options.rootCerts: PEM Buffer (TLS);
+ * options.clientCert / options.clientKey: PEM Buffers of this client's certificate and key, for
+ * servers that require mutual TLS (both or neither; imply TLS); options.tls: TLS with the
+ * system's roots.
  */
-function connect({ modelAddr, cacheAddr, token, rootCerts, tls } = {}) {
+function connect({ modelAddr, cacheAddr, token, rootCerts, tls, clientCert, clientKey } = {}) {
   const v1 = loadProtos();
-  const creds = rootCerts || tls ? grpc.credentials.createSsl(rootCerts || null) : grpc.credentials.createInsecure();
+  if (!clientCert !== !clientKey) throw new UsageError('a client certificate needs its key and a key its certificate');
+  const secure = rootCerts || clientCert || tls;
+  const creds = secure
+    ? grpc.credentials.createSsl(rootCerts || null, clientKey || null, clientCert || null)
+    : grpc.credentials.createInsecure();
   const channelOptions = { 'grpc.service_config': JSON.stringify(SERVICE_CONFIG), 'grpc.enable_retries': 1 };
   const metadata = new grpc.Metadata();
   if (token) metadata.set('authorization', `Bearer ${token}`);
@@ -95,7 +102,8 @@ const USAGE = `usage:
   radixkv.js generate "PROMPT" [--addr HOST:PORT] [--max-tokens N] [--temperature T] [--top-p P]
                                [--top-k K] [--seed S] [--stop STR]... [--chat] [--timeout S]
   radixkv.js stats [--addr HOST:PORT] [--pool ID] [--timeout S]
-options for both: --token TOKEN (or $RADIXKV_TOKEN), --root-certs PEM, --tls`;
+options for both: --token TOKEN (or $RADIXKV_TOKEN), --root-certs PEM, --tls,
+                  --client-cert PEM --client-key PEM (mutual TLS)`;
 
 const FLAGS = {
   '--addr': 'string',
@@ -109,6 +117,8 @@ const FLAGS = {
   '--timeout': 'float',
   '--token': 'string',
   '--root-certs': 'string',
+  '--client-cert': 'string',
+  '--client-key': 'string',
   '--chat': 'bool',
   '--tls': 'bool',
 };
@@ -156,17 +166,21 @@ async function main(argv) {
   const [command, ...rest] = argv;
   const opts = parseArgs(rest);
   const token = opts['--token'] || process.env.RADIXKV_TOKEN;
-  const rootCerts = opts['--root-certs'] ? require('node:fs').readFileSync(opts['--root-certs']) : undefined;
+  const fs = require('node:fs');
+  const rootCerts = opts['--root-certs'] ? fs.readFileSync(opts['--root-certs']) : undefined;
+  const clientCert = opts['--client-cert'] ? fs.readFileSync(opts['--client-cert']) : undefined;
+  const clientKey = opts['--client-key'] ? fs.readFileSync(opts['--client-key']) : undefined;
+  const tlsOptions = { token, rootCerts, tls: opts['--tls'], clientCert, clientKey };
   const timeoutS = opts['--timeout'];
   if (command === 'generate') {
     if (opts.positional.length !== 1) throw new UsageError('generate takes one PROMPT');
-    const conn = connect({ modelAddr: opts['--addr'] || '127.0.0.1:50052', token, rootCerts, tls: opts['--tls'] });
+    const conn = connect({ modelAddr: opts['--addr'] || '127.0.0.1:50052', ...tlsOptions });
     const request = generateRequest(opts.positional[0], opts);
     await generate(conn, request, { timeoutS, onChunk: (chunk) => process.stdout.write(chunk.text) });
     process.stdout.write('\n');
     conn.model.close();
   } else if (command === 'stats') {
-    const conn = connect({ cacheAddr: opts['--addr'] || '127.0.0.1:50051', token, rootCerts, tls: opts['--tls'] });
+    const conn = connect({ cacheAddr: opts['--addr'] || '127.0.0.1:50051', ...tlsOptions });
     const response = await stats(conn, opts['--pool'] || '', { timeoutS: timeoutS || 30 });
     process.stdout.write(`${JSON.stringify(response, null, 2)}\n`);
     conn.cache.close();

@@ -201,6 +201,25 @@ def test_events_stored_removed_cleared(make_pool) -> None:
     assert seen[1].payload.block_ids == stored.block_ids
 
 
+def test_an_eviction_batch_is_one_block_removed_per_namespace(make_pool) -> None:
+    log = EventLog()
+    seen = []
+    log.subscribe(seen.append)
+    pool = make_pool(num_blocks=8, block_size=4, events=log)
+    for rid, namespace in (("a", "tenant-a"), ("b", "tenant-b"), ("c", "tenant-a")):
+        admit(pool, rid, [ord(rid)] * 5, namespace)
+        finish(pool, rid, computed=5)
+    stored = {e.payload.block_ids[0]: e.payload.namespace for e in seen}
+    del seen[:]
+    assert pool.evict(8) == 3
+    removed = [e.payload for e in seen]
+    assert [type(p) for p in removed] == [BlockRemoved, BlockRemoved]
+    assert sorted(p.namespace for p in removed) == ["tenant-a", "tenant-b"]
+    for p in removed:
+        assert {stored[b] for b in p.block_ids} == {p.namespace} and len(p.block_hashes) == len(p.block_ids)
+    assert sorted(b for p in removed for b in p.block_ids) == sorted(stored)
+
+
 # ---------------------------------------------------------------------- bad input
 
 

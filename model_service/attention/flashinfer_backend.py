@@ -8,6 +8,16 @@ wrapper when every sequence has one new token, else the prefill wrapper with `ca
 `forward()` (once per layer) appends the layer's K/V with `append_paged_kv_cache` and runs
 the planned wrapper.
 
+Shared prefixes (cascade). When decode sequences' block tables start with the same physical
+blocks (a radix tree's shared prefix, found by `shared_prefix_groups`), the step runs as two
+levels merged with `flashinfer.merge_state_in_place`, as `MultiLevelCascadeAttentionWrapper`
+does: a non-causal `BatchPrefillWithPagedKVCacheWrapper` over the shared pages with each
+group's members as one multi-query request (the prefix K/V is read once per group), and the
+usual decode/prefill wrapper over every sequence's own pages (members without the shared
+ones). Unlike `MultiLevelCascadeAttentionWrapper`, which needs every query at every level,
+sequences outside any group (and prefill chunks of a mixed step) simply have no prefix level.
+Queries are permuted so that members come first, grouped; outputs are permuted back.
+
 The cache is the `(k_cache, v_cache)` pair of `[num_blocks, block_size, num_kv_heads, head_dim]`
 tensors ("NHD"). The package is imported lazily, so this module imports without it.
 """
@@ -21,13 +31,17 @@ from typing import NamedTuple
 import torch
 
 from model_service.attention.base import AttentionBackend, BatchLayout
-from model_service.attention.indexing import segments
+from model_service.attention.indexing import segments, shared_prefix_groups
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # Group sizes FlashInfer's CUDA-core decode kernels are compiled for; others need tensor cores.
 _CUDA_CORE_DECODE_GROUP_SIZES = (1, 2, 3, 4, 6, 8, 16)
 _EMPTY_I32 = torch.empty(0, dtype=torch.int32)
+# The cascade is planned when it spares at least this many prefix tokens of K/V reads per
+# layer, sum over groups of (members - 1) * shared tokens (not measured on a GPU yet: the
+# torch backend's CPU measurements put the break-even there; see bench/attention_bench.py).
+CASCADE_MIN_SAVED_TOKENS = 1024
 
 
 def import_flashinfer() -> ModuleType:
@@ -92,6 +106,83 @@ def build_paged_kv_table(layout: BatchLayout, block_size: int) -> PagedKVTable:
                         batch_indices=token_seq.to(torch.int32), positions=positions.to(torch.int32))
 
 
+class CascadePlan(NamedTuple):
+    """A step's two-level plan: shared prefixes per group, then every sequence's own pages.
+
+    Sequences are permuted: the members of group 0, of group 1, ..., then all others in batch
+    order. Both levels' arrays are int32 in that order (host, but kv_indices on the tables'
+    device). Members are decode sequences, so the first `num_members` permuted tokens are
+    theirs, group by group.
+    """
+
+    seq_perm: torch.Tensor  # [batch] host int64, batch index of each permuted sequence
+    token_perm: torch.Tensor  # [num_tokens] host int64, packed token of each permuted token
+    token_inv: torch.Tensor  # [num_tokens] host int64, permuted position of each packed token
+    num_members: int
+    saved_tokens: int  # sum over groups of (members - 1) * shared tokens
+    prefix: PagedKVTable  # one request per group (its members' queries), its shared pages
+    rest: PagedKVTable  # one per sequence (permuted), members' pages after the shared ones
+
+
+def plan_cascade(layout: BatchLayout, block_size: int, table: PagedKVTable,
+                 min_saved_tokens: int = CASCADE_MIN_SAVED_TOKENS) -> CascadePlan | None:
+    """The two-level plan of a step, or None when no decode sequences share prefix pages
+    worth it. `table` is `build_paged_kv_table(layout, block_size)` (host work only but for
+    one host copy of the block tables and the kv_indices gathers on their device)."""
+    qlens = torch.tensor(layout.query_lens_cpu, dtype=torch.long)  # [batch]
+    slens = torch.tensor(layout.seq_lens_cpu, dtype=torch.long)
+    decode = torch.nonzero(qlens == 1).flatten()  # [num_decode]
+    if decode.numel() < 2:
+        return None
+    tables = layout.block_tables
+    num_pages = (slens + block_size - 1) // block_size  # [batch]
+    host_tables = tables[:, :int(num_pages.max())].to("cpu", torch.long)
+    # Shareable: full pages before the one this step's token is appended to.
+    group, shared = shared_prefix_groups(host_tables[decode], (slens[decode] - 1) // block_size)
+    if shared.numel() == 0:
+        return None
+    sizes = torch.bincount(group[group >= 0], minlength=shared.shape[0])  # [G]
+    saved = int(((sizes - 1) * shared).sum()) * block_size
+    if saved < min_saved_tokens:
+        return None
+    num_groups = int(shared.shape[0])
+    grouped = torch.argsort(torch.where(group >= 0, group, num_groups), stable=True)[:int(sizes.sum())]
+    members = decode[grouped]  # [num_members] batch index, by group
+    is_member = torch.zeros(qlens.shape[0], dtype=torch.bool)
+    is_member[members] = True
+    seq_perm = torch.cat([members, torch.nonzero(~is_member).flatten()])  # [batch]
+    skip = torch.zeros_like(slens)
+    skip[members] = shared[group[grouped]]  # [batch] shared pages each sequence leaves to the prefix level
+
+    rest_pages = (num_pages - skip)[seq_perm]  # [batch] >= 1: a member's last page is its own
+    first = torch.cumsum(sizes, 0) - sizes
+    leaders = members[first]  # [G] a member per group, whose first pages are the group's
+    width = tables.shape[1]
+
+    def gather_pages(rows: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        page_seq, page_in_seq = segments(count)  # [total] each
+        flat = rows[page_seq] * width + start[page_seq] + page_in_seq
+        return tables.reshape(-1).index_select(0, flat.to(tables.device, non_blocking=True)).to(torch.int32)
+
+    qsl = torch.cumsum(qlens, 0) - qlens  # [batch] first packed token of each sequence
+    tok_seq, tok_in_seq = segments(qlens[seq_perm])  # [num_tokens] each, permuted order
+    token_perm = qsl[seq_perm][tok_seq] + tok_in_seq
+    token_inv = torch.empty_like(token_perm)
+    token_inv[token_perm] = torch.arange(token_perm.shape[0])
+    rest = PagedKVTable(
+        qo_indptr=_indptr(qlens[seq_perm]), kv_indptr=_indptr(rest_pages),
+        kv_indices=gather_pages(seq_perm, skip[seq_perm], rest_pages).contiguous(),
+        kv_last_page_len=table.kv_last_page_len[seq_perm].contiguous(),
+        batch_indices=_EMPTY_I32, positions=_EMPTY_I32)
+    prefix = PagedKVTable(
+        qo_indptr=_indptr(sizes), kv_indptr=_indptr(shared),
+        kv_indices=gather_pages(leaders, torch.zeros_like(shared), shared).contiguous(),
+        kv_last_page_len=torch.full((num_groups,), block_size, dtype=torch.int32),
+        batch_indices=_EMPTY_I32, positions=_EMPTY_I32)
+    return CascadePlan(seq_perm=seq_perm, token_perm=token_perm, token_inv=token_inv,
+                       num_members=int(members.shape[0]), saved_tokens=saved, prefix=prefix, rest=rest)
+
+
 class FlashInferAttentionBackend(AttentionBackend):
     """FlashInfer paged prefill/decode wrappers over the shared NHD KV cache (CUDA only)."""
 
@@ -99,9 +190,12 @@ class FlashInferAttentionBackend(AttentionBackend):
     workspace_bytes = WORKSPACE_BYTES  # FlashInfer's recommended float workspace
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, sm_scale: float | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, sm_scale: float | None = None, *,
+                 cascade: bool = True, cascade_min_saved_tokens: int = CASCADE_MIN_SAVED_TOKENS) -> None:
         """`sm_scale` is the softmax scale planned ahead (default 1/sqrt(head_dim)); a
-        different `scale` passed to `forward()` re-plans once and becomes the new default."""
+        different `scale` passed to `forward()` re-plans once and becomes the new default.
+        `cascade`: attend shared prefixes once per group (see the module doc) when that spares
+        at least `cascade_min_saved_tokens` tokens of K/V reads per layer."""
         super().__init__(num_q_heads, num_kv_heads, head_dim, block_size, dtype, device)
         _require_cuda(device)
         if dtype not in SUPPORTED_DTYPES:
@@ -109,9 +203,16 @@ class FlashInferAttentionBackend(AttentionBackend):
         if num_q_heads % num_kv_heads != 0:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         self._fi = import_flashinfer()
-        # One zeroed workspace shared by both wrappers: only one of them runs in a step.
+        # One zeroed float workspace shared by the wrappers: they run one after another on one
+        # stream (as MultiLevelCascadeAttentionWrapper's levels share theirs).
         self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
         self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
+        # The cascade's prefix level: each group's members as one multi-query, non-causal request.
+        self._shared_prefix = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
+        self.cascade = cascade
+        self.cascade_min_saved_tokens = cascade_min_saved_tokens
+        self._cascade: CascadePlan | None = None
+        self._token_perm = self._token_inv = _EMPTY_I32
         group_size = num_q_heads // num_kv_heads
         self._decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, kv_layout="NHD",
@@ -144,23 +245,34 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._batch_indices = table.batch_indices.to(dev, non_blocking=True)
         self._positions = table.positions.to(dev, non_blocking=True)
         self._use_decode = layout.is_decode
+        self._cascade = None
+        if self.cascade:
+            self._cascade = plan_cascade(layout, self.block_size, table, self.cascade_min_saved_tokens)
+        if self._cascade is not None:
+            self._token_perm = self._cascade.token_perm.to(dev, non_blocking=True)
+            self._token_inv = self._cascade.token_inv.to(dev, non_blocking=True)
         self._plan_wrapper(self._sm_scale)
         self._planned = True
 
     def _plan_wrapper(self, scale: float) -> None:
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=scale)
+        heads = (self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size)
+        # Without cascade the attention runs over the append table; with it, over the
+        # permuted sequences' own pages (the shared ones go to the prefix level).
+        attend = self._cascade.rest if self._cascade is not None else PagedKVTable(
+            self._qo_indptr_host, self._kv_indptr_host, self._kv_indices, self._last_page_len_host,
+            _EMPTY_I32, _EMPTY_I32)
+        kv_indices = attend.kv_indices.to(self.device, non_blocking=True)
         if self._use_decode:
-            self._decode.plan(
-                self._kv_indptr_host, self._kv_indices, self._last_page_len_host,
-                self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size,
-                pos_encoding_mode="NONE", **common,
-            )
+            self._decode.plan(attend.kv_indptr, kv_indices, attend.kv_last_page_len, *heads,
+                              pos_encoding_mode="NONE", **common)
         else:
-            self._prefill.plan(
-                self._qo_indptr_host, self._kv_indptr_host, self._kv_indices, self._last_page_len_host,
-                self.num_q_heads, self.num_kv_heads, self.head_dim, self.block_size,
-                causal=True, pos_encoding_mode="NONE", **common,
-            )
+            self._prefill.plan(attend.qo_indptr, attend.kv_indptr, kv_indices, attend.kv_last_page_len, *heads,
+                               causal=True, pos_encoding_mode="NONE", **common)
+        if self._cascade is not None:
+            pre = self._cascade.prefix
+            self._shared_prefix.plan(pre.qo_indptr, pre.kv_indptr, pre.kv_indices.to(self.device, non_blocking=True),
+                                     pre.kv_last_page_len, *heads, causal=False, pos_encoding_mode="NONE", **common)
         self._planned_scale = scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -182,7 +294,16 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._sm_scale = scale
             self._plan_wrapper(scale)
         wrapper = self._decode if self._use_decode else self._prefill
-        return wrapper.run(_last_dim_contiguous(q), (k_cache, v_cache))
+        if self._cascade is None:
+            return wrapper.run(_last_dim_contiguous(q), (k_cache, v_cache))
+        # Cascade: own pages for every (permuted) sequence, the shared prefix once per group for
+        # the members (the first num_members permuted tokens), merged by log-sum-exp in place.
+        qp = q.index_select(0, self._token_perm)  # [num_tokens, Hq, D] contiguous
+        out, lse = wrapper.run(qp, (k_cache, v_cache), return_lse=True)
+        m = self._cascade.num_members
+        o_pre, lse_pre = self._shared_prefix.run(qp[:m], (k_cache, v_cache), return_lse=True)
+        self._fi.merge_state_in_place(out[:m], lse[:m], o_pre, lse_pre)
+        return out.index_select(0, self._token_inv)
 
 
 def _require_cuda(device: torch.device) -> None:

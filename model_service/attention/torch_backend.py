@@ -1,23 +1,40 @@
 """Reference paged attention in plain PyTorch (CPU and CUDA).
 
-Per layer: scatter the step's new K/V into their slots, gather every sequence's context
-block by block (`index_select` over the flattened block axis), and run
-`scaled_dot_product_attention` with GQA, batched over sequences (padded, with masks).
+Per layer: scatter the step's new K/V into their slots, gather the context K/V the step
+attends over, and attend batched over sequences (padded, with masks).
 
-A step is split into at most two groups that are attended separately, so that a long
-prefill chunk does not pad every decode row of a mixed batch to its length:
+A step is split into a decode part (sequences with one new token) and an extend part
+(several new tokens: prefill, or a prefill chunk after a cached prefix), attended separately
+so that a long prefill chunk does not pad every decode row of a mixed batch to its length.
 
-- decode group: sequences with one new token; keys padded to the group's longest context,
-  a key-padding mask only when context lengths differ;
-- extend group: sequences with several new tokens (prefill or prefill chunk after a cached
-  prefix); queries padded to the longest chunk, a causal mask offset by each cached prefix.
-  A single sequence without cached prefix attends over its own new K/V with `is_causal=True`,
-  exactly the call dense attention makes.
+Decode. K/V are gathered token by token (rows of `cache.view(-1, head_dim)`) straight into a
+contiguous head-major `[seqs, kv_heads, len, head_dim]` buffer: SDPA runs 1.5-2x as fast on it
+as on the transposed view of a block-by-block gather, which more than pays for the finer
+gather. Padding positions of shorter contexts gather the sequence's own last token (finite:
+it is written before the gather) and are masked, so stale slots are never read and nothing
+needs zeroing. Decode sequences whose
+block tables start with the same physical blocks (a radix tree's shared prefix; see
+`shared_prefix_groups`) attend as a cascade, as FlashInfer does:
 
-Everything shared by the layers (gather indices, query padding indices, additive masks,
-rows to zero after the gather) is built once in `plan()`; `forward()` per layer only writes
-K/V, gathers into a grow-only scratch buffer, and calls SDPA. Gathered slots past a
-sequence's end are zeroed, so stale non-finite values there can never leak (0 * NaN).
+- the shared prefix once per group: all group members' queries (x the query heads of each KV
+  head) in one matmul over the prefix K/V, every group in one padded call;
+- each member's own suffix (the blocks after the shared ones, ragged, one padded call);
+- both partial results merged exactly with their log-sum-exp (FlashInfer's `merge_state`):
+  `lse = logaddexp(lse1, lse2)`, `o = o1 * exp(lse1 - lse) + o2 * exp(lse2 - lse)`.
+
+Whether a step's groups are worth it, and whether the suffixes and the ungrouped contexts go
+in one padded call or two, is decided in plan() by a cost model (K/V tokens read, padding
+included; see CASCADE_FIXED_TOKENS). Ungrouped decode sequences of a step without cascade are
+one SDPA call over their whole contexts (with GQA; a single sequence makes exactly the call
+dense attention makes, on the same contiguous layout).
+
+Extend: queries padded to the longest chunk, a causal mask offset by each cached prefix, K/V
+gathered block by block. A single sequence without cached prefix attends over its own new
+K/V with `is_causal=True`, exactly the call dense attention makes.
+
+Everything shared by the layers (gather indices, group membership, query/output permutations,
+additive masks) is built once in `plan()`; `forward()` per layer only writes K/V, gathers into
+a grow-only scratch buffer, and runs the matmuls / SDPA.
 """
 
 from __future__ import annotations
@@ -29,12 +46,24 @@ import torch
 import torch.nn.functional as F
 
 from model_service.attention.base import AttentionBackend, BatchLayout
-from model_service.attention.indexing import segments
+from model_service.attention.indexing import segments, shared_prefix_groups
+
+# Cascade cost model (bench/attention_bench.py measures it). Decode cost ~ K/V tokens gathered
+# and attended, padding included: without cascade every decode row pads to the longest context;
+# with it, each group's prefix once (padded to the longest shared prefix) plus every member's
+# suffix. The cascade is used when it costs less, with CASCADE_FIXED_TOKENS added for its extra
+# calls, and SPLIT_FIXED_TOKENS more when the suffixes and the ungrouped contexts are attended
+# in two calls instead of one padded call (chosen by the same model). A group needs >= 2 members
+# sharing >= CASCADE_MIN_SHARED_BLOCKS full blocks.
+CASCADE_MIN_SHARED_BLOCKS = 1
+CASCADE_FIXED_TOKENS = 1024
+SPLIT_FIXED_TOKENS = 512
+CASCADE_MODES = ("auto", "always", "never")
 
 
 @dataclass(slots=True)
 class _Group:
-    """Plan of one SDPA call over a subset of the step's sequences."""
+    """Plan of one SDPA call over a subset of the step's sequences (block-by-block gather)."""
 
     num_seqs: int
     max_query_len: int
@@ -57,18 +86,87 @@ class _Group:
     is_causal: bool
 
 
+@dataclass(slots=True)
+class _RowGather:
+    """K/V of `num_segs` token ranges, gathered into a contiguous [num_segs, Hkv, kv_len, D]."""
+
+    # Rows of `cache.view(-1, head_dim)` (slot * Hkv + kv head) in (segment, head, position)
+    # order; positions past a segment's length repeat its last token.
+    rows: torch.Tensor  # [num_segs * Hkv * kv_len] int64
+    num_segs: int
+    kv_len: int
+    attn_mask: torch.Tensor | None  # [num_segs, 1, 1, kv_len] additive; None: all segments full
+    offset: int = 0  # first row of this gather in the step's decode gather
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.rows.shape[0])
+
+
+@dataclass(slots=True)
+class _Cascade:
+    """Decode sequences sharing prefix blocks: prefix once per group, suffix per member, merged."""
+
+    members: torch.Tensor  # [num_members] decode positions of the grouped sequences, by group
+    num_groups: int
+    max_members: int  # group size the prefix queries are padded to
+    # Prefix queries [G, Hkv, max_members * r] = q[prefix_q_seq, prefix_q_head] (decode position,
+    # query head): KV head h of group g reads the r query heads h * r + j of each member, slots
+    # past a group's size repeat its first member (computed, never read back).
+    prefix_q_seq: torch.Tensor
+    prefix_q_head: torch.Tensor
+    # Each member's prefix result: o_prefix[pick_group, pick_head, pick_slot] -> [members, Hkv, r].
+    pick_group: torch.Tensor
+    pick_head: torch.Tensor
+    pick_slot: torch.Tensor
+    prefix: _RowGather  # one segment per group: its shared blocks
+    # Suffix call. combined: one segment per decode sequence in decode order, a member's being
+    # its context after the shared blocks, an ungrouped one's its whole context (one padded
+    # call for both); else one segment per member (members order), ungrouped ones go `plain`.
+    rest: _RowGather
+    combined: bool
+
+
+@dataclass(slots=True)
+class _Decode:
+    """Plan of the step's decode sequences (one new token each)."""
+
+    num_seqs: int
+    rows: torch.Tensor | None  # packed tokens of the decode sequences, None = all tokens
+    gather_rows: torch.Tensor  # [total] every cache row read: plain, prefix, suffix back to back
+    plain: _RowGather | None  # ungrouped sequences, one SDPA call over their whole contexts
+    plain_seqs: torch.Tensor | None  # their decode positions; None = all decode sequences
+    cascade: _Cascade | None
+
+
 class TorchAttentionBackend(AttentionBackend):
-    """Paged attention with `torch.nn.functional.scaled_dot_product_attention`."""
+    """Paged attention with `torch.nn.functional.scaled_dot_product_attention` and matmuls.
+
+    `cascade`: "auto" (default) attends decode sequences sharing prefix blocks as a cascade
+    when the cost model above says it is cheaper, "always" whenever such groups exist, "never"
+    not at all. `decode_gather="blocks"` plans decode sequences like extend ones (block-by-block
+    gather, SDPA on a transposed view, no cascade), the path before the cascade, kept for
+    comparisons (bench/attention_bench.py).
+    """
 
     name = "torch"
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, *, cascade: str = "auto",
+                 min_shared_blocks: int = CASCADE_MIN_SHARED_BLOCKS, decode_gather: str = "rows") -> None:
         super().__init__(num_q_heads, num_kv_heads, head_dim, block_size, dtype, device)
         if num_q_heads % num_kv_heads != 0:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        if decode_gather not in ("rows", "blocks"):
+            raise ValueError(f"decode_gather must be 'rows' or 'blocks', got {decode_gather!r}")
+        if cascade not in CASCADE_MODES:
+            raise ValueError(f"cascade must be one of {', '.join(CASCADE_MODES)}, got {cascade!r}")
         self._enable_gqa = num_q_heads != num_kv_heads
+        self.cascade = cascade if decode_gather == "rows" else "never"
+        self.min_shared_blocks = max(1, min_shared_blocks)
+        self.decode_gather = decode_gather
         self._slot_mapping: torch.Tensor | None = None
+        self._decode: _Decode | None = None
         self._groups: list[_Group] = []
         self._num_tokens = 0
         # Gather destinations, flat and grow-only: shared by every layer and group of a step and
@@ -78,7 +176,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ plan
     def plan(self, layout: BatchLayout) -> None:
-        """Build gather indices, padding indices and masks shared by all layers of the step."""
+        """Build gather indices, groups, permutations and masks shared by all layers of the step."""
         query_lens = layout.query_lens_cpu
         seq_lens = layout.seq_lens_cpu
         if not seq_lens or len(query_lens) != len(seq_lens):
@@ -91,28 +189,156 @@ class TorchAttentionBackend(AttentionBackend):
             raise ValueError(f"query lengths sum to {sum(query_lens)}, slot_mapping has {self._num_tokens}")
 
         qlens = torch.tensor(query_lens, dtype=torch.long)  # [batch]
+        slens = torch.tensor(seq_lens, dtype=torch.long)  # [batch]
         is_decode = qlens == 1  # [batch]
         num_decode = int(is_decode.sum())
         batch = len(query_lens)
+        self._decode, self._groups = None, []
         if num_decode == batch or num_decode == 0:
-            self._groups = [self._plan_group(layout, None, qlens, torch.tensor(seq_lens, dtype=torch.long))]
-            return
-        # Mixed step: decode rows and extend rows are attended separately.
-        starts = torch.cumsum(qlens, 0) - qlens  # [batch]
-        token_seq, _ = segments(qlens)  # [num_tokens] sequence of each packed token
-        slens = torch.tensor(seq_lens, dtype=torch.long)
-        dec_idx = torch.nonzero(is_decode).flatten()  # [num_decode]
-        ext_idx = torch.nonzero(~is_decode).flatten()  # [batch - num_decode]
-        dec_rows = starts[dec_idx]  # packed token of each decode sequence
-        ext_rows = torch.nonzero(~is_decode[token_seq]).flatten()  # packed tokens of extend sequences
-        self._groups = [
-            self._plan_group(layout, dec_idx, qlens[dec_idx], slens[dec_idx], dec_rows),
-            self._plan_group(layout, ext_idx, qlens[ext_idx], slens[ext_idx], ext_rows),
-        ]
+            if num_decode and self.decode_gather == "rows":
+                self._decode = self._plan_decode(layout, None, slens, None)
+            else:
+                self._groups = [self._plan_group(layout, None, qlens, slens)]
+        else:
+            # Mixed step: decode rows and extend rows are attended separately.
+            starts = torch.cumsum(qlens, 0) - qlens  # [batch]
+            token_seq, _ = segments(qlens)  # [num_tokens] sequence of each packed token
+            dec_idx = torch.nonzero(is_decode).flatten()  # [num_decode]
+            ext_idx = torch.nonzero(~is_decode).flatten()  # [batch - num_decode]
+            dec_rows = starts[dec_idx]  # packed token of each decode sequence
+            ext_rows = torch.nonzero(~is_decode[token_seq]).flatten()  # packed tokens of extend sequences
+            if self.decode_gather == "rows":
+                self._decode = self._plan_decode(layout, dec_idx, slens[dec_idx], dec_rows)
+            else:
+                self._groups.append(self._plan_group(layout, dec_idx, qlens[dec_idx], slens[dec_idx], dec_rows))
+            self._groups.append(self._plan_group(layout, ext_idx, qlens[ext_idx], slens[ext_idx], ext_rows))
+        # One scratch for the step: the decode gathers side by side, each extend group's gather
+        # from the start (run one after another, each consumed before the next one).
+        need = [g.num_seqs * g.num_ctx_blocks * self.block_size * self.num_kv_heads * self.head_dim
+                for g in self._groups]
+        if self._decode is not None:
+            need.append(int(self._decode.gather_rows.shape[0]) * self.head_dim)
+        numel = max(need)
+        if self._k_scratch is None or self._k_scratch.numel() < numel:
+            self._k_scratch = torch.empty(numel, dtype=self.dtype, device=self.device)
+            self._v_scratch = torch.empty(numel, dtype=self.dtype, device=self.device)
+
+    def _plan_decode(self, layout: BatchLayout, seq_idx: torch.Tensor | None, slens: torch.Tensor,
+                     rows: torch.Tensor | None) -> _Decode:
+        """Plan the decode sequences `seq_idx` (None = all): cascade groups and plain SDPA."""
+        dev, bs, hkv = self.device, self.block_size, self.num_kv_heads
+        n = int(slens.shape[0])
+        nb = -(-int(slens.max()) // bs)
+        tables = layout.block_tables
+        if nb > tables.shape[1]:
+            raise ValueError(f"a sequence of {int(slens.max())} tokens needs {nb} blocks, "
+                             f"block_tables has {tables.shape[1]}")
+        if seq_idx is not None:
+            tables = tables.index_select(0, seq_idx.to(tables.device))
+        tables = tables[:, :nb].to("cpu", torch.long)  # [n, nb]
+
+        group = shared = None
+        if self.cascade != "never" and n >= 2:
+            # Shareable: full blocks before the one this step's token is written to.
+            group, shared = shared_prefix_groups(tables, (slens - 1) // bs, self.min_shared_blocks)
+        combined = False
+        if group is not None and shared is not None and shared.numel():
+            combined, worth = self._cascade_cost(group, shared, slens)
+            if not (worth or self.cascade == "always"):
+                group = shared = None
+        if group is None or shared is None or shared.numel() == 0:
+            plain = self._row_gather(tables, torch.zeros(n, dtype=torch.long), slens)
+            return _Decode(num_seqs=n, rows=_to(rows, dev), gather_rows=plain.rows, plain=plain,
+                           plain_seqs=None, cascade=None)
+
+        num_groups = int(shared.shape[0])
+        sizes = torch.bincount(group[group >= 0], minlength=num_groups)  # [G]
+        first = torch.cumsum(sizes, 0) - sizes  # [G] first member of each group in `members`
+        members = torch.argsort(torch.where(group >= 0, group, num_groups), stable=True)[:int(sizes.sum())]
+        member_group = group[members]  # [num_members]
+        rank = torch.arange(members.shape[0]) - first[member_group]  # [num_members] rank in its group
+        gm, r = int(sizes.max()), self.num_q_heads // hkv
+        # Prefix query slot (g, h, m * r + j) <- member first[g] + min(m, size - 1), head h * r + j.
+        slot_member = first[:, None] + torch.minimum(torch.arange(gm)[None, :], sizes[:, None] - 1)  # [G, gm]
+        prefix_q_seq = members[slot_member][:, None, :, None].expand(num_groups, hkv, gm, r)
+        prefix_q_head = (torch.arange(hkv)[:, None, None] * r + torch.arange(r)[None, None, :]).expand(hkv, gm, r)
+        pick_head = torch.arange(hkv)[None, :, None]  # [1, Hkv, 1]
+        pick_slot = (rank[:, None, None] * r + torch.arange(r)[None, None, :])  # [members, 1, r]
+
+        prefix_len = shared * bs  # [G] tokens
+        # Group g's prefix: its first member's leading blocks (identical for every member).
+        prefix = self._row_gather(tables[members[first]], torch.zeros(num_groups, dtype=torch.long), prefix_len)
+        start = torch.where(group >= 0, prefix_len[group.clamp(min=0)], 0)  # [n] first position after the prefix
+        plain = plain_seqs = None
+        if combined:
+            parts = [prefix, self._row_gather(tables, start, slens - start)]
+        else:
+            parts = [prefix, self._row_gather(tables[members], start[members], slens[members] - start[members])]
+            ungrouped = torch.nonzero(group < 0).flatten()
+            if ungrouped.numel():
+                plain = self._row_gather(tables[ungrouped], torch.zeros(ungrouped.shape[0], dtype=torch.long),
+                                         slens[ungrouped])
+                plain_seqs = ungrouped
+                parts.append(plain)
+        offset = 0
+        for part in parts:
+            part.offset = offset
+            offset += part.num_rows
+        cascade = _Cascade(
+            members=_to(members, dev), num_groups=num_groups, max_members=gm,
+            prefix_q_seq=_to(prefix_q_seq.reshape(num_groups, hkv, gm * r), dev),
+            prefix_q_head=_to(prefix_q_head.reshape(1, hkv, gm * r), dev),
+            pick_group=_to(member_group[:, None, None], dev), pick_head=_to(pick_head, dev),
+            pick_slot=_to(pick_slot, dev), prefix=prefix, rest=parts[1], combined=combined)
+        return _Decode(num_seqs=n, rows=_to(rows, dev), gather_rows=torch.cat([p.rows for p in parts]),
+                       plain=plain, plain_seqs=_to(plain_seqs, dev), cascade=cascade)
+
+    def _cascade_cost(self, group: torch.Tensor, shared: torch.Tensor, slens: torch.Tensor) -> tuple[bool, bool]:
+        """(one combined suffix call?, cascade cheaper than none?) by the cost model above.
+
+        group [n], shared [G] (blocks), slens [n]: host int64. Costs are K/V tokens gathered and
+        attended, padding included.
+        """
+        grouped = group >= 0
+        prefix_len = shared * self.block_size  # [G]
+        rest = slens - torch.where(grouped, prefix_len[group.clamp(min=0)], 0)  # [n] suffix or whole context
+        n, num_members = int(slens.shape[0]), int(grouped.sum())
+        combined_cost = n * int(rest.max())
+        split_cost = num_members * int(rest[grouped].max())
+        if num_members < n:
+            split_cost += (n - num_members) * int(slens[~grouped].max()) + SPLIT_FIXED_TOKENS
+        cascade_cost = (CASCADE_FIXED_TOKENS + int(shared.shape[0]) * int(prefix_len.max())
+                        + min(combined_cost, split_cost))
+        return combined_cost <= split_cost, cascade_cost < n * int(slens.max())
+
+    def _row_gather(self, tables: torch.Tensor, start: torch.Tensor, length: torch.Tensor) -> _RowGather:
+        """Gather plan of positions start[i] : start[i] + length[i] of table row i.
+
+        `tables` [m, nb], `start` [m] (block-aligned), `length` [m] (>= 1): host int64. Built
+        per block, so that only three ops touch tensors of the gather's size.
+        """
+        bs, hkv = self.block_size, self.num_kv_heads
+        m, span = int(length.shape[0]), int(length.max())
+        nbs = -(-span // bs)
+        first = start // bs  # [m]
+        last = (start + length - 1) // bs  # [m] block column of each segment's last token
+        cols = torch.minimum(first[:, None] + torch.arange(nbs)[None, :], last[:, None])  # [m, nbs]
+        base = tables.gather(1, cols) * (bs * hkv)  # [m, nbs] row of slot 0, head 0 of each block
+        within = torch.arange(bs)[None, :] * hkv + torch.arange(hkv)[:, None]  # [Hkv, bs]
+        rows = (base[:, None, :, None] + within[None, :, None, :]).view(m, hkv, nbs * bs)[:, :, :span]
+        attn_mask = None
+        if bool((length != span).any()):
+            valid = torch.arange(span)[None, :] < length[:, None]  # [m, span]
+            # Positions past a segment's end read its last token (finite), masked out.
+            last_row = tables.gather(1, last[:, None]) * (bs * hkv) + ((start + length - 1) % bs)[:, None] * hkv
+            rows = torch.where(valid[:, None, :], rows, last_row[:, :, None] + torch.arange(hkv)[None, :, None])
+            attn_mask = self._additive(valid)[:, None, None, :]  # [m, 1, 1, span]
+        return _RowGather(rows=rows.reshape(-1).to(self.device, non_blocking=True), num_segs=m, kv_len=span,
+                          attn_mask=_to(attn_mask, self.device))
 
     def _plan_group(self, layout: BatchLayout, seq_idx: torch.Tensor | None, qlens: torch.Tensor,
                     slens: torch.Tensor, rows: torch.Tensor | None = None) -> _Group:
-        """Plan one SDPA call for the sequences `seq_idx` (None = all, in order)."""
+        """Plan one SDPA call for the sequences `seq_idx` (None = all, in order), block-by-block gather."""
         dev = self.device
         n = int(qlens.shape[0])
         max_q = int(qlens.max())
@@ -157,10 +383,6 @@ class TorchAttentionBackend(AttentionBackend):
             pad_seq, pad_pos = (pos[None, :] >= slens[:, None]).nonzero(as_tuple=True)  # [num_padded] each
             pad_rows = pad_seq * (nb * self.block_size) + pad_pos
 
-        numel = n * nb * self.block_size * self.num_kv_heads * self.head_dim
-        if self._k_scratch is None or self._k_scratch.numel() < numel:
-            self._k_scratch = torch.empty(numel, dtype=self.dtype, device=dev)
-            self._v_scratch = torch.empty(numel, dtype=self.dtype, device=dev)
         return _Group(
             num_seqs=n, max_query_len=max_q, rows=_to(rows, dev), q_pad_index=_to(q_pad_index, dev),
             out_index=_to(out_index, dev), block_ids=block_ids, num_ctx_blocks=nb, kv_len=kv_len,
@@ -184,9 +406,15 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, self._slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, self._slot_mapping, v)
 
-        if len(self._groups) == 1:
+        d = self._decode
+        if d is not None and not self._groups:
+            return self._attend_decode(d, q, k_cache, v_cache, scale)
+        if d is None and len(self._groups) == 1:
             return self._attend(self._groups[0], q, k, v, k_cache, v_cache, scale)
         out = q.new_empty(q.shape[0], self.num_q_heads, self.head_dim)  # [num_tokens, Hq, D]
+        if d is not None:
+            assert d.rows is not None
+            out.index_copy_(0, d.rows, self._attend_decode(d, q.index_select(0, d.rows), k_cache, v_cache, scale))
         for group in self._groups:
             rows = group.rows
             assert rows is not None
@@ -197,9 +425,60 @@ class TorchAttentionBackend(AttentionBackend):
             out.index_copy_(0, rows, self._attend(group, q.index_select(0, rows), gk, gv, k_cache, v_cache, scale))
         return out
 
+    def _attend_decode(self, d: _Decode, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+        """Decode attention. q: [num_decode, Hq, D] in decode order; returns the same shape."""
+        assert self._k_scratch is not None and self._v_scratch is not None
+        hd = self.head_dim
+        # Every K/V row the decode part reads, in one gather each (K, V).
+        total = int(d.gather_rows.shape[0])
+        k_rows = self._k_scratch[:total * hd].view(total, hd)
+        v_rows = self._v_scratch[:total * hd].view(total, hd)
+        torch.index_select(k_cache.view(-1, hd), 0, d.gather_rows, out=k_rows)
+        torch.index_select(v_cache.view(-1, hd), 0, d.gather_rows, out=v_rows)
+
+        def kv(g: _RowGather) -> tuple[torch.Tensor, torch.Tensor]:  # [num_segs, Hkv, kv_len, D] each
+            shape = (g.num_segs, self.num_kv_heads, g.kv_len, hd)
+            return (k_rows[g.offset:g.offset + g.num_rows].view(shape),
+                    v_rows[g.offset:g.offset + g.num_rows].view(shape))
+
+        c = d.cascade
+        if c is None:
+            assert d.plain is not None
+            return self._attend_plain(d.plain, q, *kv(d.plain), scale)
+        hkv, r = self.num_kv_heads, self.num_q_heads // self.num_kv_heads
+        # Prefix: the r heads of every member of group g that read KV head h form one query block.
+        qg = q[c.prefix_q_seq, c.prefix_q_head]  # [G, Hkv, max_members * r, D]
+        o_pre, lse_pre = _attention_lse(qg, *kv(c.prefix), c.prefix.attn_mask, scale)  # [G, Hkv, gm * r, (D)]
+        o_pre = o_pre[c.pick_group, c.pick_head, c.pick_slot]  # [members, Hkv, r, D]
+        lse_pre = lse_pre[c.pick_group, c.pick_head, c.pick_slot]  # [members, Hkv, r]
+        # The rest: members over their own blocks after the shared ones (query head h * r + j
+        # reads KV head h), in the combined call ungrouped sequences over their whole context.
+        if c.combined:
+            o_rest, lse_rest = _attention_lse(q.reshape(-1, hkv, r, hd), *kv(c.rest), c.rest.attn_mask, scale)
+            out = o_rest.reshape(d.num_seqs, self.num_q_heads, hd)  # ungrouped rows are final
+            o_suf, lse_suf = o_rest.index_select(0, c.members), lse_rest.index_select(0, c.members)
+        else:
+            q_suf = q.index_select(0, c.members).view(-1, hkv, r, hd)  # [members, Hkv, r, D]
+            o_suf, lse_suf = _attention_lse(q_suf, *kv(c.rest), c.rest.attn_mask, scale)
+            out = q.new_empty(d.num_seqs, self.num_q_heads, hd)
+            if d.plain is not None:
+                assert d.plain_seqs is not None
+                plain_q = q.index_select(0, d.plain_seqs)
+                out.index_copy_(0, d.plain_seqs, self._attend_plain(d.plain, plain_q, *kv(d.plain), scale))
+        merged = _merge_states(o_pre, lse_pre, o_suf, lse_suf)  # [members, Hkv, r, D]
+        return out.index_copy_(0, c.members, merged.view(-1, self.num_q_heads, hd))
+
+    def _attend_plain(self, g: _RowGather, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+        """One query per segment over its gathered context. q: [n, Hq, D] -> [n, Hq, D]."""
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=g.attn_mask, scale=scale,
+                                             enable_gqa=self._enable_gqa)  # [n, Hq, 1, D]
+        return out.squeeze(2)
+
     def _attend(self, g: _Group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """SDPA for one group. q: [group_tokens, Hq, D]; returns [group_tokens, Hq, D]."""
+        """SDPA for one block-gathered group. q: [group_tokens, Hq, D]; returns [group_tokens, Hq, D]."""
         n, max_q = g.num_seqs, g.max_query_len
         if g.block_ids is None:
             keys = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
@@ -233,6 +512,56 @@ class TorchAttentionBackend(AttentionBackend):
         if g.out_index is not None:
             out = out.index_select(0, g.out_index)  # [group_tokens, Hq, D]
         return out
+
+
+def _attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention and its log-sum-exp (natural log), no causal mask.
+
+    q: [B, H, M, D]; k, v: [B, H, L, D] contiguous; attn_mask: additive, broadcastable to
+    [B, H, M, L], no row fully masked. Returns o [B, H, M, D], lse [B, H, M]. On CPU this is
+    torch's flash kernel, which returns the log-sum-exp (one fused call); else two bmm.
+    """
+    if q.device.type == "cpu" and _FLASH_CPU is not None:
+        out, lse = _FLASH_CPU(q, k, v, attn_mask=attn_mask, scale=scale)
+        return out, lse
+    return _attention_lse_matmul(q, k, v, attn_mask, scale)
+
+
+def _attention_lse_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_attention_lse` with two matmuls and an explicit softmax (any device; the softmax in
+    float32 for 16-bit inputs). Returns o in q's dtype, lse in float32."""
+    s = torch.matmul(q, k.transpose(-1, -2))  # [B, H, M, L]
+    if s.dtype in _HALF:
+        s = s.float()
+    s.mul_(scale)
+    if attn_mask is not None:
+        s.add_(attn_mask)
+    m = s.amax(-1, keepdim=True)  # [B, H, M, 1]
+    s.sub_(m).exp_()
+    denom = s.sum(-1, keepdim=True)
+    out = torch.matmul(s.to(v.dtype), v).to(s.dtype).div_(denom).to(q.dtype)
+    return out, (m + denom.log()).squeeze(-1)
+
+
+_HALF = (torch.float16, torch.bfloat16)
+# torch's CPU flash attention returning (out, logsumexp); private, so optional.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _merge_states(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
+                  lse2: torch.Tensor) -> torch.Tensor:
+    """Attention over the union of two disjoint key sets from the parts (FlashInfer's merge_state).
+
+    o: [..., D], lse: [...] natural-log log-sum-exp of each part's scaled scores. With
+    lse = logaddexp(lse1, lse2): o = o1 * exp(lse1 - lse) + o2 * exp(lse2 - lse), written as
+    o2 + w * (o1 - o2) with w = exp(lse1 - lse) = sigmoid(lse1 - lse2).
+    """
+    w = torch.sigmoid(lse1 - lse2).unsqueeze(-1)
+    if o1.dtype not in _HALF:
+        return torch.lerp(o2, o1, w.to(o1.dtype))
+    return torch.lerp(o2.float(), o1.float(), w.float()).to(o1.dtype)
 
 
 def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

@@ -1,7 +1,8 @@
 """A strict CPU stand-in for the parts of flashinfer-python 0.7.x the backend calls.
 
 Signatures follow flashinfer 0.7.2 (`BatchPrefillWithPagedKVCacheWrapper.plan/run`,
-`BatchDecodeWithPagedKVCacheWrapper.plan/run`, `append_paged_kv_cache`); the semantics are
+`BatchDecodeWithPagedKVCacheWrapper.plan/run` with `return_lse`, `append_paged_kv_cache`,
+`merge_state_in_place`; log-sum-exps are base 2, as FlashInfer's are); the semantics are
 the documented ones, computed naively per sequence. It checks what the real kernels silently
 get wrong: int32 index arrays, `1 <= last_page_len <= page_size`, the planned dtypes, the
 NHD layout, positional arguments the 0.7 decode plan() deprecates. It lets the backend's
@@ -36,8 +37,10 @@ def _context(cache: torch.Tensor, pages: torch.Tensor, kv_len: int) -> torch.Ten
     return cache[pages.long()].reshape(-1, cache.shape[2], cache.shape[3])[:kv_len]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """q [ql, Hq, D], k/v [kv, Hkv, D] -> [ql, Hq, D], bottom-right aligned causal mask."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [ql, Hq, D], k/v [kv, Hkv, D] -> ([ql, Hq, D], base-2 lse [ql, Hq] float32),
+    bottom-right aligned causal mask."""
     group = q.shape[1] // k.shape[1]
     qq = q.double().transpose(0, 1)  # [Hq, ql, D]
     kk = k.double().repeat_interleave(group, 1).transpose(0, 1)
@@ -47,7 +50,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
         ql, kv = q.shape[0], k.shape[0]
         q_pos = torch.arange(kv - ql, kv)[:, None]
         s = s.masked_fill(torch.arange(kv)[None, :] > q_pos, float("-inf"))
-    return (s.softmax(-1) @ vv).transpose(0, 1).to(q.dtype)
+    lse2 = (torch.logsumexp(s, -1) / math.log(2)).transpose(0, 1).float()  # [ql, Hq]
+    return (s.softmax(-1) @ vv).transpose(0, 1).to(q.dtype), lse2
+
+
+def _result(out: torch.Tensor, lse: torch.Tensor, return_lse: bool):
+    assert lse.dtype == torch.float32
+    return (out, lse) if return_lse else out
 
 
 class _Wrapper:
@@ -86,19 +95,21 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
                             sm_scale=sm_scale if sm_scale is not None else 1 / math.sqrt(head_dim_qk),
                             q_data_type=q_data_type, kv_data_type=kv_data_type or q_data_type)
 
-    def run(self, q, paged_kv_cache, *args, **kwargs) -> torch.Tensor:
+    def run(self, q, paged_kv_cache, *args, return_lse: bool = False, **kwargs):
         calls.append("prefill.run")
+        assert not args, "0.7 takes run() options by keyword"
         k_cache, v_cache = self._unpack(q, paged_kv_cache)
         p = self.planned
         assert q.shape[0] == int(p["qo_indptr"][-1])
         out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32)
         for i in range(len(p["last"])):
             pages = p["indices"][p["indptr"][i]:p["indptr"][i + 1]]
             kv_len = (len(pages) - 1) * p["page_size"] + int(p["last"][i])
             a, b = int(p["qo_indptr"][i]), int(p["qo_indptr"][i + 1])
-            out[a:b] = _attend(q[a:b], _context(k_cache, pages, kv_len), _context(v_cache, pages, kv_len),
-                               p["sm_scale"], p["causal"])
-        return out
+            out[a:b], lse[a:b] = _attend(q[a:b], _context(k_cache, pages, kv_len),
+                                         _context(v_cache, pages, kv_len), p["sm_scale"], p["causal"])
+        return _result(out, lse, return_lse)
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
@@ -118,18 +129,34 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
                             sm_scale=kwargs.get("sm_scale") or 1 / math.sqrt(head_dim), q_data_type=q_dtype,
                             kv_data_type=kwargs.get("kv_data_type") or q_dtype)
 
-    def run(self, q, paged_kv_cache, *args, **kwargs) -> torch.Tensor:
+    def run(self, q, paged_kv_cache, *args, return_lse: bool = False, **kwargs):
         calls.append("decode.run")
+        assert not args, "0.7 takes run() options by keyword"
         k_cache, v_cache = self._unpack(q, paged_kv_cache)
         p = self.planned
         assert q.shape[0] == len(p["last"]), "decode takes one query per sequence"
         out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32)
         for i in range(len(p["last"])):
             pages = p["indices"][p["indptr"][i]:p["indptr"][i + 1]]
             kv_len = (len(pages) - 1) * p["page_size"] + int(p["last"][i])
-            out[i:i + 1] = _attend(q[i:i + 1], _context(k_cache, pages, kv_len), _context(v_cache, pages, kv_len),
-                                   p["sm_scale"], causal=False)
-        return out
+            out[i:i + 1], lse[i:i + 1] = _attend(q[i:i + 1], _context(k_cache, pages, kv_len),
+                                                 _context(v_cache, pages, kv_len), p["sm_scale"], causal=False)
+        return _result(out, lse, return_lse)
+
+
+def merge_state_in_place(v, s, v_other, s_other, mask=None) -> None:
+    """(v, s) <- merge of (v, s) and (v_other, s_other); s base-2 log-sum-exps, float32."""
+    calls.append("merge_state_in_place")
+    assert mask is None
+    assert v.shape == v_other.shape and v.dim() == 3 and s.shape == s_other.shape == v.shape[:2]
+    assert s.dtype == s_other.dtype == torch.float32 and v.dtype == v_other.dtype
+    assert v.is_contiguous() and s.is_contiguous(), "merged in place: must be plain (contiguous) views"
+    s_max = torch.maximum(s, s_other)
+    w, w_other = torch.exp2(s - s_max), torch.exp2(s_other - s_max)
+    total = w + w_other
+    v.copy_(((v.double() * (w / total)[..., None] + v_other.double() * (w_other / total)[..., None])).to(v.dtype))
+    s.copy_(s_max + torch.log2(total))
 
 
 def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices,

@@ -36,7 +36,8 @@ class PagedCase:
 def make_case(seq_lens: list[int], query_lens: list[int], *, block_size: int, num_q_heads: int,
               num_kv_heads: int, head_dim: int, seed: int = 0, layout_seed: int | None = None,
               spare_blocks: int = 3, garbage: float | None = None, dtype: torch.dtype = torch.float32,
-              device: str | torch.device = "cpu") -> PagedCase:
+              device: str | torch.device = "cpu", group_of: list[int] | None = None,
+              shared_blocks: list[int] | None = None) -> PagedCase:
     """Build a step whose sequences own shuffled, non-contiguous blocks of one pool.
 
     Sequence i has `seq_lens[i]` context tokens of which the last `query_lens[i]` are new;
@@ -44,13 +45,31 @@ def make_case(seq_lens: list[int], query_lens: list[int], *, block_size: int, nu
     `layout_seed` (default `seed`) picks the blocks, `seed` the tensor values, so cases with
     one layout seed are the same step seen by different layers. `garbage` (e.g. NaN) fills
     every slot that holds no cached token instead of random values.
+
+    Shared prefixes, as a radix tree hands them out: with `group_of` (a group id per
+    sequence, -1 for none) and `shared_blocks` (per group), the members of group g start with
+    the same `shared_blocks[g]` physical blocks holding the same K/V; each member's cached
+    prefix must cover them (`seq_len - query_len >= shared_blocks[g] * block_size`).
     """
     assert len(seq_lens) == len(query_lens)
+    group_of = list(group_of) if group_of is not None else [-1] * len(seq_lens)
+    shared_blocks = list(shared_blocks or [])
+    assert len(group_of) == len(seq_lens) and max(group_of, default=-1) < len(shared_blocks)
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + spare_blocks
+    own_blocks = [nb - (shared_blocks[g] if g >= 0 else 0) for nb, g in zip(blocks_per_seq, group_of, strict=True)]
+    for s, ql, g in zip(seq_lens, query_lens, group_of, strict=True):
+        assert g < 0 or s - ql >= shared_blocks[g] * block_size, "a shared block must be cached, full"
+    num_blocks = sum(own_blocks) + sum(shared_blocks) + spare_blocks
     layout_gen = torch.Generator().manual_seed(seed if layout_seed is None else layout_seed)
     perm = torch.randperm(num_blocks, generator=layout_gen)
     gen = torch.Generator().manual_seed(seed)
+    # Each group's shared blocks and their K/V (the members' common first tokens).
+    group_tables, group_k, group_v, used = [], [], [], 0
+    for nb in shared_blocks:
+        group_tables.append(perm[used:used + nb])
+        used += nb
+        group_k.append(torch.randn(nb * block_size, num_kv_heads, head_dim, generator=gen))
+        group_v.append(torch.randn(nb * block_size, num_kv_heads, head_dim, generator=gen))
     width = max(blocks_per_seq) + 1  # one padding column, as a real scheduler may have
     block_tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -60,13 +79,17 @@ def make_case(seq_lens: list[int], query_lens: list[int], *, block_size: int, nu
         k_cache.fill_(garbage)
         v_cache.fill_(garbage)
     full_k, full_v, slots, news_k, news_v = [], [], [], [], []
-    used = 0
     for i, (s, ql) in enumerate(zip(seq_lens, query_lens, strict=True)):
-        table = perm[used:used + blocks_per_seq[i]]
-        used += blocks_per_seq[i]
-        block_tables[i, :len(table)] = table.to(torch.int32)
+        g = group_of[i]
+        table = perm[used:used + own_blocks[i]]
+        used += own_blocks[i]
         kk = torch.randn(s, num_kv_heads, head_dim, generator=gen)
         vv = torch.randn(s, num_kv_heads, head_dim, generator=gen)
+        if g >= 0:
+            table = torch.cat([group_tables[g], table])
+            kk[:len(group_k[g])] = group_k[g]
+            vv[:len(group_v[g])] = group_v[g]
+        block_tables[i, :len(table)] = table.to(torch.int32)
         pos = torch.arange(s)
         seq_slots = table[pos // block_size] * block_size + pos % block_size  # [s]
         prefix = s - ql

@@ -110,3 +110,42 @@ def test_append_coordinates_match_flashinfer_helper(flashinfer):
         case.layout.query_start_loc, case.layout.seq_lens, case.layout.num_tokens)
     assert torch.equal(batch_indices.cpu(), table.batch_indices)
     assert torch.equal(positions.cpu(), table.positions)
+
+
+CASCADE_SCENARIOS = {  # name: (seq_lens, query_lens, group_of, shared_blocks) at block size 16
+    # The issue's shape: 4 groups x 8 sharing a 1024-token prefix, 32-token questions + generated.
+    "4x8_shared_1024": ([1024 + 32 + (7 * i) % 64 + 1 for i in range(32)], [1] * 32,
+                        [i // 8 for i in range(32)], [64] * 4),
+    # Groups of different sizes and prefixes, unshared decodes and prefill chunks in one step.
+    "mixed": ([300, 290, 45, 310, 200, 205, 80, 33, 199], [1, 1, 12, 1, 1, 1, 80, 1, 1],
+              [0, 0, -1, 0, 1, 1, -1, -1, 1], [16, 8]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", list(CASCADE_SCENARIOS))
+def test_cascade_matches_torch_backend(flashinfer, name, dtype):
+    """FlashInfer's two-level cascade (shared prefix once per group + own pages, merge_state)
+    against the torch backend (its own cascade) and the dense reference."""
+    seq_lens, query_lens, group_of, shared = CASCADE_SCENARIOS[name]
+    hq, hkv, d, bs = 9, 3, 64, 16
+    scale = 1.0 / math.sqrt(d)
+    case = make_case(seq_lens, query_lens, block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                     dtype=dtype, device="cuda", group_of=group_of, shared_blocks=shared)
+    fi = create_attention_backend("flashinfer", hq, hkv, d, bs, dtype, torch.device("cuda"))
+    fi.cascade_min_saved_tokens = 0
+    ref = TorchAttentionBackend(hq, hkv, d, bs, dtype, torch.device("cuda"))
+    (out, k_cache, v_cache), (ref_out, _, _) = run_both(fi, ref, case, scale)
+    assert fi._cascade is not None and fi._cascade.num_members == sum(g >= 0 for g in group_of)
+    assert ref._decode is not None and ref._decode.cascade is not None
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.double(), reference_attention(case, scale), rtol=tol, atol=tol)
+    k_exp, v_exp = case.expected_caches()
+    assert torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp)
+    # The same step without the cascade: same answer.
+    plain = create_attention_backend("flashinfer", hq, hkv, d, bs, dtype, torch.device("cuda"))
+    plain.cascade = False
+    (plain_out, _, _), _ = run_both(plain, ref, case, scale)
+    assert plain._cascade is None
+    torch.testing.assert_close(out.float(), plain_out.float(), rtol=tol, atol=tol)

@@ -109,15 +109,21 @@ def test_fast_paths_are_planned():
     backend = TorchAttentionBackend(9, 3, 64, 16, torch.float32, torch.device("cpu"))
     backend.plan(make_case([30], [30], **mk).layout)
     (g,) = backend._groups
+    assert backend._decode is None
     assert g.block_ids is None and g.is_causal and g.attn_mask is None  # dense causal, no gather
     backend.plan(make_case([20, 20, 20], [1, 1, 1], **mk).layout)
-    (g,) = backend._groups
-    assert g.attn_mask is None and g.num_ctx_blocks == 2 and g.kv_len == 20  # equal lengths: no mask
+    d = backend._decode
+    assert not backend._groups and d.cascade is None and d.rows is None and d.plain_seqs is None
+    assert d.plain.attn_mask is None and d.plain.kv_len == 20  # equal lengths: no mask
     backend.plan(make_case([20, 33], [1, 1], **mk).layout)
-    (g,) = backend._groups
-    assert g.attn_mask is not None and g.attn_mask.shape == (2, 1, 1, 33)  # key padding only
+    assert backend._decode.plain.attn_mask.shape == (2, 1, 1, 33)  # key padding only
     backend.plan(make_case([20, 33, 40], [1, 30, 1], **mk).layout)
-    assert [grp.max_query_len for grp in backend._groups] == [1, 30]  # decode rows not padded to 30
+    (g,) = backend._groups
+    assert g.max_query_len == 30 and backend._decode.num_seqs == 2  # decode rows not padded to 30
+    # The pre-cascade path, kept for comparisons: decode planned like an extend group.
+    legacy = TorchAttentionBackend(9, 3, 64, 16, torch.float32, torch.device("cpu"), decode_gather="blocks")
+    legacy.plan(make_case([20, 33, 40], [1, 30, 1], **mk).layout)
+    assert legacy._decode is None and [grp.max_query_len for grp in legacy._groups] == [1, 30]
 
 
 def test_plan_is_shared_by_layers():

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from model_service.attention.base import AttentionBackend, BatchLayout
 from model_service.attention.indexing import segments, shared_prefix_groups
+from model_service.attention.merge_state import attention_with_lse, merge_states
 
 # Cascade cost model (bench/attention_bench.py measures it). Decode cost ~ K/V tokens gathered
 # and attended, padding included: without cascade every decode row pads to the longest context;
@@ -449,24 +450,24 @@ class TorchAttentionBackend(AttentionBackend):
         hkv, r = self.num_kv_heads, self.num_q_heads // self.num_kv_heads
         # Prefix: the r heads of every member of group g that read KV head h form one query block.
         qg = q[c.prefix_q_seq, c.prefix_q_head]  # [G, Hkv, max_members * r, D]
-        o_pre, lse_pre = _attention_lse(qg, *kv(c.prefix), c.prefix.attn_mask, scale)  # [G, Hkv, gm * r, (D)]
+        o_pre, lse_pre = attention_with_lse(qg, *kv(c.prefix), c.prefix.attn_mask, scale)  # [G, Hkv, gm * r, (D)]
         o_pre = o_pre[c.pick_group, c.pick_head, c.pick_slot]  # [members, Hkv, r, D]
         lse_pre = lse_pre[c.pick_group, c.pick_head, c.pick_slot]  # [members, Hkv, r]
         # The rest: members over their own blocks after the shared ones (query head h * r + j
         # reads KV head h), in the combined call ungrouped sequences over their whole context.
         if c.combined:
-            o_rest, lse_rest = _attention_lse(q.reshape(-1, hkv, r, hd), *kv(c.rest), c.rest.attn_mask, scale)
+            o_rest, lse_rest = attention_with_lse(q.reshape(-1, hkv, r, hd), *kv(c.rest), c.rest.attn_mask, scale)
             out = o_rest.reshape(d.num_seqs, self.num_q_heads, hd)  # ungrouped rows are final
             o_suf, lse_suf = o_rest.index_select(0, c.members), lse_rest.index_select(0, c.members)
         else:
             q_suf = q.index_select(0, c.members).view(-1, hkv, r, hd)  # [members, Hkv, r, D]
-            o_suf, lse_suf = _attention_lse(q_suf, *kv(c.rest), c.rest.attn_mask, scale)
+            o_suf, lse_suf = attention_with_lse(q_suf, *kv(c.rest), c.rest.attn_mask, scale)
             out = q.new_empty(d.num_seqs, self.num_q_heads, hd)
             if d.plain is not None:
                 assert d.plain_seqs is not None
                 plain_q = q.index_select(0, d.plain_seqs)
                 out.index_copy_(0, d.plain_seqs, self._attend_plain(d.plain, plain_q, *kv(d.plain), scale))
-        merged = _merge_states(o_pre, lse_pre, o_suf, lse_suf)  # [members, Hkv, r, D]
+        merged = merge_states(o_pre, lse_pre, o_suf, lse_suf)  # [members, Hkv, r, D]
         return out.index_copy_(0, c.members, merged.view(-1, self.num_q_heads, hd))
 
     def _attend_plain(self, g: _RowGather, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -512,56 +513,6 @@ class TorchAttentionBackend(AttentionBackend):
         if g.out_index is not None:
             out = out.index_select(0, g.out_index)  # [group_tokens, Hq, D]
         return out
-
-
-def _attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention and its log-sum-exp (natural log), no causal mask.
-
-    q: [B, H, M, D]; k, v: [B, H, L, D] contiguous; attn_mask: additive, broadcastable to
-    [B, H, M, L], no row fully masked. Returns o [B, H, M, D], lse [B, H, M]. On CPU this is
-    torch's flash kernel, which returns the log-sum-exp (one fused call); else two bmm.
-    """
-    if q.device.type == "cpu" and _FLASH_CPU is not None:
-        out, lse = _FLASH_CPU(q, k, v, attn_mask=attn_mask, scale=scale)
-        return out, lse
-    return _attention_lse_matmul(q, k, v, attn_mask, scale)
-
-
-def _attention_lse_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_attention_lse` with two matmuls and an explicit softmax (any device; the softmax in
-    float32 for 16-bit inputs). Returns o in q's dtype, lse in float32."""
-    s = torch.matmul(q, k.transpose(-1, -2))  # [B, H, M, L]
-    if s.dtype in _HALF:
-        s = s.float()
-    s.mul_(scale)
-    if attn_mask is not None:
-        s.add_(attn_mask)
-    m = s.amax(-1, keepdim=True)  # [B, H, M, 1]
-    s.sub_(m).exp_()
-    denom = s.sum(-1, keepdim=True)
-    out = torch.matmul(s.to(v.dtype), v).to(s.dtype).div_(denom).to(q.dtype)
-    return out, (m + denom.log()).squeeze(-1)
-
-
-_HALF = (torch.float16, torch.bfloat16)
-# torch's CPU flash attention returning (out, logsumexp); private, so optional.
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def _merge_states(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
-                  lse2: torch.Tensor) -> torch.Tensor:
-    """Attention over the union of two disjoint key sets from the parts (FlashInfer's merge_state).
-
-    o: [..., D], lse: [...] natural-log log-sum-exp of each part's scaled scores. With
-    lse = logaddexp(lse1, lse2): o = o1 * exp(lse1 - lse) + o2 * exp(lse2 - lse), written as
-    o2 + w * (o1 - o2) with w = exp(lse1 - lse) = sigmoid(lse1 - lse2).
-    """
-    w = torch.sigmoid(lse1 - lse2).unsqueeze(-1)
-    if o1.dtype not in _HALF:
-        return torch.lerp(o2, o1, w.to(o1.dtype))
-    return torch.lerp(o2.float(), o1.float(), w.float()).to(o1.dtype)
 
 
 def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

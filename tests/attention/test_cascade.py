@@ -9,12 +9,8 @@ import pytest
 import torch
 
 from model_service.attention.indexing import shared_prefix_groups
-from model_service.attention.torch_backend import (
-    TorchAttentionBackend,
-    _attention_lse,
-    _attention_lse_matmul,
-    _merge_states,
-)
+from model_service.attention.merge_state import attention_with_lse, attention_with_lse_matmul, merge_states
+from model_service.attention.torch_backend import TorchAttentionBackend
 from tests.attention.paged_case import make_case, reference_attention
 
 SMOLLM2 = dict(num_q_heads=9, num_kv_heads=3, head_dim=64)
@@ -239,7 +235,7 @@ def test_detection_respects_shareable_length():
 
 
 # ------------------------------------------------------------------ merge math
-@pytest.mark.parametrize("attend", [_attention_lse, _attention_lse_matmul])
+@pytest.mark.parametrize("attend", [attention_with_lse, attention_with_lse_matmul])
 def test_attention_lse_and_merge_split_softmax_exactly(attend):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 3, 4, 16, generator=gen, dtype=torch.float64)
@@ -252,7 +248,7 @@ def test_attention_lse_and_merge_split_softmax_exactly(attend):
     torch.testing.assert_close(lse, torch.logsumexp(scores, -1), rtol=1e-12, atol=1e-12)
     o1, l1 = attend(q, k[:, :, :17].contiguous(), v[:, :, :17].contiguous(), None, 0.5)
     o2, l2 = attend(q, k[:, :, 17:].contiguous(), v[:, :, 17:].contiguous(), None, 0.5)
-    torch.testing.assert_close(_merge_states(o1, l1, o2, l2), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(merge_states(o1, l1, o2, l2), expected, rtol=1e-12, atol=1e-12)
     # Key padding: an additive mask hides the keys past each batch row's length.
     lens = torch.tensor([50, 9])
     mask = torch.zeros(2, 1, 1, 50, dtype=torch.float64).masked_fill_(
@@ -264,7 +260,7 @@ def test_attention_lse_and_merge_split_softmax_exactly(attend):
 
 def test_matmul_lse_in_the_backend_matches(monkeypatch):
     """The backend's cascade without torch's CPU flash kernel (as on CUDA): same results."""
-    import model_service.attention.torch_backend as tb
+    import model_service.attention.merge_state as tb
 
     case = shared_case([(3, [60, 50, 70]), (2, [40, 33])], block_size=16, unshared=[20], seed=7)
     fused = run(backend_for(SMOLLM2, 16, cascade="always"), case, 0.125)
@@ -278,7 +274,7 @@ def test_matmul_lse_in_the_backend_matches(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cascade_in_16_bit(dtype, monkeypatch):
-    import model_service.attention.torch_backend as tb
+    import model_service.attention.merge_state as tb
 
     case = shared_case([(3, [60, 50, 70]), (2, [40, 33])], block_size=16, unshared=[20], prefill=[(30, 5)],
                        seed=8, dtype=dtype)

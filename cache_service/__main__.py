@@ -9,10 +9,13 @@ import sys
 
 from cache_service.server import serve
 from common.auth import add_auth_args, token_store_from_args
+from common.limits import add_server_limit_args, server_limits_from_args
+from common.parent_death import die_with_parent_if_asked
 from common.security import add_server_tls_args, server_tls_from_args
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent_if_asked()
     parser = argparse.ArgumentParser(prog="python -m cache_service", description="radixkv cache manager (gRPC)")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (0: pick a free one)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -23,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_server_tls_args(parser)
     add_auth_args(parser)
+    add_server_limit_args(parser)
     args = parser.parse_args(argv)
     if args.lease_seconds <= 0:
         parser.error("--lease-seconds must be > 0")
@@ -32,13 +36,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--port must be in [0, 65535]")
     tls = server_tls_from_args(args, parser)
     tokens = token_store_from_args(args, parser)
+    limits = server_limits_from_args(args, parser)
     logging.basicConfig(
         level=args.log_level,
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     return asyncio.run(serve(args.host, args.port, args.lease_seconds, args.metrics_port,
-                             event_buffer_bytes=int(args.event_buffer_mb * 1024 * 1024), tls=tls, tokens=tokens))
+                             event_buffer_bytes=int(args.event_buffer_mb * 1024 * 1024), tls=tls, tokens=tokens,
+                             limits=limits))
 
 
 if __name__ == "__main__":

@@ -148,7 +148,8 @@ def pool_match(pool: Pool, found: MatchInfo) -> cache_pb2.PoolMatch:
 
 def cache_event(ev: CacheEvent) -> cache_pb2.CacheEvent:
     msg = cache_pb2.CacheEvent(
-        sequence=ev.sequence, pool_id=ev.pool_id, timestamp=ev.timestamp, is_snapshot=ev.is_snapshot
+        sequence=ev.sequence, pool_id=ev.pool_id, timestamp=ev.timestamp, is_snapshot=ev.is_snapshot,
+        publisher_epoch=ev.publisher_epoch,
     )
     p = ev.payload
     if isinstance(p, BlockStored):

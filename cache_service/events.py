@@ -52,6 +52,8 @@ class CacheEvent:
     timestamp: float
     payload: EventPayload
     is_snapshot: bool = False
+    # The EventLog's `epoch` (see CacheEvent.publisher_epoch in protos/cache.proto).
+    publisher_epoch: int = 0
 
 
 Subscriber = Callable[[CacheEvent], None]
@@ -90,26 +92,38 @@ def stored_from_node(node: TreeNode, block_size: int) -> BlockStored:
     )
 
 
-def tree_snapshot(pool_id: str, tree: RadixTree, sequence: int, timestamp: float) -> list[CacheEvent]:
+def tree_snapshot(pool_id: str, tree: RadixTree, sequence: int, timestamp: float,
+                  publisher_epoch: int = 0) -> list[CacheEvent]:
     """The tree's content as BlockStored events, parents before children.
 
     Every snapshot event carries `sequence`: the state is that after event `sequence`, so live
     events to apply next start at `sequence + 1`.
     """
     return [
-        CacheEvent(sequence, pool_id, timestamp, stored_from_node(node, tree.page_size), is_snapshot=True)
+        CacheEvent(sequence, pool_id, timestamp, stored_from_node(node, tree.page_size), is_snapshot=True,
+                   publisher_epoch=publisher_epoch)
         for node in tree.iter_nodes()
     ]
 
 
 DEFAULT_BUFFER_BYTES = 64 * 1024 * 1024
 
+_last_epoch = 0
+
+
+def new_epoch() -> int:
+    """A publisher epoch: the current Unix time in ns, strictly increasing within the process."""
+    global _last_epoch
+    _last_epoch = max(time.time_ns(), _last_epoch + 1)
+    return _last_epoch
+
 
 class EventLog:
     """Global sequence numbers, a bounded replay buffer and synchronous subscribers.
 
     The buffer keeps at most `capacity` events and about `max_bytes` bytes of them (see
-    `event_size`), dropping the oldest first.
+    `event_size`), dropping the oldest first. `epoch` (set on every event as publisher_epoch)
+    tells this log's stream apart from one of an earlier or later server process.
     """
 
     def __init__(self, capacity: int = 65536, clock: Callable[[], float] = time.time,
@@ -126,6 +140,7 @@ class EventLog:
         self._subscribers: dict[int, Subscriber] = {}
         self._next_subscriber = 0
         self._clock = clock
+        self.epoch = new_epoch()
 
     def now(self) -> float:
         return self._clock()
@@ -133,7 +148,7 @@ class EventLog:
     def publish(self, pool_id: str, payload: EventPayload) -> CacheEvent:
         """Number, buffer and deliver one event to every subscriber."""
         self.last_sequence += 1
-        event = CacheEvent(self.last_sequence, pool_id, self._clock(), payload)
+        event = CacheEvent(self.last_sequence, pool_id, self._clock(), payload, publisher_epoch=self.epoch)
         size = event_size(event)
         self._buffer.append((event, size))
         self.buffered_bytes += size

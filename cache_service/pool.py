@@ -45,6 +45,7 @@ from cache_service.schema import (
     StepInput,
     StepResult,
 )
+from common.limits import quote_id
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class Pool:
             if not rid:
                 raise InvalidArgument("request_id must be non-empty")
             if rid in seen:
-                raise InvalidArgument(f"request {rid!r} appears more than once in the step")
+                raise InvalidArgument(f"request {quote_id(rid)} appears more than once in the step")
             seen.add(rid)
         # A running request may commit and extend in the same step; nothing else may repeat.
         extending = {item.request_id for item in step.extends}
@@ -152,7 +153,7 @@ class Pool:
         for item in step.commits:
             rid = item.request_id
             if rid in committing or (rid in seen and rid not in extending):
-                raise InvalidArgument(f"request {rid!r} appears more than once in the step")
+                raise InvalidArgument(f"request {quote_id(rid)} appears more than once in the step")
             committing.add(rid)
         bs = self.block_size
         for item in chain(step.releases, step.finishes):
@@ -162,17 +163,17 @@ class Pool:
             total = len(req.prompt) + len(item.output_token_ids)
             if item.num_computed_tokens < 0 or item.num_computed_tokens > total:
                 raise InvalidArgument(
-                    f"request {item.request_id!r}: num_computed_tokens {item.num_computed_tokens} "
+                    f"request {quote_id(item.request_id)}: num_computed_tokens {item.num_computed_tokens} "
                     f"outside [0, {total}] (prompt + output tokens)"
                 )
             if item.num_computed_tokens > len(req.block_table) * bs:
                 raise InvalidArgument(
-                    f"request {item.request_id!r}: num_computed_tokens {item.num_computed_tokens} "
+                    f"request {quote_id(item.request_id)}: num_computed_tokens {item.num_computed_tokens} "
                     f"exceeds its {len(req.block_table)} blocks"
                 )
             if item.block_table and list(item.block_table) != req.block_table:
                 raise FailedPrecondition(
-                    f"request {item.request_id!r}: block_table does not match the blocks the cache "
+                    f"request {quote_id(item.request_id)}: block_table does not match the blocks the cache "
                     "gave this request"
                 )
         for item in step.commits:
@@ -182,22 +183,22 @@ class Pool:
             limit = min(len(req.prompt) + len(item.output_token_ids), len(req.block_table) * bs)
             if item.num_computed_tokens < 0 or item.num_computed_tokens > limit:
                 raise InvalidArgument(
-                    f"request {item.request_id!r}: commit of {item.num_computed_tokens} tokens outside "
+                    f"request {quote_id(item.request_id)}: commit of {item.num_computed_tokens} tokens outside "
                     f"[0, {limit}] (tokens sent at admission + output_token_ids, within its blocks)"
                 )
         for item in step.extends:
             self._live_request(item.request_id)
             if item.num_tokens < 0:
-                raise InvalidArgument(f"request {item.request_id!r}: num_tokens must be >= 0")
+                raise InvalidArgument(f"request {quote_id(item.request_id)}: num_tokens must be >= 0")
             self._check_fits(item.request_id, item.num_tokens)
         for item in step.admits:
             rid = item.request_id
             if rid in self.requests:
-                raise InvalidArgument(f"request {rid!r} is already running in pool {self.pool_id!r}")
+                raise InvalidArgument(f"request {quote_id(rid)} is already running in pool {quote_id(self.pool_id)}")
             if not item.token_ids:
-                raise InvalidArgument(f"request {rid!r}: token_ids must be non-empty")
+                raise InvalidArgument(f"request {quote_id(rid)}: token_ids must be non-empty")
             if item.num_lookahead_tokens < 0:
-                raise InvalidArgument(f"request {rid!r}: num_lookahead_tokens must be >= 0")
+                raise InvalidArgument(f"request {quote_id(rid)}: num_lookahead_tokens must be >= 0")
             self._check_token_ids(item.token_ids, rid)
             self._check_fits(rid, len(item.token_ids) + item.num_lookahead_tokens)
 
@@ -206,15 +207,15 @@ class Pool:
         if req is not None:
             return req
         if request_id in self._finished_ids:
-            raise FailedPrecondition(f"request {request_id!r} was already finished or released")
-        raise NotFound(f"request {request_id!r} is not running in pool {self.pool_id!r}")
+            raise FailedPrecondition(f"request {quote_id(request_id)} was already finished or released")
+        raise NotFound(f"request {quote_id(request_id)} is not running in pool {quote_id(self.pool_id)}")
 
     def _check_outputs(self, req: RequestState, output_token_ids: Sequence[int]) -> None:
         """Output tokens must agree with those already cached by a commit of decode pages."""
         known = len(req.cached_key(self.block_size)) - len(req.prompt)
         if known > 0 and tuple(output_token_ids[:known]) != req.cached_outputs[:known]:
             raise FailedPrecondition(
-                f"request {req.request_id!r}: output_token_ids differ from the {known} output tokens "
+                f"request {quote_id(req.request_id)}: output_token_ids differ from the {known} output tokens "
                 "an earlier commit cached"
             )
 
@@ -222,17 +223,17 @@ class Pool:
         if not token_ids:
             return
         if min(token_ids) < 0:
-            raise InvalidArgument(f"request {request_id!r}: negative token id")
+            raise InvalidArgument(f"request {quote_id(request_id)}: negative token id")
         if self.vocab_size and max(token_ids) >= self.vocab_size:
             raise InvalidArgument(
-                f"request {request_id!r}: token id {max(token_ids)} >= vocab_size {self.vocab_size}"
+                f"request {quote_id(request_id)}: token id {max(token_ids)} >= vocab_size {self.vocab_size}"
             )
 
     def _check_fits(self, request_id: str, num_tokens: int) -> None:
         pages = -(-num_tokens // self.block_size)
         if pages > self.num_blocks:
             raise ResourceExhausted(
-                f"request {request_id!r} needs {pages} blocks ({num_tokens} tokens); the pool has "
+                f"request {quote_id(request_id)} needs {pages} blocks ({num_tokens} tokens); the pool has "
                 f"{self.num_blocks} in all"
             )
 
@@ -300,7 +301,7 @@ class Pool:
         result = self.tree.insert(tokens, table[:full_pages], req.namespace)
         existing = result.num_existing_pages
         if existing < cached:  # the request's own prefix is locked, so it must still be there
-            raise IntegrityError(f"request {req.request_id!r}: locked prefix vanished from the tree")
+            raise IntegrityError(f"request {quote_id(req.request_id)}: locked prefix vanished from the tree")
         if result.new_node is not None and self._events is not None:
             self._events.publish(self.pool_id, stored_from_node(result.new_node, bs))
         self._unlock(self.routed.drop(req.request_id))  # its prompt is cached: no longer a promise
@@ -334,7 +335,7 @@ class Pool:
             result = self.tree.insert(tokens[: full_pages * bs], table[:full_pages], req.namespace)
             existing = result.num_existing_pages
             if existing < cached:  # the request's own prefix is locked, so it must still be there
-                raise IntegrityError(f"request {req.request_id!r}: locked prefix vanished from the tree")
+                raise IntegrityError(f"request {quote_id(req.request_id)}: locked prefix vanished from the tree")
             if result.new_node is not None and self._events is not None:
                 self._events.publish(self.pool_id, stored_from_node(result.new_node, bs))
         else:
@@ -500,10 +501,10 @@ class Pool:
             if cached:
                 node = req.last_node
                 if node is None or not node.in_tree or node.lock_ref <= 0:
-                    raise IntegrityError(f"request {req.request_id!r}: its cached path is not locked")
+                    raise IntegrityError(f"request {quote_id(req.request_id)}: its cached path is not locked")
                 peek = self.tree.peek_prefix(req.cached_key(self.block_size), req.namespace)
                 if peek.block_ids != shared:
-                    raise IntegrityError(f"request {req.request_id!r}: cached pages differ from the tree")
+                    raise IntegrityError(f"request {quote_id(req.request_id)}: cached pages differ from the tree")
         tree_set, private_set = set(tree_blocks), set(private)
         if len(private_set) != len(private):
             raise IntegrityError("a private block is held twice")

@@ -24,6 +24,7 @@ from cache_service.events import EventLog
 from cache_service.pool import Pool
 from cache_service.routing import RouteQuery, RouteResult, route
 from cache_service.schema import ReplicaLoad
+from common.limits import quote_id
 
 log = logging.getLogger(__name__)
 
@@ -98,14 +99,14 @@ class PoolRegistry:
         if pool is None:
             why = self._tombstones.get(pool_id)
             if why is not None:
-                raise FailedPrecondition(f"pool {pool_id!r} is gone ({why}); re-register")
-            raise NotFound(f"unknown pool {pool_id!r}; register it first")
+                raise FailedPrecondition(f"pool {quote_id(pool_id)} is gone ({why}); re-register")
+            raise NotFound(f"unknown pool {quote_id(pool_id)}; register it first")
         if epoch != pool.epoch:
-            raise FailedPrecondition(f"stale epoch for pool {pool_id!r}; re-register")
+            raise FailedPrecondition(f"stale epoch for pool {quote_id(pool_id)}; re-register")
         now = self._clock()
         if now >= pool.lease_deadline:
             self._retire(pool_id, "lease expired")
-            raise FailedPrecondition(f"lease of pool {pool_id!r} expired; re-register")
+            raise FailedPrecondition(f"lease of pool {quote_id(pool_id)} expired; re-register")
         pool.lease_deadline = now + self.lease_seconds
         return pool
 
@@ -113,7 +114,7 @@ class PoolRegistry:
         """The pool for a read-only call (Stats, Match, WatchEvents): no epoch, no renewal."""
         pool = self.pools.get(pool_id)
         if pool is None:
-            raise NotFound(f"unknown pool {pool_id!r}")
+            raise NotFound(f"unknown pool {quote_id(pool_id)}")
         return pool
 
     def heartbeat(self, pool_id: str, epoch: int, load: ReplicaLoad | None = None) -> float:

@@ -16,13 +16,12 @@ from cache_service.metrics import Metrics
 from cache_service.pool_registry import PoolRegistry
 from cache_service.servicer import METHOD_ROLES, SERVICE_NAME, CacheManagerServicer
 from common.auth import TokenStore, reload_on_sighup, server_interceptors
-from common.grpc_server import add_health_and_reflection, format_address, set_health
+from common.grpc_server import add_health_and_reflection, add_servicer, format_address, new_server, set_health
+from common.limits import ServerLimits, id_error
 from common.security import ServerTLS, add_port
-from protos import cache_pb2_grpc
+from protos import cache_pb2
 
 log = logging.getLogger(__name__)
-
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 async def create_server(
@@ -33,6 +32,7 @@ async def create_server(
     watch_queue_size: int = 65536,
     credentials: grpc.ServerCredentials | None = None,
     tokens: TokenStore | None = None,
+    limits: ServerLimits | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Build (not start) a server bound to `address`; returns it and the bound port.
 
@@ -42,14 +42,12 @@ async def create_server(
     """
     registry = registry if registry is not None else PoolRegistry()
     health_servicer = health_servicer if health_servicer is not None else health.aio.HealthServicer()
-    # so_reuseport off: a second server on a busy port must fail, not silently share it.
-    # A Step of a big batch of long prompts can exceed gRPC's default 4 MiB request limit.
-    server = grpc.aio.server(
-        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
-        interceptors=server_interceptors(tokens, {SERVICE_NAME: METHOD_ROLES}),
-    )
+    # Transport limits (common/limits.py): a Step of a big batch of long prompts can exceed
+    # gRPC's default 4 MiB request limit, so the default is 64 MiB. Requests are parsed in the
+    # handler: bytes that are not the message, or ids over MAX_ID_BYTES, are INVALID_ARGUMENT.
+    server = new_server(limits or ServerLimits(), server_interceptors(tokens, {SERVICE_NAME: METHOD_ROLES}))
     servicer = CacheManagerServicer(registry, metrics, watch_queue_size)
-    cache_pb2_grpc.add_CacheManagerServicer_to_server(servicer, server)
+    add_servicer(server, servicer, cache_pb2.DESCRIPTOR.services_by_name["CacheManager"], id_error)
     add_health_and_reflection(server, SERVICE_NAME, health_servicer)
     await set_health(health_servicer, [SERVICE_NAME])
     port = add_port(server, address, credentials)
@@ -74,6 +72,7 @@ async def serve(
     event_buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     tls: ServerTLS | None = None,
     tokens: TokenStore | None = None,
+    limits: ServerLimits | None = None,
 ) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
     registry = PoolRegistry(lease_seconds=lease_seconds, events=EventLog(max_bytes=event_buffer_bytes))
@@ -83,7 +82,7 @@ async def serve(
     try:
         server, bound = await create_server(address, registry, metrics, health_servicer,
                                             credentials=tls.credentials() if tls is not None else None,
-                                            tokens=tokens)
+                                            tokens=tokens, limits=limits)
     except RuntimeError as err:
         print(f"cache_service: cannot listen on {address} (port in use?): {err}", file=sys.stderr, flush=True)
         return 1

@@ -21,6 +21,7 @@ from cache_service.events import BlockRemoved, BlockStored, CacheEvent, tree_sna
 from cache_service.metrics import Metrics
 from cache_service.pool_registry import PoolRegistry
 from common.auth import Principal, current_principal
+from common.limits import quote_id
 from protos import cache_pb2, cache_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ def _check_namespace(namespace: str) -> None:
     """A namespace-limited reader token may ask only about its namespaces."""
     principal = current_principal()
     if principal is not None and not principal.may_read(namespace):
-        raise PermissionDenied(f"this token may not read namespace {namespace!r}")
+        raise PermissionDenied(f"this token may not read namespace {quote_id(namespace)}")
 
 
 def visible(event: CacheEvent, principal: Principal | None) -> bool:
@@ -206,7 +207,7 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
             if request.snapshot:
                 seq, now = events.last_sequence, events.now()
                 for pool in pools:
-                    backlog.extend(tree_snapshot(pool.pool_id, pool.tree, seq, now))
+                    backlog.extend(tree_snapshot(pool.pool_id, pool.tree, seq, now, events.epoch))
             elif request.start_sequence:
                 backlog = events.replay(request.start_sequence, pool_id)
             backlog = [event for event in backlog if visible(event, principal)]

@@ -3,9 +3,12 @@ grpc.health.v1 and reflection services next to its own."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -37,3 +40,76 @@ async def set_health(health_servicer: health.aio.HealthServicer, service_names: 
     """Sets the status of the whole server ("") and of each named service."""
     for name in ("", *service_names):
         await health_servicer.set(name, status)
+
+
+# ---------------------------------------------------------------------- servers and servicers
+
+
+def new_server(limits, interceptors=()) -> grpc.aio.Server:
+    """A grpc.aio server with the transport limits of `limits` (common/limits.ServerLimits)."""
+    return grpc.aio.server(options=limits.options(), interceptors=list(interceptors))
+
+
+def _parser(message_class, check):
+    """request bytes -> message, or (None, why) when they do not parse or break an id limit."""
+
+    def parse(data: bytes):
+        try:
+            message = message_class.FromString(data)
+        except (DecodeError, ValueError) as e:
+            return None, f"request is not a valid {message_class.DESCRIPTOR.full_name}: {e}"[:512]
+        why = check(message) if check is not None else None
+        return (None, why) if why is not None else (message, None)
+
+    return parse
+
+
+def servicer_handler(servicer: object, service, check=None) -> grpc.GenericRpcHandler:
+    """The generic handler of a generated servicer (protobuf ServiceDescriptor `service`) whose
+    requests arrive as raw bytes and are parsed in the handler: bytes that are not the request
+    message (invalid UTF-8 in a string, corrupt varint, garbage), or that `check(message)`
+    names a reason against (e.g. common.limits.id_error), end with INVALID_ARGUMENT instead of
+    grpc's UNKNOWN plus a logged traceback. Method names and kinds are those of the descriptor,
+    so interceptors (common/auth.py) see the usual '/pkg.Service/Method'."""
+    handlers = {}
+    for method in service.methods:
+        request_class = message_factory.GetMessageClass(method.input_type)
+        response_class = message_factory.GetMessageClass(method.output_type)
+        behavior = getattr(servicer, method.name)
+        parse = _parser(request_class, check)
+        if method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _streaming(behavior, parse), request_deserializer=None,
+                response_serializer=response_class.SerializeToString)
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _unary(behavior, parse), request_deserializer=None,
+                response_serializer=response_class.SerializeToString)
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
+
+
+def _unary(behavior, parse):
+    async def call(data: bytes, context: grpc.aio.ServicerContext):
+        request, why = parse(data)
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        return await behavior(request, context)
+
+    return call
+
+
+def _streaming(behavior, parse):
+    async def stream(data: bytes, context: grpc.aio.ServicerContext):
+        request, why = parse(data)
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        async with contextlib.aclosing(behavior(request, context)) as messages:
+            async for message in messages:
+                yield message
+
+    return stream
+
+
+def add_servicer(server: grpc.aio.Server, servicer: object, service, check=None) -> None:
+    """Registers `servicer` for `service` with servicer_handler (raw bytes parsed inside)."""
+    server.add_generic_rpc_handlers((servicer_handler(servicer, service, check),))

@@ -11,6 +11,13 @@ import sys
 import torch
 
 from common.auth import add_auth_args, client_token_from_args, token_store_from_args
+from common.limits import (
+    add_request_limit_args,
+    add_server_limit_args,
+    request_limits_from_args,
+    server_limits_from_args,
+)
+from common.parent_death import die_with_parent_if_asked
 from common.security import (
     add_client_tls_args,
     add_server_tls_args,
@@ -81,15 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_server_tls_args(p)
     add_auth_args(p)
+    add_server_limit_args(p)
+    add_request_limit_args(p)
     add_client_tls_args(p, "cache", "the cache manager")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent_if_asked()
     parser = build_parser()
     args = parser.parse_args(argv)
     tls = server_tls_from_args(args, parser)
     tokens = token_store_from_args(args, parser)
+    limits = server_limits_from_args(args, parser)
+    request_limits = request_limits_from_args(args, parser)
     cache_tls = client_tls_from_args(args, parser, "cache")
     cache_token = client_token_from_args(args, parser, "cache")
     if args.num_threads is not None:
@@ -103,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         attention=args.attention, max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting, metrics_port=args.metrics_port, worker_id=args.worker_id,
         cache_timeout=args.cache_timeout, advertise_addr=args.advertise_addr, tls=tls, tokens=tokens,
-        cache_tls=cache_tls, cache_token=cache_token)
+        cache_tls=cache_tls, cache_token=cache_token, limits=limits, request_limits=request_limits)
     try:
         return asyncio.run(serve(config))
     except (FileNotFoundError, ValueError) as e:

@@ -23,6 +23,10 @@ Two layers, both O(1)-ish per token (independent of the output length so far):
    before that occurrence; the stop string and anything after it are dropped. The longest tail of
    the text that is the beginning of some stop string is held back and released once it can no
    longer become one (or by `finish()`).
+   Both are found with one Knuth-Morris-Pratt matcher per stop string, fed each new character
+   once: memory is linear in the stop strings' total length (their failure tables) and the work
+   per character is amortised O(number of stop strings), however long a stop string is (never
+   every prefix of it, which would be quadratic).
 
 How the engine uses it, per request:
 
@@ -84,9 +88,9 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stop: tuple[str, ...] = tuple(dict.fromkeys(stop))
-        # Every proper prefix of a stop string: the tails worth holding back.
-        self._stop_prefixes: frozenset[str] = frozenset(s[:i] for s in self._stop for i in range(1, len(s)))
-        self._max_hold = max((len(s) - 1 for s in self._stop), default=0)
+        # KMP failure table of each stop string, and how much of it the text ends with now.
+        self._failure: tuple[list[int], ...] = tuple(_failure_table(s) for s in self._stop)
+        self._state: list[int] = [0] * len(self._stop)
 
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         context_text = self._decode(context)
@@ -176,19 +180,39 @@ class IncrementalDetokenizer:
         if not self._stop:
             self._pending = ""
             return DetokenizerStep(pending, False, None)
-        best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for s in self._stop:
-            start = pending.find(s)
-            if start >= 0 and (best is None or (start + len(s), start) < best[:2]):
-                best = (start + len(s), start, s)
-        if best is not None:
-            _, start, s = best
-            self._stopped, self._matched_stop, self._pending = True, s, ""
-            return DetokenizerStep(pending[:start], True, s)
-        hold = 0
-        for k in range(min(self._max_hold, len(pending)), 0, -1):
-            if pending[-k:] in self._stop_prefixes:
-                hold = k
-                break
+        stops, failures, state = self._stop, self._failure, self._state
+        base = len(pending) - len(new_text)
+        for offset, char in enumerate(new_text):
+            best: str | None = None  # the longest stop string completed at this character
+            for j, s in enumerate(stops):
+                k = state[j]
+                if k == len(s):  # only after a match, which ends the request: never fed again
+                    k = failures[j][k - 1]
+                while k and s[k] != char:
+                    k = failures[j][k - 1]
+                if s[k] == char:
+                    k += 1
+                state[j] = k
+                if k == len(s) and (best is None or len(s) > len(best)):
+                    best = s
+            if best is not None:
+                start = base + offset + 1 - len(best)
+                self._stopped, self._matched_stop, self._pending = True, best, ""
+                return DetokenizerStep(pending[:max(start, 0)], True, best)
+        # The longest tail of the text that begins a stop string (all of it is still pending).
+        hold = min(max(state, default=0), len(pending))
         self._pending = pending[len(pending) - hold:] if hold else ""
         return DetokenizerStep(pending[:len(pending) - hold], False, None)
+
+
+def _failure_table(s: str) -> list[int]:
+    """KMP: table[i] = length of the longest proper prefix of s[:i + 1] that is also its suffix."""
+    table = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = table[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        table[i] = k
+    return table

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from common.limits import quote_id
 from model_service.cache_client import CacheClient, CachePoolLost
 from model_service.metrics import ModelMetrics
 from model_service.model_runner import ModelRunner
@@ -127,7 +128,7 @@ class Engine:
         its id, QueueFullError when the waiting queue is full."""
         with self._count_lock:
             if request.request_id in self._live_ids:
-                raise DuplicateRequestError(f"request id {request.request_id!r} is already in use by a live request")
+                raise DuplicateRequestError(f"request id {quote_id(request.request_id)} is already in use by a live request")
             if self._num_in_flight - self._num_running >= self.scheduler.config.max_waiting:
                 raise QueueFullError(f"waiting queue is full ({self.scheduler.config.max_waiting} requests)")
             self._num_in_flight += 1

@@ -10,11 +10,11 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
-import grpc
 import torch
 
 from common.auth import ClientToken, TokenStore, reload_on_sighup, server_interceptors
-from common.grpc_server import add_health_and_reflection, format_address, set_health
+from common.grpc_server import add_health_and_reflection, add_servicer, format_address, new_server, set_health
+from common.limits import RequestLimits, ServerLimits, id_error
 from common.security import ClientTLS, ServerTLS, add_port
 from model_service.attention import create_attention_backend
 from model_service.cache_client import CacheClient
@@ -26,7 +26,7 @@ from model_service.model_runner import ModelRunner
 from model_service.sampler import Sampler
 from model_service.scheduler import Scheduler, SchedulerConfig
 from model_service.servicer import METHOD_ROLES, ModelServicer, ServingInfo
-from protos import model_pb2, model_pb2_grpc
+from protos import model_pb2
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,9 @@ class ModelServiceConfig:
     tokens: TokenStore | None = None
     cache_tls: ClientTLS | None = None
     cache_token: ClientToken = field(default_factory=lambda: ClientToken(None))
+    # Transport limits of the gRPC port and per-request limits (common/limits.py).
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -104,7 +107,7 @@ def build_engine(config: ModelServiceConfig, worker_id: str) -> tuple[Engine, Mo
                     Sampler(), cache, ModelMetrics())
     info = ServingInfo(config.block_size, num_blocks, str(dtype).removeprefix("torch."), str(device), backend.name,
                        config.cache_addr, worker_id)
-    return engine, ModelServicer(engine, loaded, info)
+    return engine, ModelServicer(engine, loaded, info, config.request_limits)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -126,9 +129,8 @@ async def serve(config: ModelServiceConfig) -> int:
         return 1
     worker_id = config.worker_id or f"model-{socket.gethostname()}-{config.port}"
     engine, servicer = await asyncio.to_thread(build_engine, config, worker_id)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
-                             interceptors=server_interceptors(config.tokens, {SERVICE_NAME: METHOD_ROLES}))
-    model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, server)
+    server = new_server(config.limits, server_interceptors(config.tokens, {SERVICE_NAME: METHOD_ROLES}))
+    add_servicer(server, servicer, model_pb2.DESCRIPTOR.services_by_name["ModelService"], id_error)
     health_servicer = add_health_and_reflection(server, SERVICE_NAME)
     try:
         bound = add_port(server, address, config.tls.credentials() if config.tls is not None else None)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import grpc
 
 from common.auth import one_role
+from common.limits import RequestLimits, quote_id, request_limit_error
 from model_service.detokenizer import IncrementalDetokenizer
 from model_service.engine import DuplicateRequestError, Engine, GenerationOutput
 from model_service.model_loader import LoadedModel
@@ -61,7 +62,9 @@ class ServingInfo:
 
 
 class ModelServicer(model_pb2_grpc.ModelServiceServicer):
-    def __init__(self, engine: Engine, loaded: LoadedModel, info: ServingInfo) -> None:
+    def __init__(self, engine: Engine, loaded: LoadedModel, info: ServingInfo,
+                 limits: RequestLimits | None = None) -> None:
+        self.limits = limits if limits is not None else RequestLimits()
         self.engine = engine
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -100,7 +103,13 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             if not finished:  # client cancelled, disconnected or its deadline passed
                 self.engine.cancel(engine_request)
 
+    def _check_limits(self, request: model_pb2.GenerateRequest | model_pb2.TokenizeRequest) -> None:
+        why = request_limit_error(request, self.limits)
+        if why is not None:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, why)
+
     def _build_request(self, request: model_pb2.GenerateRequest, arrival: float) -> Request:
+        self._check_limits(request)
         prompt_ids = self._prompt_token_ids(request)
         sampling = request.sampling
         try:
@@ -196,6 +205,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
 
     async def Tokenize(self, request: model_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
         try:
+            self._check_limits(request)
             ids = self._prompt_token_ids(request)
         except InvalidRequest as e:
             await context.abort(e.code, str(e))
@@ -229,7 +239,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         if not self.engine.abort(request.request_id):
             await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"no live request with id {request.request_id!r} (unknown or already finished)")
+                                f"no live request with id {quote_id(request.request_id)} (unknown or already finished)")
         log.info("request %s: abort requested", request.request_id)
         return model_pb2.AbortResponse()
 

@@ -9,6 +9,8 @@ import logging
 import sys
 
 from common.auth import add_auth_args, client_token_from_args, token_store_from_args
+from common.limits import add_server_limit_args, server_limits_from_args
+from common.parent_death import die_with_parent_if_asked
 from common.security import (
     add_client_tls_args,
     add_server_tls_args,
@@ -43,12 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_server_tls_args(p, "the gRPC port and the HTTP door")
     add_auth_args(p)
+    add_server_limit_args(p)
     add_client_tls_args(p, "cache", "the cache manager")
     add_client_tls_args(p, "replica", "the replicas")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent_if_asked()
     parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("port", "http_port", "metrics_port"):
@@ -59,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--check-interval and --route-timeout must be > 0, --reserve-ms >= 0")
     tls = server_tls_from_args(args, parser)
     tokens = token_store_from_args(args, parser)
+    limits = server_limits_from_args(args, parser)
     cache_tls = client_tls_from_args(args, parser, "cache")
     cache_token = client_token_from_args(args, parser, "cache")
     replica_tls = client_tls_from_args(args, parser, "replica")
@@ -70,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                           advertise_addr=args.advertise_addr, check_interval_s=args.check_interval,
                           reserve_ms=args.reserve_ms, route_timeout_s=args.route_timeout, log_level=args.log_level,
                           tls=tls, tokens=tokens, cache_tls=cache_tls, cache_token=cache_token,
-                          replica_tls=replica_tls, replica_token=replica_token)
+                          replica_tls=replica_tls, replica_token=replica_token, limits=limits)
     return asyncio.run(serve(config))
 
 

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from common.limits import quote_id
 from protos import cache_pb2, model_pb2
 from router import errors
 from router.errors import RETRYABLE_BEFORE_FIRST_MESSAGE, RouterError, UpstreamError
@@ -336,7 +337,7 @@ class RouterCore:
         """Forwards Abort to the replica serving `request_id`; NOT_FOUND when none is."""
         addr = self.inflight(request_id)
         if addr is None:
-            raise RouterError(errors.NOT_FOUND, f"no request {request_id!r} is in flight at this router")
+            raise RouterError(errors.NOT_FOUND, f"no request {quote_id(request_id)} is in flight at this router")
         try:
             return await self.upstream.abort(addr, model_pb2.AbortRequest(request_id=request_id),
                                              self._timeout(deadline, self.config.call_timeout_s))

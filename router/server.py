@@ -13,12 +13,19 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import grpc
-
 from common.auth import ClientToken, TokenStore, reload_on_sighup, server_interceptors
-from common.grpc_server import NOT_SERVING, SERVING, add_health_and_reflection, format_address, set_health
+from common.grpc_server import (
+    NOT_SERVING,
+    SERVING,
+    add_health_and_reflection,
+    add_servicer,
+    format_address,
+    new_server,
+    set_health,
+)
+from common.limits import ServerLimits, id_error
 from common.security import ClientTLS, ServerTLS, add_port
-from protos import model_pb2, model_pb2_grpc
+from protos import model_pb2
 from router.core import CoreConfig, RouterCore
 from router.metrics import RouterMetrics
 from router.replicas import ReplicaSet
@@ -53,6 +60,7 @@ class RouterConfig:
     cache_token: ClientToken = field(default_factory=lambda: ClientToken(None))
     replica_tls: ClientTLS | None = None
     replica_token: ClientToken = field(default_factory=lambda: ClientToken(None))
+    limits: ServerLimits = field(default_factory=ServerLimits)  # of the gRPC port (common/limits.py)
 
 
 def _bind_http(host: str, port: int) -> socket.socket:
@@ -107,9 +115,8 @@ async def serve(config: RouterConfig) -> int:
         return 2
     core = RouterCore(core_config, replicas, upstream, cache, metrics)
 
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", -1)],
-                             interceptors=server_interceptors(config.tokens, {SERVICE_NAME: METHOD_ROLES}))
-    model_pb2_grpc.add_ModelServiceServicer_to_server(RouterServicer(core), server)
+    server = new_server(config.limits, server_interceptors(config.tokens, {SERVICE_NAME: METHOD_ROLES}))
+    add_servicer(server, RouterServicer(core), model_pb2.DESCRIPTOR.services_by_name["ModelService"], id_error)
     health_servicer = add_health_and_reflection(server, SERVICE_NAME)
     await set_health(health_servicer, [SERVICE_NAME], NOT_SERVING)
     try:

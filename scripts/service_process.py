@@ -8,7 +8,6 @@ Used by ``scripts/serve.py`` (``make run``) and by the client tests' fixtures.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import re
@@ -23,8 +22,9 @@ from collections.abc import Callable, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.parent_death import ENV_VAR as DIE_WITH_PARENT
+
 LISTENING = re.compile(r"\blistening on (\S+):(\d+)\s*$")
-_PR_SET_PDEATHSIG = 1
 
 Sink = Callable[[str], None]
 
@@ -54,25 +54,6 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec function asking Linux to SIGTERM the child when this process dies (even by
-    SIGKILL), so a killed launcher leaves no orphan servers. None where prctl is missing."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
-
-
 class ServiceProcess:
     """A started service. ``name`` is its module (``"cache_service"``). ``health_credentials``:
     the channel credentials of its health checks, for a service serving TLS."""
@@ -85,7 +66,9 @@ class ServiceProcess:
         self._sink = sink
         self._listening = threading.Event()
         self.addr: str | None = None
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # The child makes itself die with us (common/parent_death.py): no preexec_fn, which would
+        # run Python between fork and exec and crash the child while we have gRPC threads.
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{DIE_WITH_PARENT: str(os.getpid())})
         self.proc = subprocess.Popen(
             self.argv,
             stdin=subprocess.DEVNULL,
@@ -97,7 +80,6 @@ class ServiceProcess:
             cwd=cwd,
             env=env,
             process_group=0,  # Ctrl-C at the terminal reaches the launcher only; it stops us in order
-            preexec_fn=_die_with_parent(),
         )
         self._pump = threading.Thread(target=self._read_output, name=f"{name}-output", daemon=True)
         self._pump.start()

@@ -9,10 +9,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-import pytest
 
 from protos import cache_pb2, cache_pb2_grpc, model_pb2
-from scripts import service_process
 from tests.services import Running, start_service
 
 
@@ -89,16 +87,10 @@ def free_port() -> int:
 
 
 def start_cache_on(port: int, *extra: str) -> Running:
-    """A cache service on a given port (to restart one where its clients expect it), started
-    while this process may have gRPC calls in flight.
-
-    ServiceProcess forks with a preexec_fn (to die with its parent); a plain fork() while other
-    threads are inside gRPC runs gRPC's fork handlers in the child, which can abort it before
-    exec ("Kick failed: eventfd_write: Bad file descriptor", exit -6). Without a preexec_fn,
-    subprocess uses vfork(), which runs no fork handlers. The caller stops the process itself."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(service_process, "_die_with_parent", lambda: None)
-        return start_service("cache_service", ["--host", "127.0.0.1", "--port", str(port), *extra], 60.0)
+    """A cache service on a given port (to restart one where its clients expect it). The caller
+    stops the process itself. (Starting it while this process has gRPC calls in flight is safe:
+    ServiceProcess forks with no preexec_fn, see common/parent_death.py.)"""
+    return start_service("cache_service", ["--host", "127.0.0.1", "--port", str(port), *extra], 60.0)
 
 
 def port_of(addr: str) -> int:

@@ -291,3 +291,41 @@ def test_add_after_stop_or_finish_raises(tokenizer) -> None:
 def test_empty_stop_string_is_rejected(tokenizer, stop) -> None:
     with pytest.raises(ValueError, match="stop"):
         IncrementalDetokenizer(tokenizer, [], stop)
+
+
+def test_a_one_megabyte_stop_string_costs_linear_memory_and_bounded_time(tokenizer) -> None:
+    """Every prefix of a 1 MB stop string would be ~500 GB (MemoryError after seconds); the KMP
+    matchers hold O(length) and feed each output character once."""
+    import time
+    import tracemalloc
+
+    stop = "ab" * 500_000 + "!"
+    ids = encode(tokenizer, "ab" * 200 + " and then ab!")
+    tracemalloc.start()
+    began = time.monotonic()
+    try:
+        detok = IncrementalDetokenizer(tokenizer, encode(tokenizer, PROMPT), stop=[stop, "then"])
+        steps = []
+        for i in ids:
+            steps.append(detok.add(i))
+            if detok.stopped:
+                break
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    elapsed = time.monotonic() - began
+    assert steps[-1].stopped
+    assert detok.matched_stop == "then"
+    assert "".join(s.text for s in steps) == "ab" * 200 + " and "
+    assert peak < 64 * 2**20, f"peak {peak} bytes"
+    assert elapsed < 10, f"{elapsed:.1f}s"
+
+
+def test_long_periodic_stop_string_is_held_and_matched(tokenizer) -> None:
+    stop = "ab" * 300 + "c"
+    text = "x" + "ab" * 500 + "c tail"
+    out, matched = reference_stop(text, [stop])
+    ids = encode(tokenizer, text)
+    detok = IncrementalDetokenizer(tokenizer, encode(tokenizer, PROMPT), stop=[stop])
+    emitted = "".join(detok.add(i).text for i in ids if not detok.stopped)
+    assert (emitted, detok.matched_stop) == (out, matched)

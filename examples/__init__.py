@@ -1,0 +1,1 @@
+"""Example programs built on radixkv\x27s public gRPC APIs."""

@@ -9,6 +9,7 @@ import sys
 
 from cache_service.server import serve
 from common.auth import add_auth_args, token_store_from_args
+from common.grpc_server import add_grace_arg, grace_from_args
 from common.limits import add_server_limit_args, server_limits_from_args
 from common.parent_death import die_with_parent_if_asked
 from common.security import add_server_tls_args, server_tls_from_args
@@ -27,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     add_server_tls_args(parser)
     add_auth_args(parser)
     add_server_limit_args(parser)
+    add_grace_arg(parser)
     args = parser.parse_args(argv)
     if args.lease_seconds <= 0:
         parser.error("--lease-seconds must be > 0")
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     return asyncio.run(serve(args.host, args.port, args.lease_seconds, args.metrics_port,
                              event_buffer_bytes=int(args.event_buffer_mb * 1024 * 1024), tls=tls, tokens=tokens,
-                             limits=limits))
+                             limits=limits, grace_seconds=grace_from_args(args, parser)))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,22 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+DEFAULT_GRACE_SECONDS = 2.0
+
+
+def add_grace_arg(parser) -> None:
+    """--grace-seconds: how long in-flight calls may run on after SIGTERM (new ones are refused)."""
+    parser.add_argument("--grace-seconds", type=float, default=DEFAULT_GRACE_SECONDS,
+                        help="after SIGTERM, in-flight calls get this long to finish; new calls are refused "
+                             f"with UNAVAILABLE (default {DEFAULT_GRACE_SECONDS:g})")
+
+
+def grace_from_args(args, parser) -> float:
+    if args.grace_seconds < 0:
+        parser.error("--grace-seconds must be >= 0")
+    return args.grace_seconds
+
+
 def format_address(host: str, port: int) -> str:
     """host:port, bracketing IPv6 literals."""
     if ":" in host and not host.startswith("["):

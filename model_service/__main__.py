@@ -11,6 +11,7 @@ import sys
 import torch
 
 from common.auth import add_auth_args, client_token_from_args, token_store_from_args
+from common.grpc_server import add_grace_arg, grace_from_args
 from common.limits import (
     add_request_limit_args,
     add_server_limit_args,
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch CPU threads (default: torch's choice, one per core); use fewer when the "
                         "cores are shared with other busy processes")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (off when not given)")
+    add_grace_arg(p)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_server_tls_args(p)
     add_auth_args(p)
@@ -115,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         attention=args.attention, max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting, metrics_port=args.metrics_port, worker_id=args.worker_id,
         cache_timeout=args.cache_timeout, advertise_addr=args.advertise_addr, tls=tls, tokens=tokens,
-        cache_tls=cache_tls, cache_token=cache_token, limits=limits, request_limits=request_limits)
+        cache_tls=cache_tls, cache_token=cache_token, limits=limits, request_limits=request_limits,
+        grace_seconds=grace_from_args(args, parser))
     try:
         return asyncio.run(serve(config))
     except (FileNotFoundError, ValueError) as e:

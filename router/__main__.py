@@ -9,6 +9,7 @@ import logging
 import sys
 
 from common.auth import add_auth_args, client_token_from_args, token_store_from_args
+from common.grpc_server import add_grace_arg, grace_from_args
 from common.limits import add_server_limit_args, server_limits_from_args
 from common.parent_death import die_with_parent_if_asked
 from common.security import (
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=None,
                    help="OpenAI-compatible HTTP API port (0: pick a free one; off when not given)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (off when not given)")
+    add_grace_arg(p)
     p.add_argument("--replica", action="append", default=[], metavar="HOST:PORT",
                    help="a model replica to route to besides those the cache manager lists (repeatable)")
     p.add_argument("--advertise-addr", default=None,
@@ -75,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                           advertise_addr=args.advertise_addr, check_interval_s=args.check_interval,
                           reserve_ms=args.reserve_ms, route_timeout_s=args.route_timeout, log_level=args.log_level,
                           tls=tls, tokens=tokens, cache_tls=cache_tls, cache_token=cache_token,
-                          replica_tls=replica_tls, replica_token=replica_token, limits=limits)
+                          replica_tls=replica_tls, replica_token=replica_token, limits=limits,
+                          grace_seconds=grace_from_args(args, parser))
     return asyncio.run(serve(config))
 
 

@@ -77,7 +77,8 @@ def _bind_http(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _http_server(app, sock: socket.socket, log_level: str, tls: ServerTLS | None = None):
+def _http_server(app, sock: socket.socket, log_level: str, tls: ServerTLS | None = None,
+                 grace_seconds: float = 2.0):
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -93,7 +94,8 @@ def _http_server(app, sock: socket.socket, log_level: str, tls: ServerTLS | None
         if tls.client_ca is not None:
             ssl_args.update(ssl_ca_certs=str(tls.client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
     config = uvicorn.Config(app, fd=None, lifespan="off", log_config=None, access_log=False,
-                            log_level=log_level.lower(), timeout_graceful_shutdown=2, **ssl_args)
+                            log_level=log_level.lower(), timeout_graceful_shutdown=max(1, round(grace_seconds)),
+                            **ssl_args)
     return Server(config)
 
 
@@ -135,7 +137,8 @@ async def serve(config: RouterConfig) -> int:
         except OSError as e:
             print(f"router: cannot serve HTTP on port {config.http_port}: {e.strerror}", file=sys.stderr, flush=True)
             return 1
-        http = _http_server(build_app(core, config.tokens), sock, config.log_level, config.tls)
+        http = _http_server(build_app(core, config.tokens), sock, config.log_level, config.tls,
+                            config.grace_seconds)
         http_addr = format_address(config.host, sock.getsockname()[1])
     if config.metrics_port is not None:
         try:

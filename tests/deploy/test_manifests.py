@@ -35,7 +35,7 @@ def _json6902(doc: dict, ops: list[dict]) -> None:
         node = doc
         for part in parents:
             node = node[int(part)] if isinstance(node, list) else node[part]
-        key = int(last) if isinstance(node, list) else last
+        key = (len(node) if last == "-" else int(last)) if isinstance(node, list) else last
         if op["op"] == "remove":
             del node[key]
         elif op["op"] == "replace":
@@ -75,7 +75,7 @@ def render(folder: Path) -> list[dict]:
     return docs
 
 
-VARIANTS = {"gpu": K8S, "cpu": K8S / "overlays" / "cpu"}
+VARIANTS = {"gpu": K8S, "cpu": K8S / "overlays" / "cpu", "tls": K8S / "overlays" / "tls"}
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -119,7 +119,7 @@ def test_gpu_and_cpu_variants(variant) -> None:
     name, docs = variant
     model = container(by_kind(docs, "Deployment")["radixkv-model"])
     resources = model["resources"]
-    if name == "gpu":
+    if name in ("gpu", "tls"):
         assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == 1
         assert flag(model["args"], "--device") == "cuda"
     else:
@@ -142,10 +142,18 @@ def test_ports_probes_and_services_line_up(variant) -> None:
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         grpc_port = int(flag(c["args"], "--port"))
         assert ports["grpc"] == grpc_port
-        for probe in ("readinessProbe", "livenessProbe"):
-            assert c[probe]["grpc"]["port"] == grpc_port, (name, probe)
-        if "startupProbe" in c:
-            assert c["startupProbe"]["grpc"]["port"] == grpc_port
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            if probe not in c:
+                assert probe == "startupProbe", (name, probe)
+                continue
+            if "grpc" in c[probe]:
+                assert c[probe]["grpc"]["port"] == grpc_port, (name, probe)
+            else:  # TLS: the image's health command over mTLS, with the server's own certificate
+                assert c[probe]["exec"]["command"] == ["radixkv-entrypoint", "health", str(grpc_port)], (name, probe)
+                env_values = {e["name"]: e.get("value") for e in c.get("env", [])}
+                assert env_values["HEALTH_TLS_CA"] == flag(c["args"], "--tls-client-ca")
+                assert env_values["HEALTH_TLS_CERT"] == flag(c["args"], "--tls-cert")
+                assert env_values["HEALTH_TLS_KEY"] == flag(c["args"], "--tls-key")
         if "--metrics-port" in c["args"]:
             assert ports["metrics"] == int(flag(c["args"], "--metrics-port"))
         if "--http-port" in c["args"]:
@@ -287,3 +295,44 @@ def test_healthcheck_command_against_a_real_server(start_server) -> None:
     down = subprocess.run(["sh", str(ENTRYPOINT), "health", str(srv.port)], capture_output=True, text=True,
                           timeout=30, env=env)
     assert down.returncode != 0
+
+
+def test_tls_variant_secures_every_server_and_connection() -> None:
+    docs = render(VARIANTS["tls"])
+    deployments = by_kind(docs, "Deployment")
+    needs = {"radixkv-cache": ("--tls-cert",), "radixkv-model": ("--tls-cert", "--cache-tls-ca"),
+             "radixkv-router": ("--tls-cert", "--cache-tls-ca", "--replica-tls-ca")}
+    for name, flags in needs.items():
+        args = container(deployments[name])["args"]
+        for f in flags:
+            assert f in args, (name, f)
+        assert "--tls-client-ca" in args  # mutual TLS
+        assert not any("grpc" in container(deployments[name]).get(p, {})
+                       for p in ("readinessProbe", "livenessProbe", "startupProbe"))
+
+
+def test_healthcheck_command_over_mutual_tls(tmp_path) -> None:
+    from scripts.service_process import ServiceProcess
+    from tests.security.certs import make_pki
+
+    pki = make_pki(tmp_path)
+    log: list[str] = []
+    server = ServiceProcess("cache_service", ["--host", "127.0.0.1", "--port", "0", "--tls-cert", str(pki.server.cert),
+                                              "--tls-key", str(pki.server.key), "--tls-client-ca", str(pki.ca)],
+                            log.append, cwd=str(REPO))
+    try:
+        port = server.wait_listening(30).rsplit(":", 1)[1]
+        base = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+        tls = dict(base, HEALTH_TLS_CA=str(pki.ca), HEALTH_TLS_CERT=str(pki.client.cert),
+                   HEALTH_TLS_KEY=str(pki.client.key), HEALTH_TLS_SERVER_NAME="localhost")
+
+        def health(env: dict) -> subprocess.CompletedProcess:
+            return subprocess.run(["sh", str(ENTRYPOINT), "health", port], capture_output=True, text=True,
+                                  timeout=30, env=env)
+
+        assert health(tls).returncode == 0, health(tls).stderr
+        assert health(base).returncode != 0  # plaintext to a TLS port
+        no_client_cert = {k: v for k, v in tls.items() if k not in ("HEALTH_TLS_CERT", "HEALTH_TLS_KEY")}
+        assert health(no_client_cert).returncode != 0  # mutual TLS refuses it
+    finally:
+        server.stop(5.0)

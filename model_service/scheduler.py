@@ -155,10 +155,20 @@ class Scheduler:
         request.finish_reason = reason
 
     def load(self) -> ReplicaLoad:
-        """Requests waiting and running, and the tokens they still have to prefill (waiting
-        requests: all of theirs; running ones: those of the admitted tokens not computed yet)."""
-        tokens = sum(r.num_tokens for r in self.waiting)
-        tokens += sum(max(0, r.num_admitted_tokens - r.num_computed_tokens) for r in self.running)
+        """Requests waiting and running, and the tokens they still have to prefill: running ones,
+        those of the admitted tokens not computed yet; waiting ones, theirs beyond the longest
+        page-aligned prefix they share with a running or earlier waiting prompt (that part will be
+        a cache hit), so a router does not see a queue of requests sharing one prefix as if each
+        had to compute it."""
+        bs = self.config.block_size
+        prompts = _PrefillIndex(bs, bs)
+        tokens = 0
+        for r in self.running:
+            tokens += max(0, r.num_admitted_tokens - r.num_computed_tokens)
+            prompts.add(r, 0)
+        for r in self.waiting:
+            tokens += r.num_tokens - prompts.longest_shared(r)[0]
+            prompts.add(r, 0)
         return ReplicaLoad(len(self.waiting), tokens, len(self.running))
 
     def reset(self) -> None:
@@ -326,6 +336,8 @@ class _PrefillIndex:
     """Requests whose prompt is being computed (admitted, pages not all committed yet), keyed by
     their first page, to find a waiting request that would compute the same prefix again."""
 
+    MAX_CANDIDATES = 8
+
     def __init__(self, block_size: int, min_tokens: int) -> None:
         self.block_size = block_size
         self.min_tokens = min_tokens
@@ -339,18 +351,26 @@ class _PrefillIndex:
             return  # short, or its whole prompt is in the tree already: a waiting request just hits it
         self._by_first_page.setdefault(tuple(prompt[:bs]), []).append((request, cached_tokens))
 
-    def shares_uncached_prefix(self, request: Request) -> bool:
+    def longest_shared(self, request: Request) -> tuple[int, int]:
+        """(tokens of the longest page-aligned prefix `request` shares with an indexed prompt,
+        leaving its last token to compute; that prompt's cached tokens). At most
+        MAX_CANDIDATES prompts with the same first page are compared."""
         bs = self.block_size
-        if not self._by_first_page or len(request.prompt_token_ids) < self.min_tokens:
-            return False
         tokens = request.prompt_token_ids
-        for other, cached_tokens in self._by_first_page.get(tuple(tokens[:bs]), ()):
+        best = (0, 0)
+        if not self._by_first_page or len(tokens) < self.min_tokens:
+            return best
+        for other, cached_tokens in self._by_first_page.get(tuple(tokens[:bs]), ())[-self.MAX_CANDIDATES:]:
             theirs = other.prompt_token_ids
             limit = min(len(tokens) - 1, len(theirs)) // bs * bs  # a hit leaves one token to compute
             common = bs
             while common < limit and tokens[common : common + bs] == theirs[common : common + bs]:
                 common += bs
             common = min(common, limit)
-            if common >= self.min_tokens and cached_tokens < common:
-                return True
-        return False
+            if common > best[0]:
+                best = (common, cached_tokens)
+        return best
+
+    def shares_uncached_prefix(self, request: Request) -> bool:
+        common, cached_tokens = self.longest_shared(request)
+        return common >= self.min_tokens and cached_tokens < common

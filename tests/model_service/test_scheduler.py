@@ -394,7 +394,9 @@ def test_reused_id_waits_for_the_finish_of_its_predecessor(scheduler):
 
 def test_load_counts_tokens_left_to_prefill(scheduler):
     for i, n in enumerate((100, 100, 30)):
-        scheduler.add(make_request(f"r{i}", n))
+        request = make_request(f"r{i}", n)
+        request.prompt_token_ids = [1000 * (i + 1) + t for t in range(n)]  # nothing shared
+        scheduler.add(request)
     plan = scheduler.plan_cache_step()
     assert plan.load == (1, 230, 2)  # as if the planned admissions succeed; nothing computed yet
     batch = scheduler.apply_cache_reply(plan, admit_all(plan))
@@ -459,3 +461,14 @@ def test_a_prefix_already_committed_does_not_delay_admission():
     scheduler.apply_cache_reply(plan, admit_all(plan))  # a's 10 pages committed
     scheduler.add(shared_prefix_request("b", prefix, [2]))
     assert [r.request_id for r in scheduler.plan_cache_step().admits] == ["b"]
+
+
+def test_load_does_not_count_a_shared_prefix_twice():
+    """Waiting requests sharing a prompt prefix will hit it once the first computed it: a router
+    must not see each of them as a full prefill (it would spread a group over replicas)."""
+    scheduler = Scheduler(SchedulerConfig(block_size=16, max_batch_tokens=4096, max_num_seqs=8))
+    prefix = list(range(1000, 1160))  # 10 pages
+    for rid, tail in (("a", [1, 2]), ("b", [3, 4, 5]), ("c", [6])):
+        scheduler.add(shared_prefix_request(rid, prefix, tail))
+    scheduler.add(shared_prefix_request("d", list(range(5000, 5040)), []))
+    assert scheduler.load() == (4, 162 + 3 + 1 + 40, 0)  # b and c count only their tails

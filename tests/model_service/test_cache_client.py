@@ -54,7 +54,8 @@ def test_pool_sees_the_serving_address_the_load_and_decode_pages(client: CacheCl
     scheduler.add(first)
     scheduler.add(second)
     plan, reply = run_step(scheduler, client)
-    assert plan.load == ReplicaLoad(1, 16, 1) == load_of(cache_stub)  # the Step carried it
+    # second's first page equals first's (make_request's prompts are 1..n): only its 2 other tokens count
+    assert plan.load == ReplicaLoad(1, 12, 1) == load_of(cache_stub)  # the Step carried it
     assert reply.num_free_blocks == pool_stats(cache_stub, POOL_ID).num_free_blocks == 16 - 3
     assert first.miss == MissBreakdown(new_tokens=10)  # nothing cached anywhere: all new
     # Decode until the request crosses into its fourth block: that step commits 12 tokens, the

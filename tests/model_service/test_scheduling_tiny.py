@@ -127,3 +127,18 @@ def test_running_requests_share_their_computed_prompt(chunked_service, cache_stu
     stats = wait_until_idle(cache_stub, "tiny-chunked")
     assert stats.num_running_requests == 0 and stats.num_private_blocks == 0
 
+
+
+def test_no_hit_across_tenants_after_a_preemption(small_pool_service, prompts):
+    """Tenant A's requests are preempted in a small pool (their computed pages go to A's tree on
+    release); tenant B sending one of A's prompts still gets nothing from the cache, A does."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        runs = list(pool.map(lambda p: generate(small_pool_service, p, namespace="tenant-a-pre", temperature=0.0,
+                                                max_tokens=60, ignore_eos=True), prompts))
+    assert sum(g.final.usage.num_preemptions for g in runs) > 0
+    prompt = prompts[3]
+    generate(small_pool_service, prompt, namespace="tenant-a-pre", temperature=0.0, max_tokens=2)  # (re)cache it
+    own = generate(small_pool_service, prompt, namespace="tenant-a-pre", temperature=0.0, max_tokens=2)
+    assert own.final.usage.cached_prompt_tokens > 0  # A's pages are cached (and now the most recent)
+    other = generate(small_pool_service, prompt, namespace="tenant-b-pre", temperature=0.0, max_tokens=2)
+    assert other.final.usage.cached_prompt_tokens == 0

@@ -108,6 +108,8 @@ def test_every_manifest_validates_against_the_kubernetes_schemas(variant) -> Non
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl")
 def test_kubectl_kustomize_renders_what_the_test_renders(variant) -> None:
     name, docs = variant
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed (the test's own rendering is still checked by the other tests)")
     out = subprocess.run(["kubectl", "kustomize", str(VARIANTS[name])], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     theirs = [d for d in yaml.safe_load_all(out.stdout) if d]

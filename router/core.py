@@ -130,6 +130,16 @@ class RouterCore:
         entry = self._inflight.get(request_id)
         return entry[0] if entry else None
 
+    def _failed_before_first_message(self, addr: str, error: UpstreamError, failures: list[str]) -> str:
+        """A replica failed before answering: raise the client's error unless the next replica may
+        be tried (then mark an UNAVAILABLE one down and record why); returns the status name."""
+        if error.code not in RETRYABLE_BEFORE_FIRST_MESSAGE:
+            raise RouterError(error.code, error.message) from None
+        if error.code == errors.UNAVAILABLE:
+            self.replicas.mark(addr, False)
+        failures.append(f"{addr}: {error.code} {error.message}")
+        return error.code
+
     async def _any_replica(self, call: Callable[[str, float | None], Awaitable[T]], deadline: float | None,
                            what: str) -> T:
         """`call` on live replicas in rotation until one answers; statuses that say the replica
@@ -143,12 +153,7 @@ class RouterCore:
             try:
                 result = await call(addr, self._timeout(deadline, self.config.call_timeout_s))
             except UpstreamError as e:
-                if e.code not in RETRYABLE_BEFORE_FIRST_MESSAGE:
-                    raise RouterError(e.code, e.message) from None
-                if e.code == errors.UNAVAILABLE:
-                    self.replicas.mark(addr, False)
-                failures.append(f"{addr}: {e.code} {e.message}")
-                code = e.code
+                code = self._failed_before_first_message(addr, e, failures)
                 continue
             self.replicas.mark(addr, True)
             return result
@@ -247,12 +252,7 @@ class RouterCore:
                     message, error = None, e
                 if message is None:
                     outcome = error.code
-                    if error.code not in RETRYABLE_BEFORE_FIRST_MESSAGE:
-                        raise RouterError(error.code, error.message) from None
-                    if error.code == errors.UNAVAILABLE:
-                        self.replicas.mark(addr, False)
-                    failures.append(f"{addr}: {error.code} {error.message}")
-                    code = error.code
+                    code = self._failed_before_first_message(addr, error, failures)
                     continue
                 self.metrics.first_message_seconds.observe(self._clock() - arrival)
                 async for forwarded in self._forward(addr, message, stream):

@@ -8,13 +8,21 @@ Per policy: prefix hit rate (sum of usage.cached_prompt_tokens / prompt tokens),
 from each request's send, throughput (completion tokens / wall), requests per replica, and the
 tokens that missed because they were cached on the other replica (usage.miss_other_replica_tokens).
 
-Router proxy overhead per streamed token: batch-1 decode (64 tokens after a 16-token prompt)
-streamed through the router vs directly from a replica, the two alternating; the difference of
-the medians of each run's p50 inter-token gap.
+Router proxy overhead per streamed token, measured two ways:
+- paired (the headline): one request streamed directly from replica 0 and the same prompt,
+  cached on replica 0, streamed through the kv router at the same time, so both decode in the
+  same batch steps of the same replica; every routed token's arrival minus the arrival of the
+  latest direct token before it is what the extra hop costs that token (step-time jitter, which
+  is tens of ms on this machine, cancels out). The median over all tokens of all repetitions.
+- sequential: batch-1 decode (64 tokens after a 16-token prompt) through the router vs direct,
+  the two alternating; the difference of the medians of each run's p50 inter-token gap (kept for
+  comparison: it carries the jitter of whole steps).
 """
 
 from __future__ import annotations
 
+import asyncio
+import bisect
 import collections
 import importlib
 import statistics
@@ -27,9 +35,11 @@ from bench.harness import (
     REPO,
     START_TIMEOUT_S,
     Json,
+    Streamed,
     alternate,
     clear_pools,
     repetitions,
+    stream_async,
     stream_concurrent,
     stream_stats,
     stream_sync,
@@ -133,6 +143,33 @@ def _policy_run(ctx: Context, fleet: Fleet, policy: str, prompts: list[list[int]
     return out
 
 
+def _paired_overhead(ctx: Context, router_addr: str, replica_addr: str, reps: int, deadline: float) -> Json:
+    """Per-token cost of the router hop with step jitter cancelled (see the module docstring)."""
+    deltas_ms: list[float] = []
+    unpaired = 0
+
+    async def pair(prompt: list[int]) -> tuple[Streamed, Streamed]:
+        async with grpc.aio.insecure_channel(replica_addr) as dc, grpc.aio.insecure_channel(router_addr) as rc:
+            direct, routed = model_pb2_grpc.ModelServiceStub(dc), model_pb2_grpc.ModelServiceStub(rc)
+            await stream_async(direct, prompt, 1)  # its pages are now cached on replica 0: kv routes there
+            return tuple(await asyncio.gather(stream_async(direct, prompt, 64), stream_async(routed, prompt, 64)))
+
+    for rep in repetitions(reps, deadline):
+        with ctx.progress.run(f"router overhead (paired) rep {rep + 1}", 0):
+            direct, routed = asyncio.run(pair(ctx.prompts.ids(8 * BLOCK_SIZE)))
+        if routed.usage.served_by != replica_addr:
+            unpaired += 1  # the router sent it elsewhere: no common steps to compare
+            continue
+        step_s = statistics.median(g for g in direct.gaps() if g > 0)
+        for t in routed.times:
+            i = bisect.bisect_right(direct.times, t) - 1
+            if i >= 0 and t - direct.times[i] < step_s / 2:  # the same step's direct token
+                deltas_ms.append(1e3 * (t - direct.times[i]))
+    return {"paired_tokens": len(deltas_ms), "unpaired_reps": unpaired,
+            "paired_overhead_ms": summary(deltas_ms) if deltas_ms else None,
+            "paired_overhead_p50_ms": statistics.median(deltas_ms) if deltas_ms else None}
+
+
 def _router_overhead(ctx: Context, fleet: Fleet, reps: int, deadline: float) -> Json:
     addr = fleet.start_router("round-robin")
     direct_gap: list[float] = []
@@ -156,9 +193,15 @@ def _router_overhead(ctx: Context, fleet: Fleet, reps: int, deadline: float) -> 
                               lambda: one(routed, routed_gap, routed_ttft))
     finally:
         fleet.stop_router()
+    addr = fleet.start_router("kv")
+    try:
+        paired = _paired_overhead(ctx, addr, fleet.replica_addrs[0], reps, deadline)
+    finally:
+        fleet.stop_router()
     return {"direct_inter_token_p50_ms": summary(direct_gap), "router_inter_token_p50_ms": summary(routed_gap),
             "direct_ttft_s": summary(direct_ttft), "router_ttft_s": summary(routed_ttft),
-            "overhead_per_token_ms": statistics.median(routed_gap) - statistics.median(direct_gap),
+            "sequential_overhead_per_token_ms": statistics.median(routed_gap) - statistics.median(direct_gap),
+            "overhead_per_token_ms": paired["paired_overhead_p50_ms"], "paired": paired,
             "overhead_ttft_ms": 1e3 * (statistics.median(routed_ttft) - statistics.median(direct_ttft))}
 
 
@@ -204,6 +247,7 @@ def flat(d: Json) -> Json:
     if "router_overhead" in d:
         out["router_overhead_per_token_ms"] = d["router_overhead"]["overhead_per_token_ms"]
         out["router_overhead_ttft_ms"] = d["router_overhead"]["overhead_ttft_ms"]
+        out["router_overhead_sequential_per_token_ms"] = d["router_overhead"].get("sequential_overhead_per_token_ms")
     return out
 
 
@@ -224,12 +268,16 @@ def report(d: Json) -> str:
                            "requests/replica"]))
     if "router_overhead" in d:
         o = d["router_overhead"]
-        text += (f"\nrouter proxy overhead, batch-1 decode: inter-token p50 {o['router_inter_token_p50_ms']['median']:.1f}"
+        paired = o["overhead_per_token_ms"]
+        text += ("\nrouter proxy overhead per token, paired in the same steps: "
+                 + (f"p50 {paired:.2f} ms over {o['paired']['paired_tokens']} tokens" if paired is not None
+                    else "no paired tokens")
+                 + f"\nsequential batch-1 decode: inter-token p50 {o['router_inter_token_p50_ms']['median']:.1f}"
                  f" ms via router vs {o['direct_inter_token_p50_ms']['median']:.1f} ms direct "
-                 f"({o['overhead_per_token_ms']:+.2f} ms/token); TTFT {o['overhead_ttft_ms']:+.1f} ms")
+                 f"({o['sequential_overhead_per_token_ms']:+.2f} ms/token); TTFT {o['overhead_ttft_ms']:+.1f} ms")
     return text
 
 
 FLEET = Workload(name="fleet", help="2 replicas + router: kv vs round-robin vs least-loaded routing",
-                 run=run, flat=flat, report=report, cap_s=480.0, runs=lambda ctx: 1 + len(POLICIES) + sizes(ctx)["overhead_reps"],
+                 run=run, flat=flat, report=report, cap_s=480.0, runs=lambda ctx: 1 + len(POLICIES) + 2 * sizes(ctx)["overhead_reps"],
                  needs_services=False, needs_model=False, available=router_missing)

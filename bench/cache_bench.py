@@ -1,10 +1,12 @@
-"""Cache service benchmark: `python -m bench.cache_bench` (about a minute).
+"""Cache service benchmark: `python -m bench.cache_bench` (a minute or two).
 
 1. In-process match+insert ops/s for 1k-token prompts on a tree holding 10k cached sequences.
 2. Eviction cost per call as the tree grows (1k, 10k, 50k leaves) next to a full leaf scan.
-3. Step RPC latency (p50/p99) on loopback for 16-request batches, server in a subprocess.
+3. Step RPC latency (p50/p99) on loopback for 16-request batches, server in a subprocess, next
+   to a bare grpc.aio echo of each Step request's bytes (bench/grpc_echo.py), calls interleaved.
 4. The same Step sequence in-process vs over gRPC (ratio).
 5. Route over a fleet of 64 pools x 10k cached sequences, in-process (p50 per call).
+6. The tree on issue 12's fixed trace (bench/tree_trace.py), current vs previous tree, page 16 and 1.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from bench.grpc_echo import METHOD as ECHO_METHOD
+from bench.tree_trace import bench_tree_trace
 from cache_service.pool import Pool
 from cache_service.pool_registry import PoolRegistry
 from cache_service.radix_tree import RadixTree
@@ -205,9 +209,10 @@ def bench_step_inprocess(steps: list[StepInput], num_blocks: int) -> list[dict]:
     return [summarize(k, "in-process", v) for k, v in times.items()]
 
 
-def start_server() -> tuple[subprocess.Popen, int]:
+def start_server(module: str = "cache_service", *extra: str) -> tuple[subprocess.Popen, int]:
+    """`python -m module --port 0 --host 127.0.0.1 ...` in a subprocess; returns it and its port."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cache_service", "--port", "0", "--host", "127.0.0.1", "--log-level", "WARNING"],
+        [sys.executable, "-m", module, "--port", "0", "--host", "127.0.0.1", *extra],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
     )
     deadline, buffer = time.monotonic() + 30, b""
@@ -223,30 +228,44 @@ def start_server() -> tuple[subprocess.Popen, int]:
                 if found:
                     return proc, int(found.group(1))
     proc.kill()
-    raise RuntimeError(f"cache server did not start: {buffer!r}")
+    raise RuntimeError(f"{module} server did not start: {buffer!r}")
 
 
 def bench_step_grpc(steps: list[StepInput], num_blocks: int) -> list[dict]:
-    proc, port = start_server()
+    """Step over loopback gRPC; each call is followed by an echo of the same request bytes to a bare
+    grpc.aio server (same client, same payload), so both distributions see the same load."""
+    proc, port = start_server("cache_service", "--log-level", "WARNING")
+    echo_proc, echo_port = start_server("bench.grpc_echo")
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, \
+                grpc.insecure_channel(f"127.0.0.1:{echo_port}") as echo_channel:
+            echo = echo_channel.unary_unary(ECHO_METHOD)  # bytes in, bytes out
             stub = cache_pb2_grpc.CacheManagerStub(channel)
             reg = stub.RegisterPool(
                 pb.RegisterPoolRequest(worker_id="bench", num_blocks=num_blocks, block_size=BS), timeout=10
             )
             requests = [to_proto(s, reg.pool_id, reg.epoch) for s in steps]
-            for _ in range(20):  # warm the channel up
+            payloads = [r.SerializeToString() for r in requests]
+            for _ in range(20):  # warm the channels up
                 stub.Heartbeat(pb.HeartbeatRequest(pool_id=reg.pool_id, epoch=reg.epoch), timeout=10)
+                echo(payloads[0], timeout=10)
             times: dict[str, list[float]] = {"admit+finish": [], "extend": []}
-            for step, request in zip(steps, requests, strict=True):
+            echo_times: dict[str, list[float]] = {"admit+finish": [], "extend": []}
+            for step, request, payload in zip(steps, requests, payloads, strict=True):
                 kind = "extend" if step.extends else "admit+finish"
                 times[kind].append(timed(lambda r=request: stub.Step(r, timeout=10)))
+                echo_times[kind].append(timed(lambda p=payload: echo(p, timeout=10)))
             empty = [timed(lambda: stub.Heartbeat(
                 pb.HeartbeatRequest(pool_id=reg.pool_id, epoch=reg.epoch), timeout=10)) for _ in range(300)]
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-    return [summarize(k, "gRPC", v) for k, v in times.items()] + [summarize("heartbeat (empty)", "gRPC", empty)]
+        for p in (proc, echo_proc):
+            p.terminate()
+            p.wait(timeout=10)
+    return ([summarize(k, "gRPC", v) for k, v in times.items()]
+            + [summarize(k, "echo", v) for k, v in echo_times.items()]
+            + [summarize("all", "gRPC", [t for v in times.values() for t in v]),
+               summarize("all", "echo", [t for v in echo_times.values() for t in v]),
+               summarize("heartbeat (empty)", "gRPC", empty)])
 
 
 # ---------------------------------------------------------------------- main
@@ -322,6 +341,10 @@ def run(quick: bool, echo: Callable[[str], object] = print) -> dict:
         ratio = by[(kind, "gRPC")]["p50_us"] / by[(kind, "in-process")]["p50_us"]
         results[f"grpc_over_inprocess_{kind}"] = ratio
         echo(f"gRPC / in-process p50 for {kind}: {ratio:.1f}x")
+    for kind in ("all", "admit+finish", "extend"):
+        ratio = by[(kind, "gRPC")]["p99_us"] / by[(kind, "echo")]["p99_us"]
+        results[f"step_over_echo_p99_{kind}"] = ratio
+        echo(f"Step / bare grpc.aio echo of the same bytes, p99, {kind}: {ratio:.2f}x (target <= 2)")
 
     echo("\n== 5. Route over a fleet (in-process; target p50 < 1 ms at 64 pools x 10k sequences)")
     rt = bench_route(8 if q else 64, 1000 if q else 10_000, 200 if q else 2000)
@@ -329,6 +352,18 @@ def run(quick: bool, echo: Callable[[str], object] = print) -> dict:
     echo(table([rt], [("pools", "pools", ""), ("sequences_per_pool", "seqs/pool", ","),
                       ("build_s", "build s", ".1f"), ("route_us_p50", "route p50 us", ",.0f"),
                       ("route_us_p99", "route p99 us", ",.0f")]))
+
+    echo("\n== 6. tree on issue 12's trace: 100 x 512-token prefixes, 10k requests of 1,024 tokens, 2M slots")
+    tt = bench_tree_trace(q)
+    results["tree_trace"] = tt
+    rows = [{"ps": r["page_size"], "tree": name, **r[name]} for r in tt for name in ("new", "new_hashed", "old")]
+    echo(table(rows, [("ps", "page", ""), ("tree", "tree", ""), ("req_s", "req/s", ",.0f"),
+                      ("match_us", "match us", ".1f"), ("insert_us", "insert us", ".1f"),
+                      ("evict_us", "evict us", ".1f"), ("hit_rate", "hit rate", ".2f")]))
+    for r in tt:
+        echo(f"page {r['page_size']}: current / previous tree {r['new_over_old']:.2f}x "
+             f"(with page hashes read {r['new_hashed_over_old']:.2f}x); "
+             f"/ SGLang's {r['sglang_reference_req_s']:,.0f} req/s of issue 12: {r['new_over_sglang_reference']:.2f}x")
 
     return results
 

@@ -12,7 +12,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from cache_service.radix_tree import RadixTree, page_hashes
+from cache_service.page_hash import TOKEN_BYTES, encode_tokens, iter_page_hashes
+from cache_service.radix_tree import RadixTree
 
 MAX_REMEMBERED_PAGES = 1 << 20
 
@@ -38,14 +39,22 @@ class EvictedPages:
         return page_hash in self._hashes
 
     def add(self, hashes: Iterable[int]) -> None:
+        remembered = self._hashes
+        hashes = list(hashes)
         for h in hashes:
-            self._hashes[h] = None
-            self._hashes.move_to_end(h)
-        while len(self._hashes) > self.capacity:
-            self._hashes.popitem(last=False)
+            if h in remembered:  # rare (evicted again): refresh its place
+                remembered.move_to_end(h)
+        remembered.update(dict.fromkeys(hashes))  # new ones go last, in order
+        popitem = remembered.popitem
+        for _ in range(len(remembered) - self.capacity):
+            popitem(last=False)
 
     def clear(self) -> None:
         self._hashes.clear()
+
+    def hashes(self) -> list[int]:
+        """The remembered hashes, oldest first (for snapshots; `add` restores them)."""
+        return list(self._hashes)
 
 
 def classify_miss(
@@ -56,21 +65,23 @@ def classify_miss(
     namespace: str,
     num_cached_pages: int,
     parent_hash: int,
+    encoded: bytes | None = None,
 ) -> MissBreakdown:
     """Break down the len(tokens) - cached tokens a first admission must compute.
 
-    `parent_hash` is the hash of the last cached page (0 when nothing is cached).
+    `parent_hash` is the hash of the last cached page (0 when nothing is cached); `encoded`, if
+    given, is `encode_tokens(tokens)` (saves encoding the prompt again).
     """
     ps = tree.page_size
     uncached = len(tokens) - num_cached_pages * ps
     cacheable = (len(tokens) - 1) // ps  # pages that could have been hits
     if cacheable <= num_cached_pages:
         return MissBreakdown(0, 0, 0, uncached)
-    prefix = tokens[: cacheable * ps]
+    prefix = (encoded or encode_tokens(tokens))[: cacheable * ps * TOKEN_BYTES]  # once for every lookup
     covered = num_cached_pages
     evicted_pages = 0
-    if len(evicted):
-        for h in page_hashes(parent_hash, namespace, prefix[covered * ps :], ps):
+    if len(evicted):  # hashed page by page: most misses stop at the first page
+        for h in iter_page_hashes(parent_hash, namespace, prefix[covered * ps * TOKEN_BYTES :], ps):
             if h not in evicted:
                 break
             evicted_pages += 1

@@ -1,8 +1,15 @@
 """Radix tree of page-aligned token prefixes, mapping each cached page to a physical block.
 
 One root per namespace (tenant / cache salt), so prefixes never match across namespaces.
-Edges hold whole pages: a node's key is a tuple of `page_size * k` tokens and its value the k
-block ids. Children are keyed by the tuple of their first page's tokens.
+Edges hold whole pages: a node's key is the `page_size * k` tokens encoded as little-endian
+uint32 bytes (`page_hash.encode_tokens`) and its value the k block ids. Children are keyed by
+their first page's bytes, so walking compares bytes (memcmp) and never builds tuples of ints.
+
+Page hashes (`page_hash`) are computed lazily: a node's `hashes` on first use (events, Route by
+hash chain, miss reasons), then kept. This is sound because the prefix a node object stands for
+never changes (a split keeps the tail's identity, a removed node is never changed again), so its
+hashes can be computed at any later time, even after it was evicted. The hash index behind
+`peek_hashes` is built on the first such call and kept up to date from then on.
 
 The tree does not own the allocator: `insert` reports how many pages were already present
 (the caller frees its duplicate blocks) and `evict` returns the evicted nodes' blocks (the
@@ -15,65 +22,78 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import sys
-from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from hashlib import blake2b
 from typing import NamedTuple
 
 from cache_service.errors import IntegrityError
+from cache_service.page_hash import (
+    TOKEN_BYTES,
+    decode_tokens,
+    encode_tokens,
+    page_hash,
+    page_hashes,
+    page_hashes_raw,
+)
 
-
-def page_hashes(parent_hash: int, namespace: str, tokens: Sequence[int], page_size: int) -> list[int]:
-    """Chained uint64 hash of each page of `tokens`: blake2b-8(parent_hash, namespace, page).
-
-    A page's hash depends only on the namespace and the tokens of the whole prefix up to it, so
-    equal prefixes hash equally in every pool. Tokens are hashed as little-endian uint32.
-    """
-    ns = namespace.encode()
-    ns_bytes = len(ns).to_bytes(4, "little") + ns
-    data = array("I", tokens)
-    if sys.byteorder == "big":
-        data.byteswap()
-    raw = data.tobytes()
-    step = 4 * page_size
-    hashes = []
-    h = parent_hash
-    for start in range(0, len(raw) - step + 1, step):
-        digest = blake2b(h.to_bytes(8, "little") + ns_bytes + raw[start : start + step], digest_size=8).digest()
-        h = int.from_bytes(digest, "little")
-        hashes.append(h)
-    return hashes
-
-
-def page_hash(parent_hash: int, namespace: str, page: Sequence[int]) -> int:
-    """Hash of a single page (see `page_hashes`)."""
-    return page_hashes(parent_hash, namespace, page, len(page))[0]
+__all__ = ["EvictedNode", "InsertResult", "MatchResult", "RadixTree", "TreeNode", "encode_tokens", "page_hash",
+           "page_hashes"]
 
 
 @dataclass(slots=True, eq=False)
 class TreeNode:
     """An edge of whole pages. `lock_ref` counts running requests whose path passes here."""
 
-    key: tuple[int, ...]
+    key: bytes  # the edge's tokens, encode_tokens()
     value: list[int]
-    hashes: list[int]
     parent: TreeNode | None
     namespace: str
-    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
+    children: dict[bytes, TreeNode] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
     in_tree: bool = True
+    # Page hashes once computed (a root: []). Computed nodes are closed upwards: a node's are
+    # computed only after its parent's.
+    computed_hashes: list[int] | None = None
 
     @property
     def is_root(self) -> bool:
         return self.parent is None
 
     @property
+    def hashes(self) -> list[int]:
+        """Hash of each page of this edge (see `page_hashes`), computed on first use."""
+        hashes = self.computed_hashes
+        return hashes if hashes is not None else self._compute_hashes()
+
+    @hashes.setter
+    def hashes(self, hashes: list[int]) -> None:
+        """Set known hashes (e.g. restored ones); they must be this node's chain."""
+        self.computed_hashes = hashes
+
+    @property
     def last_hash(self) -> int:
         """Hash of this node's last page (0 for a root): the parent hash of its children."""
-        return self.hashes[-1] if self.hashes else 0
+        hashes = self.hashes
+        return hashes[-1] if hashes else 0
+
+    def _compute_hashes(self) -> list[int]:
+        pending = []
+        node: TreeNode | None = self
+        while node is not None and node.computed_hashes is None:
+            pending.append(node)
+            node = node.parent
+        parent_hash = node.computed_hashes[-1] if node is not None and node.computed_hashes else 0
+        for n in reversed(pending):
+            page_size = len(n.key) // (TOKEN_BYTES * len(n.value)) if n.value else 1
+            n.computed_hashes = page_hashes_raw(parent_hash, n.namespace, n.key, page_size)
+            parent_hash = n.computed_hashes[-1] if n.computed_hashes else parent_hash
+        return self.computed_hashes  # type: ignore[return-value]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The edge's tokens as ints."""
+        return decode_tokens(self.key)
 
 
 class MatchResult(NamedTuple):
@@ -91,7 +111,12 @@ class InsertResult(NamedTuple):
 class EvictedNode(NamedTuple):
     namespace: str
     block_ids: list[int]
-    hashes: list[int]
+    node: TreeNode  # out of the tree now; kept for its page hashes
+
+    @property
+    def hashes(self) -> list[int]:
+        """The evicted pages' hashes (computed on first use)."""
+        return self.node.hashes
 
 
 class RadixTree:
@@ -106,6 +131,7 @@ class RadixTree:
         if page_size <= 0:
             raise ValueError(f"page_size must be > 0, got {page_size}")
         self.page_size = page_size
+        self._page_bytes = TOKEN_BYTES * page_size
         self.heap_slack = heap_slack
         self.evictable_size = 0
         self.protected_size = 0
@@ -115,8 +141,8 @@ class RadixTree:
         self._heap: list[tuple[int, int, TreeNode]] = []
         self._seq = itertools.count()
         # First page of every root child -> the namespaces that have it (other-namespace lookups).
-        self._first_pages: dict[tuple[int, ...], set[str]] = {}
-        self._hashes: set[int] = set()  # every cached page's hash (lookups by hash chain)
+        self._first_pages: dict[bytes, set[str]] = {}
+        self._hash_index: set[int] | None = None  # every cached page's hash, once peek_hashes is used
 
     # ------------------------------------------------------------------ queries
 
@@ -127,25 +153,28 @@ class RadixTree:
     def aligned_len(self, num_tokens: int) -> int:
         return num_tokens // self.page_size * self.page_size
 
-    def match_prefix(self, tokens: Sequence[int], namespace: str = "") -> MatchResult:
+    def match_prefix(self, tokens: Sequence[int] | bytes, namespace: str = "") -> MatchResult:
         """Longest cached page-aligned prefix of `tokens`; touches the path's access times.
 
         When the match ends inside an edge, the edge is split there, so `last_node` ends
-        exactly at the match and locking it protects exactly the matched pages.
+        exactly at the match and locking it protects exactly the matched pages. `tokens` may be
+        ints or already encoded (`encode_tokens`).
         """
         return self._walk(tokens, namespace, mutate=True)
 
-    def peek_prefix(self, tokens: Sequence[int], namespace: str = "") -> MatchResult:
+    def peek_prefix(self, tokens: Sequence[int] | bytes, namespace: str = "") -> MatchResult:
         """Like `match_prefix` but read-only: no split, no access-time update."""
         return self._walk(tokens, namespace, mutate=False)
 
-    def peek_key(self, key: tuple[int, ...], namespace: str = "") -> int:
-        """Cached tokens of the longest page-aligned prefix of `key` (a tuple, not copied):
-        read-only, for callers that look one prompt up in many trees."""
+    def peek_key(self, key: Sequence[int] | bytes, namespace: str = "") -> int:
+        """Cached tokens of the longest page-aligned prefix of `key`: read-only, for callers that
+        look one prompt up in many trees (pass it encoded once, `encode_tokens`, to avoid
+        re-encoding it per tree)."""
         root = self._roots.get(namespace)
         if root is None:
             return 0
-        ps = self.page_size
+        key = encode_tokens(key)
+        ps = self._page_bytes
         n = len(key) // ps * ps
         node, pos = root, 0
         while pos < n:
@@ -157,16 +186,17 @@ class RadixTree:
                 pos += clen
                 node = child
                 continue
-            return pos + self._common_pages(child.key, key, pos) * ps
-        return pos
+            pos += self._common_pages(child.key, key, pos) * ps
+            break
+        return pos // TOKEN_BYTES
 
-    def _walk(self, tokens: Sequence[int], namespace: str, mutate: bool) -> MatchResult:
+    def _walk(self, tokens: Sequence[int] | bytes, namespace: str, mutate: bool) -> MatchResult:
         root = self._roots.get(namespace)
         if root is None:
             return MatchResult([], None, 0)
-        ps = self.page_size
-        key = tuple(tokens[: self.aligned_len(len(tokens))])
-        n = len(key)
+        ps = self._page_bytes
+        key = encode_tokens(tokens)
+        n = len(key) // ps * ps
         tick = self._tick() if mutate else 0
         node, pos, blocks = root, 0, []
         while pos < n:
@@ -193,36 +223,42 @@ class RadixTree:
             break
         if mutate:
             self._push_if_evictable_leaf(node)
-        return MatchResult(blocks, node, pos)
+        return MatchResult(blocks, node, pos // TOKEN_BYTES)
 
-    def _common_pages(self, edge: tuple[int, ...], key: tuple[int, ...], pos: int) -> int:
-        """Pages of `edge` equal to `key[pos:]`; the first page is known to be equal."""
-        ps = self.page_size
-        limit = min(len(edge), len(key) - pos)
-        i = ps
-        while i + ps <= limit and edge[i : i + ps] == key[pos + i : pos + i + ps]:
-            i += ps
-        return i // ps
+    def _common_pages(self, edge: bytes, key: bytes, pos: int) -> int:
+        """Leading whole pages of `edge` equal to `key[pos:]`, where the first page is known to be
+        equal and the whole edge known not to be (binary search over prefix compares)."""
+        ps = self._page_bytes
+        lo, hi = 1, min(len(edge), len(key) - pos) // ps
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            end = mid * ps
+            if edge[:end] == key[pos : pos + end]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     # ------------------------------------------------------------------ updates
 
-    def insert(self, tokens: Sequence[int], block_ids: Sequence[int], namespace: str = "") -> InsertResult:
+    def insert(self, tokens: Sequence[int] | bytes, block_ids: Sequence[int], namespace: str = "") -> InsertResult:
         """Cache `tokens` (page-aligned, one block per page) and touch the path.
 
         Returns how many leading pages were already present: the caller's blocks for those
         pages are not taken by the tree (free the ones the caller owns). The remaining pages
         become a new leaf owning the caller's blocks.
         """
-        ps = self.page_size
-        key = tuple(tokens)
+        ps = self._page_bytes
+        key = encode_tokens(tokens)
         n = len(key)
         if n % ps or n // ps != len(block_ids):
-            raise ValueError(f"insert needs whole pages: {n} tokens, {len(block_ids)} blocks, page {ps}")
+            raise ValueError(f"insert needs whole pages: {n // TOKEN_BYTES} tokens, {len(block_ids)} blocks, "
+                             f"page {self.page_size}")
         if n == 0:
             return InsertResult(0, None, None)  # nothing to cache; never leave an empty root behind
         root = self._roots.get(namespace)
         if root is None:
-            root = self._roots[namespace] = TreeNode((), [], [], None, namespace)
+            root = self._roots[namespace] = TreeNode(b"", [], None, namespace, computed_hashes=[])
         tick = self._tick()
         node, pos = root, 0
         while pos < n:
@@ -244,11 +280,11 @@ class RadixTree:
         if pos == n:
             self._push_if_evictable_leaf(node)
             return InsertResult(existing, None, node)
-        hashes = page_hashes(node.last_hash, namespace, key[pos:], ps)
-        leaf = TreeNode(key[pos:], list(block_ids[existing:]), hashes, node, namespace, last_access=tick)
+        leaf = TreeNode(key[pos:], list(block_ids[existing:]), node, namespace, last_access=tick)
         first = key[pos : pos + ps]
         node.children[first] = leaf
-        self._hashes.update(hashes)
+        if self._hash_index is not None:
+            self._hash_index.update(leaf.hashes)
         if node.parent is None:
             self._first_pages.setdefault(first, set()).add(namespace)
         self.num_nodes += 1
@@ -270,42 +306,52 @@ class RadixTree:
         return [b for part in reversed(parts) for b in part]
 
     def peek_hashes(self, hashes: Sequence[int]) -> int:
-        """Leading pages of a page hash chain (see `page_hashes`) that are cached: read-only."""
+        """Leading pages of a page hash chain (see `page_hashes`) that are cached: read-only.
+
+        The first call builds the hash index (hashing every cached page); it is kept from then on.
+        """
+        index = self._hash_index
+        if index is None:
+            index = self._hash_index = {h for node in self.iter_nodes() for h in node.hashes}
         n = 0
         for h in hashes:
-            if h not in self._hashes:
+            if h not in index:
                 break
             n += 1
         return n
 
-    def peek_other_namespaces(self, tokens: Sequence[int], namespace: str) -> int:
+    def peek_other_namespaces(self, tokens: Sequence[int] | bytes, namespace: str) -> int:
         """Longest cached page-aligned prefix of `tokens` in any namespace but `namespace`.
 
         Only namespaces whose tree starts with the same first page are walked.
         """
-        ps = self.page_size
-        if len(tokens) < ps:
+        ps = self._page_bytes
+        key = encode_tokens(tokens)
+        if len(key) < ps:
             return 0
-        others = self._first_pages.get(tuple(tokens[:ps]), ())
-        return max((self.peek_prefix(tokens, ns).num_tokens for ns in others if ns != namespace), default=0)
+        others = self._first_pages.get(key[:ps], ())
+        return max((self.peek_key(key, ns) for ns in others if ns != namespace), default=0)
 
     def _split(self, child: TreeNode, num_pages: int) -> TreeNode:
         """Cut `child` after `num_pages` pages; returns the new parent holding the head.
 
         `child` keeps its identity (and any lock holder's reference) as the tail.
         """
-        ps = self.page_size
+        ps = self._page_bytes
         cut = num_pages * ps
         parent = child.parent
         assert parent is not None and 0 < cut < len(child.key)
         head = TreeNode(
-            child.key[:cut], child.value[:num_pages], child.hashes[:num_pages], parent, child.namespace,
+            child.key[:cut], child.value[:num_pages], parent, child.namespace,
             lock_ref=child.lock_ref, last_access=child.last_access,
         )
+        hashes = child.computed_hashes
+        if hashes is not None:
+            head.computed_hashes = hashes[:num_pages]
+            child.computed_hashes = hashes[num_pages:]
         parent.children[child.key[:ps]] = head
         child.key = child.key[cut:]
         child.value = child.value[num_pages:]
-        child.hashes = child.hashes[num_pages:]
         child.parent = head
         head.children[child.key[:ps]] = child
         self.num_nodes += 1
@@ -360,7 +406,7 @@ class RadixTree:
                 self._split(node, len(node.value) - remaining)  # only the tail goes
             self._remove_leaf(node)
             remaining -= len(node.value)
-            evicted.append(EvictedNode(node.namespace, node.value, node.hashes))
+            evicted.append(EvictedNode(node.namespace, node.value, node))
         return evicted
 
     def evict_all(self) -> list[EvictedNode]:
@@ -370,10 +416,11 @@ class RadixTree:
     def _remove_leaf(self, node: TreeNode) -> None:
         parent = node.parent
         assert parent is not None
-        first = node.key[: self.page_size]
+        first = node.key[: self._page_bytes]
         del parent.children[first]
         node.in_tree = False
-        self._hashes.difference_update(node.hashes)
+        if self._hash_index is not None:
+            self._hash_index.difference_update(node.hashes)
         self.num_nodes -= 1
         self.evictable_size -= len(node.value)
         if parent.parent is None:
@@ -428,17 +475,18 @@ class RadixTree:
         """(namespace, tokens of the whole prefix up to and including the page, block id) per page."""
         ps = self.page_size
         for ns, root in list(self._roots.items()):
-            stack = [(child, ()) for child in root.children.values()]
+            stack: list[tuple[TreeNode, tuple[int, ...]]] = [(child, ()) for child in root.children.values()]
             while stack:
                 node, prefix = stack.pop()
+                tokens = tuple(node.token_ids)
                 for i, block in enumerate(node.value):
-                    yield ns, prefix + node.key[: (i + 1) * ps], block
-                full = prefix + node.key
+                    yield ns, prefix + tokens[: (i + 1) * ps], block
+                full = prefix + tokens
                 stack.extend((child, full) for child in node.children.values())
 
     def check_integrity(self, check_hashes: bool = True) -> list[int]:
         """Verify structure, counters and the heap; returns every block id the tree owns."""
-        ps = self.page_size
+        ps = self._page_bytes
         blocks: list[int] = []
         evictable = protected = count = 0
         leaves: list[TreeNode] = []
@@ -456,10 +504,14 @@ class RadixTree:
                         raise IntegrityError("broken parent link")
                     if not child.key or len(child.key) != ps * len(child.value) or first != child.key[:ps]:
                         raise IntegrityError("edge key is not whole pages or mis-keyed")
-                    if len(child.hashes) != len(child.value):
-                        raise IntegrityError("hash count differs from page count")
-                    if check_hashes and page_hashes(node.last_hash, ns, child.key, ps) != child.hashes:
-                        raise IntegrityError("page hash chain broken")
+                    computed = child.computed_hashes
+                    if computed is not None:
+                        if node.computed_hashes is None:
+                            raise IntegrityError("page hashes computed below a node without them")
+                        if len(computed) != len(child.value):
+                            raise IntegrityError("hash count differs from page count")
+                        if check_hashes and page_hashes_raw(node.last_hash, ns, child.key, self.page_size) != computed:
+                            raise IntegrityError("page hash chain broken")
                     if child.lock_ref < 0:
                         raise IntegrityError("negative lock_ref")
                     child_locks += child.lock_ref
@@ -481,15 +533,17 @@ class RadixTree:
             )
         if len(set(blocks)) != len(blocks):
             raise IntegrityError("a block is cached twice")
-        index: dict[tuple[int, ...], set[str]] = {}
+        index: dict[bytes, set[str]] = {}
         for ns, root in self._roots.items():
             for first in root.children:
                 index.setdefault(first, set()).add(ns)
         if index != self._first_pages:
             raise IntegrityError("first-page namespace index differs from the roots' children")
-        hashes = {h for node in self.iter_nodes() for h in node.hashes}
-        if hashes != self._hashes:
-            raise IntegrityError("page hash index differs from the tree's pages")
+        if self._hash_index is not None:
+            if any(node.computed_hashes is None for node in self.iter_nodes()):
+                raise IntegrityError("a node without page hashes while the hash index is kept")
+            if {h for node in self.iter_nodes() for h in node.hashes} != self._hash_index:
+                raise IntegrityError("page hash index differs from the tree's pages")
         queued = {id(n) for stamp, _, n in self._heap if n.last_access == stamp}
         if any(id(leaf) not in queued for leaf in leaves):
             raise IntegrityError("an evictable leaf is missing from the eviction heap")

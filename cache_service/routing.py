@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from cache_service.errors import InvalidArgument
+from cache_service.page_hash import TOKEN_BYTES, encode_tokens
 from cache_service.pool import Pool
 from cache_service.radix_tree import page_hashes
 from cache_service.routed import DEFAULT_ROUTED_TTL_SECONDS, RoutedRequest
@@ -89,10 +90,11 @@ def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
     def chain(block_size: int) -> list[int]:
         if block_size not in hash_chains:
             hash_chains[block_size] = (list(query.page_hashes) if query.page_hashes else
-                                       page_hashes(0, query.namespace, query.token_ids, block_size))
+                                       page_hashes(0, query.namespace, encoded, block_size))
         return hash_chains[block_size]
 
-    keys: dict[int, tuple[int, ...]] = {}  # per block size: the cacheable prompt prefix, sliced once
+    keys: dict[int, bytes] = {}  # per block size: the cacheable prompt prefix, sliced once
+    encoded = encode_tokens(query.token_ids) if query.token_ids else b""  # encoded once for all pools
     wp, wq, wr = weights.prefill_weight, weights.queue_weight, weights.running_weight
     num_pages = 0
     scored: list[tuple[float, int, str, Pool, int, int, int]] = []
@@ -106,7 +108,7 @@ def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
             max_cached = (num_tokens - 1) // bs  # pages: the last prompt token is always computed
             key = keys.get(bs)
             if key is None:
-                key = keys[bs] = query.token_ids[: max_cached * bs]
+                key = keys[bs] = encoded[: max_cached * bs * TOKEN_BYTES]
             matched = pool.tree.peek_key(key, query.namespace) // bs
         else:
             num_tokens = len(query.page_hashes) * bs

@@ -30,10 +30,10 @@ import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from hashlib import blake2b
 from pathlib import Path
 
 import grpc
+from xxhash import xxh3_64_intdigest
 
 from protos import cache_pb2, cache_pb2_grpc
 
@@ -42,9 +42,8 @@ log = logging.getLogger("kv_mirror")
 
 def page_hashes(parent_hash: int, namespace: str, tokens: Sequence[int], page_size: int) -> list[int]:
     """Chained uint64 hash of each whole page of `tokens` (protos/cache.proto, BlockStored):
-    blake2b-8(uint64_le(parent) || uint32_le(len(ns)) || ns || uint32_le(token) * page_size)."""
-    ns = namespace.encode()
-    ns_bytes = len(ns).to_bytes(4, "little") + ns
+    xxh3_64(uint32_le(token) * page_size, seed=parent XOR xxh3_64(utf8(namespace)))."""
+    ns_seed = xxh3_64_intdigest(namespace.encode())
     data = array("I", tokens)
     if sys.byteorder == "big":
         data.byteswap()
@@ -52,8 +51,7 @@ def page_hashes(parent_hash: int, namespace: str, tokens: Sequence[int], page_si
     step = 4 * page_size
     hashes, h = [], parent_hash
     for start in range(0, len(raw) - step + 1, step):
-        h = int.from_bytes(blake2b(h.to_bytes(8, "little") + ns_bytes + raw[start:start + step],
-                                   digest_size=8).digest(), "little")
+        h = xxh3_64_intdigest(raw[start:start + step], h ^ ns_seed)
         hashes.append(h)
     return hashes
 

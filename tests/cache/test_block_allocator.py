@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import random
 
-from cache_service.block_allocator import BlockAllocator
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cache_service.block_allocator import BULK, BlockAllocator
 from cache_service.errors import AllocationError
 
 
@@ -62,3 +66,59 @@ def test_integrity_detects_corruption() -> None:
     alloc._free.append(2)  # block 2 listed free twice
     with pytest.raises(Exception, match="twice"):
         alloc.check_integrity()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["allocate", "incref", "free"]), st.integers(0, 300),
+                          st.integers(0, 2**16), st.booleans()), max_size=30))
+def test_bulk_calls_agree_with_a_plain_model(ops: list[tuple[str, int, int, bool]]) -> None:
+    """Calls on >= BULK blocks take the numpy path: same refcounts, free set and errors as a model."""
+    alloc = BlockAllocator(300)
+    refs: dict[int, int] = {}
+    for kind, n, seed, repeat in ops:
+        rng = random.Random(seed)
+        if kind == "allocate":
+            if n > 300 - len(refs):
+                with pytest.raises(AllocationError):
+                    alloc.allocate(n)
+                continue
+            got = alloc.allocate(n)
+            assert len(set(got)) == n and not set(got) & set(refs)
+            refs.update(dict.fromkeys(got, 1))
+        else:
+            pick = rng.sample(range(300), min(n, 300))  # may include free blocks
+            if repeat and pick:
+                pick += pick[: len(pick) // 2]
+            if kind == "incref":
+                if any(b not in refs for b in pick):
+                    with pytest.raises(AllocationError):
+                        alloc.incref(pick)
+                else:
+                    alloc.incref(pick)
+                    for b in pick:
+                        refs[b] += 1
+            else:
+                pick = [b for b in pick if b in refs] if seed % 3 else pick
+                counts: dict[int, int] = {}
+                for b in pick:
+                    counts[b] = counts.get(b, 0) + 1
+                if any(refs.get(b, 0) < c for b, c in counts.items()):
+                    with pytest.raises(AllocationError):
+                        alloc.free(pick)
+                else:
+                    alloc.free(pick)
+                    for b, c in counts.items():
+                        refs[b] -= c
+                        if not refs[b]:
+                            del refs[b]
+        assert {b: alloc.refcount(b) for b in range(300) if alloc.refcount(b)} == refs
+        assert sorted(alloc.free_block_ids()) == [b for b in range(300) if b not in refs]
+        alloc.check_integrity()
+
+
+def test_bulk_free_keeps_the_free_order_of_the_loop() -> None:
+    alloc = BlockAllocator(BULK * 2)
+    blocks = alloc.allocate(BULK * 2)
+    order = blocks[::-1]
+    alloc.free(order)
+    assert alloc.free_block_ids() == order  # appended in the order given

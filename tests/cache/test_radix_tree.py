@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cache_service.radix_tree import RadixTree
+from cache_service.radix_tree import RadixTree, page_hashes
 from tests.cache.conftest import CheckedTree
 
 BS = 4
@@ -22,7 +22,7 @@ def test_match_splits_on_partial_edge_match() -> None:
     result = tree.match_prefix(seq(1, 2, 9))
     assert result.block_ids == [10, 11] and result.num_tokens == 8
     assert tree.num_nodes == 2  # the edge 1,2,3 became 1,2 -> 3
-    assert result.last_node.key == tuple(seq(1, 2))
+    assert result.last_node.token_ids == seq(1, 2)
     assert list(result.last_node.children.values())[0].value == [12]
 
 
@@ -138,10 +138,18 @@ def test_page_hashes_chain_and_agree_across_trees() -> None:
     a.insert(seq(1, 2, 3), [10, 11, 12])
     b.insert(seq(1, 2), [0, 1])
     b.insert(seq(1, 2, 3), [0, 1, 5])  # same prefix, built in two steps, other block ids
-    hashes_a = a.match_prefix(seq(1, 2, 3)).last_node.hashes
+    node_a = a.match_prefix(seq(1, 2, 3)).last_node
+    assert node_a.computed_hashes is None  # lazy: nothing asked for them yet
+    hashes_a = node_a.hashes
     node_b = b.match_prefix(seq(1, 2, 3)).last_node
     assert node_b.hashes == hashes_a[2:] and node_b.parent.hashes == hashes_a[:2]
     assert len(set(hashes_a)) == 3 and all(0 <= h < 2**64 for h in hashes_a)
+    assert hashes_a == page_hashes(0, "", seq(1, 2, 3), BS)  # the chain of protos/cache.proto
+    # Splitting a node whose hashes are known splits them; an evicted node still knows its own.
+    a.match_prefix(seq(1, 9))
+    assert a.match_prefix(seq(1)).last_node.hashes == hashes_a[:1]
+    (evicted,) = a.evict(2)
+    assert evicted.hashes == hashes_a[1:]
 
 
 def test_eviction_heap_stays_bounded_under_repeated_touches() -> None:

@@ -1,0 +1,153 @@
+"""The radix tree on a fixed trace shaped like SGLang's radix-cache benchmarks (issue 12).
+
+100 shared prefixes of 512 random token ids; 10,000 requests, each a prefix + 512 fresh random
+tokens (1,024 tokens); a pool of 2,000,000 token slots. Per request, as `cache_service.pool.Pool`
+drives its tree and allocator on an admission and its finish: match the cacheable prefix and lock
+it, allocate the rest (evicting LRU unlocked leaves when short), insert the prompt, unlock. What
+the pool does besides (events, miss-reason bookkeeping) is not part of the tree and not timed.
+
+The current tree, the current tree also reading every new and evicted page's hash (what Pool's
+events and miss-reason bookkeeping ask of it) and the frozen previous tree
+(bench/baseline_radix_tree.py, which hashes every inserted page) run the same trace in lockstep,
+one request each in turn, so all see the same machine load.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any
+
+import numpy as np
+
+from bench import baseline_radix_tree
+from cache_service.block_allocator import BlockAllocator
+from cache_service.page_hash import TOKEN_BYTES
+from cache_service.radix_tree import RadixTree, encode_tokens
+
+VOCAB = 32000
+# SGLang 0.5.23's Rust-backed tree on this trace (issue 12, measured there, not here): req/s.
+SGLANG_REFERENCE_REQ_S = {16: 3300.0, 1: 4500.0}
+
+
+def make_trace(num_requests: int = 10_000, num_prefixes: int = 100, prefix_len: int = 512,
+               fresh_len: int = 512, seed: int = 0) -> list[tuple[int, ...]]:
+    """The requests' token ids (tuples, as `Pool` holds a prompt), deterministic for `seed`."""
+    rng = np.random.default_rng(seed)
+    prefixes = rng.integers(0, VOCAB, (num_prefixes, prefix_len)).tolist()
+    which = rng.integers(0, num_prefixes, num_requests).tolist()
+    fresh = rng.integers(0, VOCAB, (num_requests, fresh_len)).tolist()
+    return [tuple(prefixes[p] + f) for p, f in zip(which, fresh, strict=True)]
+
+
+@dataclass(slots=True)
+class Driver:
+    """One tree + allocator and the time spent in each call kind."""
+
+    name: str
+    tree: Any  # RadixTree or the baseline's
+    allocator: BlockAllocator
+    page_size: int
+    encode: Callable[[tuple[int, ...]], bytes] | None = None  # the current tree's key encoding
+    hashes: bool = False  # also read the new and evicted pages' hashes, as Pool's events and miss reasons do
+    times: dict[str, float] = field(default_factory=lambda: {"match": 0.0, "insert": 0.0, "evict": 0.0})
+    calls: dict[str, int] = field(default_factory=lambda: {"match": 0, "insert": 0, "evict": 0})
+    total_s: float = 0.0
+    requests: int = 0
+    hit_tokens: int = 0
+    evicted_pages: int = 0
+
+    def request(self, tokens: tuple[int, ...]) -> None:
+        clock = time.perf_counter
+        tree, alloc, ps, times, calls = self.tree, self.allocator, self.page_size, self.times, self.calls
+        start = clock()
+        max_cached = (len(tokens) - 1) // ps * ps  # at least one prompt token is computed
+        full = len(tokens) // ps
+        # As Pool: the old tree takes tuples, the current one the prompt encoded once per request.
+        key = tokens if self.encode is None else self.encode(tokens)
+        cut = 1 if self.encode is None else TOKEN_BYTES
+        t0 = clock()
+        match = tree.match_prefix(key[: max_cached * cut])
+        t1 = clock()
+        times["match"] += t1 - t0
+        calls["match"] += 1
+        tree.inc_lock_ref(match.last_node)
+        cached = len(match.block_ids)
+        fresh = -(-len(tokens) // ps) - cached
+        short = fresh - alloc.num_free_blocks
+        if short > 0:
+            t0 = clock()
+            evicted = tree.evict(short)
+            t1 = clock()
+            times["evict"] += t1 - t0
+            calls["evict"] += 1
+            if self.hashes:
+                for node in evicted:
+                    node.hashes  # noqa: B018 - computes them (lazily kept by the current tree)
+            blocks = [b for node in evicted for b in node.block_ids]
+            alloc.free(blocks)
+            self.evicted_pages += len(blocks)
+        alloc.incref(match.block_ids)
+        table = match.block_ids + alloc.allocate(fresh)
+        t0 = clock()
+        result = tree.insert(key[: full * ps * cut], table[:full])
+        t1 = clock()
+        times["insert"] += t1 - t0
+        calls["insert"] += 1
+        if self.hashes and result.new_node is not None:
+            result.new_node.hashes  # noqa: B018
+        existing = result.num_existing_pages
+        alloc.free(chain(table[:existing], table[full:]))
+        tree.dec_lock_ref(match.last_node)
+        self.total_s += clock() - start
+        self.requests += 1
+        self.hit_tokens += cached * ps
+
+    def summary(self) -> dict[str, float]:
+        out = {"req_s": self.requests / self.total_s, "us_per_req": 1e6 * self.total_s / self.requests,
+               "hit_rate": self.hit_tokens / max(1, self.requests * 1024), "evicted_pages": self.evicted_pages,
+               "cached_pages": self.tree.total_size}
+        for kind in ("match", "insert", "evict"):
+            out[f"{kind}_us"] = 1e6 * self.times[kind] / max(1, self.calls[kind])
+            out[f"{kind}_calls"] = self.calls[kind]
+        return out
+
+
+def run_trace(page_size: int, trace: list[tuple[int, ...]], pool_tokens: int,
+              check: Callable[[Any], object] | None = None) -> dict[str, Any]:
+    """New vs old tree in lockstep on `trace` at `page_size`; `check(tree)` after the run."""
+    num_blocks = pool_tokens // page_size
+    drivers = [Driver("new", RadixTree(page_size), BlockAllocator(num_blocks), page_size, encode_tokens),
+               Driver("new_hashed", RadixTree(page_size), BlockAllocator(num_blocks), page_size, encode_tokens,
+                      hashes=True),
+               Driver("old", baseline_radix_tree.RadixTree(page_size), BlockAllocator(num_blocks), page_size)]
+    gc.collect()
+    for i, tokens in enumerate(trace):
+        shift = i % len(drivers)  # rotate who goes first
+        for d in drivers[shift:] + drivers[:shift]:
+            d.request(tokens)
+    if check is not None:
+        for d in drivers:
+            check(d.tree)
+    new, hashed, old = (d.summary() for d in drivers)
+    for other in (hashed, old):
+        if (new["hit_rate"], new["evicted_pages"]) != (other["hit_rate"], other["evicted_pages"]):
+            raise AssertionError(f"the trees disagree on the trace: {new} vs {other}")
+    return {"page_size": page_size, "requests": len(trace), "pool_tokens": pool_tokens, "new": new,
+            "new_hashed": hashed, "old": old, "new_over_old": new["req_s"] / old["req_s"],
+            "new_hashed_over_old": hashed["req_s"] / old["req_s"],
+            "sglang_reference_req_s": SGLANG_REFERENCE_REQ_S.get(page_size),
+            "new_over_sglang_reference": new["req_s"] / SGLANG_REFERENCE_REQ_S[page_size]
+            if page_size in SGLANG_REFERENCE_REQ_S else None}
+
+
+def bench_tree_trace(quick: bool) -> list[dict[str, Any]]:
+    """Page sizes 16 and 1; quick: 2,500 requests on a 1M-slot pool (still evicting)."""
+    num_requests, pool_tokens = (2_500, 1_000_000) if quick else (10_000, 2_000_000)
+    trace = make_trace(num_requests)
+    rows = [run_trace(ps, trace, pool_tokens) for ps in (16, 1)]
+    gc.collect()
+    return rows

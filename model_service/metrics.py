@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.metrics_server import MetricsServer
 
+_WAIT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -31,5 +32,11 @@ class ModelMetrics(MetricsServer):
                                    buckets=_LATENCY_BUCKETS, registry=r)
         self.cache_rpc = Histogram("radixkv_model_cache_rpc_seconds", "Cache manager Step RPC latency",
                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.steps = Counter("radixkv_model_steps", "Engine steps that ran a forward pass", registry=r)
+        self.cache_waits = Counter("radixkv_model_cache_waits",
+                                   "Engine steps that blocked waiting for a cache Step reply", registry=r)
+        self.cache_wait = Histogram("radixkv_cache_wait_seconds",
+                                    "How long the engine blocked waiting for a cache Step reply",
+                                    buckets=_WAIT_BUCKETS, registry=r)
         self.cache_reconnects = Counter("radixkv_model_cache_pool_lost",
                                         "Times the cache pool was lost and re-registered", registry=r)

@@ -3,7 +3,10 @@
 Knows nothing of gRPC. Each step is two calls around one cache-manager round trip:
 `plan_cache_step()` says what the cache must do (finishes, releases, commits of freshly
 computed pages, block extensions, admissions) and the replica's load, `apply_cache_reply()`
-applies the answer and returns the batch to execute.
+applies the answer and returns the batch to execute. Pipelined (model_service/cache_pipeline.py),
+the plan for the step after a batch is built before that batch runs (`plan_cache_step(ahead=batch)`),
+its reply is applied later (`apply_reply()`), and `build_batch()` runs whatever the blocks at hand
+allow; a running request may then hold `lookahead_blocks` spare blocks, asked for ahead of need.
 Prefill and decode are one concept: a running request computes tokens
 [num_computed_tokens, num_tokens) -- a chunk of them per step within the token budget.
 """
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from model_service.model_runner import SequenceChunk
+from model_service.prefill_index import PrefillIndex
 from model_service.request import FinishReason, MissBreakdown, Request, RequestStatus
 
 
@@ -35,6 +39,7 @@ class FinishRecord(NamedTuple):
 class ExtendItem(NamedTuple):
     request: Request
     num_tokens: int  # capacity the request needs after this step
+    num_lookahead_tokens: int = 0  # spare capacity asked for beyond it (pipelined mode)
 
 
 class CommitItem(NamedTuple):
@@ -117,6 +122,9 @@ class SchedulerConfig:
     # them instead of computing the same prefix a second time in the same step (SGLang's in-batch
     # prefix check). 0 disables. Default (None): 4 blocks.
     defer_shared_prefix_tokens: int | None = None
+    # Spare blocks a running request may hold beyond its need, asked for ahead of it; used by
+    # plans built ahead of a batch (pipelined mode) only.
+    lookahead_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.defer_shared_prefix_tokens is None:
@@ -128,10 +136,15 @@ class Scheduler:
         self.config = config
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._pending_finishes: list[FinishRecord] = []
-        self._pending_releases: list[FinishRecord] = []
+        # Finished requests whose KV goes to the cache in the next plan; their record is taken
+        # then, once every reply in flight has updated their block table.
+        self.pending_finishes: list[Request] = []
+        # Preempted (or, after a re-attach, stale) requests whose blocks go back in the next plan.
+        self.pending_releases: list[FinishRecord] = []
         self._pause_admission = False
+        self._lookahead_paused = False  # a lookahead ask failed: ask for need only until space returns
         self.num_preemptions = 0
+        self.generation = 0  # bumped by reset(): replies to plans of an older generation are void
 
     # ------------------------------------------------------------------ queues
 
@@ -140,7 +153,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._pending_finishes or self._pending_releases)
+        return bool(self.waiting or self.running or self.pending_finishes or self.pending_releases)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Ends a request; a running one's KV goes to the cache in the next step."""
@@ -148,7 +161,7 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-            self._pending_finishes.append(self._record(request))
+            self.pending_finishes.append(request)
         else:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
@@ -161,7 +174,7 @@ class Scheduler:
         a cache hit), so a router does not see a queue of requests sharing one prefix as if each
         had to compute it."""
         bs = self.config.block_size
-        prompts = _PrefillIndex(bs, bs)
+        prompts = PrefillIndex(bs, bs)
         tokens = 0
         for r in self.running:
             tokens += max(0, r.num_admitted_tokens - r.num_computed_tokens)
@@ -178,22 +191,36 @@ class Scheduler:
             request.num_preemptions += 1
             self.waiting.appendleft(request)
         self.running.clear()
-        self._pending_finishes.clear()
-        self._pending_releases.clear()
+        self.pending_finishes.clear()
+        self.pending_releases.clear()
         self._pause_admission = False
+        self._lookahead_paused = False
+        self.generation += 1
 
     # ------------------------------------------------------------------ step
 
-    def plan_cache_step(self) -> CachePlan:
-        plan = CachePlan(releases=self._pending_releases, finishes=self._pending_finishes)
-        self._pending_releases, self._pending_finishes = [], []
+    def plan_cache_step(self, ahead: ScheduledBatch | None = None) -> CachePlan:
+        """The next cache Step. With `ahead` (pipelined mode: nothing in flight, `ahead` about to
+        run), the Step is for the step after `ahead`: each of its requests that reaches its last
+        token will have one more (its sampled token), and extensions carry lookahead."""
+        plan = CachePlan(releases=self.pending_releases,
+                         finishes=[self._record(r) for r in self.pending_finishes])
+        self.pending_releases, self.pending_finishes = [], []
         bs = self.config.block_size
         budget = self.config.max_batch_tokens
+        # What `ahead` does to each of its requests: tokens computed, and one sampled (or not).
+        runs = {} if ahead is None else {id(r): (len(c.token_ids), c.needs_logits) for r, c in zip(*ahead, strict=True)}
+        lookahead = 0 if ahead is None or self._lookahead_paused else self.config.lookahead_blocks * bs
         for request in self.running:
-            budget -= request.num_uncomputed_tokens
-            extending = len(request.block_table) * bs < request.num_tokens
+            computes, samples = runs.get(id(request), (0, False))
+            need = request.num_tokens + samples
+            budget -= need - request.num_computed_tokens - computes
+            want = need
+            if lookahead:  # never beyond what the request can still generate
+                want = max(need, min(need + lookahead, len(request.prompt_token_ids) + request.max_tokens))
+            extending = len(request.block_table) * bs < want
             if extending:
-                plan.extends.append(ExtendItem(request, request.num_tokens))
+                plan.extends.append(ExtendItem(request, need, want - need))
             # Full pages computed since the last commit go to the tree now, so requests admitted
             # from this step on share them (not only after this one ends): the admitted tokens'
             # (the prompt's) after each prefill chunk, and decode pages as they fill (as vLLM
@@ -216,7 +243,7 @@ class Scheduler:
         # takes an id once per step, so it waits for the next one (and so does everyone after it).
         leaving = {r.request_id for r in plan.finishes} | {r.request_id for r in plan.releases}
         slots = self.config.max_num_seqs - len(self.running)
-        prefilling = _PrefillIndex(self.config.block_size, self.config.defer_shared_prefix_tokens or 0)
+        prefilling = PrefillIndex(self.config.block_size, self.config.defer_shared_prefix_tokens or 0)
         committing = {id(c.request): c.num_computed_tokens for c in plan.commits}  # applied before admits
         for request in self.running:
             prefilling.add(request, committing.get(id(request), request.num_shared_tokens))
@@ -231,6 +258,14 @@ class Scheduler:
             slots -= 1
 
     def apply_cache_reply(self, plan: CachePlan, reply: CacheReply) -> ScheduledBatch:
+        """Applies the reply to `plan` and returns the batch to execute (synchronous mode)."""
+        self.apply_reply(plan, reply)
+        return self.build_batch()
+
+    def apply_reply(self, plan: CachePlan, reply: CacheReply) -> None:
+        """Applies the cache's reply to `plan`. Requests that finished while it was in flight
+        still take their new blocks (their finish record is taken later); one admitted meanwhile
+        after it finished goes straight back to the cache as a finish."""
         for item, com in zip(plan.commits, reply.commits, strict=True):
             item.request.block_table[:len(com.cached_block_ids)] = com.cached_block_ids
             item.request.num_shared_tokens = com.cached_tokens
@@ -238,13 +273,25 @@ class Scheduler:
         for item, ext in zip(plan.extends, reply.extends, strict=True):
             if ext.ok:  # first, so a victim's release below includes the blocks it just got
                 item.request.block_table.extend(ext.new_block_ids)
-            else:
+            elif item.num_lookahead_tokens:
+                # Drop lookahead before preempting anyone: the next plan asks for the need alone.
+                self._lookahead_paused = True
+            elif item.request.status is RequestStatus.RUNNING:
                 failed.append(item)
         if failed:
             self._make_room(failed)
+        if (self._lookahead_paused and reply.num_free_blocks is not None
+                and reply.num_free_blocks >= self.config.lookahead_blocks * (len(self.running) + 1)):
+            self._lookahead_paused = False
         for request, adm in zip(plan.admits, reply.admits, strict=True):
             if not adm.admitted:
                 break
+            if request.is_finished:  # cancelled or aborted while its admission was in flight
+                request.block_table = list(adm.block_table)
+                request.num_computed_tokens = adm.cached_tokens
+                request.num_admitted_tokens = request.num_tokens
+                self.pending_finishes.append(request)
+                continue
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             request.block_table = list(adm.block_table)
@@ -255,15 +302,18 @@ class Scheduler:
                 request.cached_prompt_tokens = adm.cached_tokens
                 request.miss = adm.miss
             self.running.append(request)
-        return self._build_batch()
 
     def on_executed(self, batch: ScheduledBatch) -> None:
         for request, chunk in zip(batch.requests, batch.chunks, strict=True):
             request.num_computed_tokens += len(chunk.token_ids)
 
-    # ------------------------------------------------------------------ internals
+    def needs_reply(self) -> bool:
+        """True when a running request has no block for its next token (it waits for an extension)."""
+        bs = self.config.block_size
+        return any(len(r.block_table) * bs < r.num_tokens for r in self.running)
 
-    def _build_batch(self) -> ScheduledBatch:
+    def build_batch(self) -> ScheduledBatch:
+        """The requests and token chunks to run now, within the token budget and the blocks held."""
         bs = self.config.block_size
         budget = self.config.max_batch_tokens
         requests: list[Request] = []
@@ -282,6 +332,8 @@ class Scheduler:
                                         request.block_table, end == request.num_tokens))
             budget -= end - start
         return ScheduledBatch(requests, chunks)
+
+    # ------------------------------------------------------------------ internals
 
     @staticmethod
     def _token_slice(request: Request, start: int, end: int) -> list[int]:
@@ -318,7 +370,7 @@ class Scheduler:
         victim = self.running.pop()
         held = {block for r in self.running for block in r.block_table}
         freed = len(set(victim.block_table) - held)
-        self._pending_releases.append(self._record(victim))
+        self.pending_releases.append(self._record(victim))
         victim.reset_cache_state()
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -330,47 +382,3 @@ class Scheduler:
     def _record(request: Request) -> FinishRecord:
         return FinishRecord(request.request_id, request.tokens_after_admitted(),
                             request.num_computed_tokens, list(request.block_table))
-
-
-class _PrefillIndex:
-    """Requests whose prompt is being computed (admitted, pages not all committed yet), keyed by
-    their first page, to find a waiting request that would compute the same prefix again."""
-
-    MAX_CANDIDATES = 8
-
-    def __init__(self, block_size: int, min_tokens: int) -> None:
-        self.block_size = block_size
-        self.min_tokens = min_tokens
-        self._by_first_page: dict[tuple[int, ...], list[tuple[Request, int]]] = {}
-
-    def add(self, request: Request, cached_tokens: int) -> None:
-        """`cached_tokens`: its leading tokens the tree will hold when admissions are applied."""
-        bs = self.block_size
-        prompt = request.prompt_token_ids
-        if not self.min_tokens or len(prompt) < self.min_tokens or cached_tokens >= len(prompt) // bs * bs:
-            return  # short, or its whole prompt is in the tree already: a waiting request just hits it
-        self._by_first_page.setdefault(tuple(prompt[:bs]), []).append((request, cached_tokens))
-
-    def longest_shared(self, request: Request) -> tuple[int, int]:
-        """(tokens of the longest page-aligned prefix `request` shares with an indexed prompt,
-        leaving its last token to compute; that prompt's cached tokens). At most
-        MAX_CANDIDATES prompts with the same first page are compared."""
-        bs = self.block_size
-        tokens = request.prompt_token_ids
-        best = (0, 0)
-        if not self._by_first_page or len(tokens) < self.min_tokens:
-            return best
-        for other, cached_tokens in self._by_first_page.get(tuple(tokens[:bs]), ())[-self.MAX_CANDIDATES:]:
-            theirs = other.prompt_token_ids
-            limit = min(len(tokens) - 1, len(theirs)) // bs * bs  # a hit leaves one token to compute
-            common = bs
-            while common < limit and tokens[common : common + bs] == theirs[common : common + bs]:
-                common += bs
-            common = min(common, limit)
-            if common > best[0]:
-                best = (common, cached_tokens)
-        return best
-
-    def shares_uncached_prefix(self, request: Request) -> bool:
-        common, cached_tokens = self.longest_shared(request)
-        return common >= self.min_tokens and cached_tokens < common

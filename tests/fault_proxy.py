@@ -12,6 +12,10 @@ Switches:
                                reaching the server: the client sees UNAVAILABLE, no response
     ``reset_connections()``    resets every open connection now (to cut a stream mid-way)
     ``pause()`` / ``resume()`` stop / restart forwarding bytes in both directions
+    ``latency_s``              fixed one-way latency (``FaultProxy(target, latency_s=0.025)``, or
+                               set it any time): every chunk read is forwarded that long after
+                               it arrived, in order, in each direction; throughput is not capped
+                               (chunks in transit overlap, each waits only for its own due time)
 
 Every socket wait is bounded; ``close()`` stops the proxy and joins its threads.
 """
@@ -23,6 +27,7 @@ import socket
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -255,6 +260,10 @@ class _Connection:
         """Forwards until a side closes (returns False) or the connection is cut (True)."""
         frames = _ClientFrames()
         proxy = self.proxy
+        # Chunks in transit: (due time, destination, bytes), in arrival order. One queue for both
+        # directions keeps each direction's order (latency is the same for both).
+        transit: deque[tuple[float, socket.socket, bytes]] = deque()
+        closing = False
         while True:
             if self.kill.is_set() or proxy.closed:
                 return True
@@ -263,28 +272,50 @@ class _Connection:
                 time.sleep(POLL_S)
                 continue
             self.parked.clear()
-            readable, _, _ = select.select([client, upstream], [], [], POLL_S)
+            now = time.monotonic()
+            while transit and transit[0][0] <= now:
+                _, sock, data = transit.popleft()
+                sock.sendall(data)
+            if closing:
+                if not transit:
+                    return False
+                time.sleep(max(0.0, transit[0][0] - now))
+                continue
+            wait = POLL_S if not transit else min(POLL_S, max(0.0, transit[0][0] - now))
+            readable, _, _ = select.select([client, upstream], [], [], wait)
+            latency = proxy.latency_s
+            arrived = time.monotonic()
             for sock in readable:
                 data = sock.recv(65536)
                 if not data:
-                    return False
+                    closing = True  # deliver what is in transit, then close
+                    break
                 if sock is upstream:
-                    client.sendall(data)
-                    continue
-                for raw, kind, flags, stream_id, payload in frames.feed(data):
-                    if kind in (HEADERS, CONTINUATION) and proxy._on_headers(
-                        self, kind, flags, stream_id, payload
-                    ):
-                        return True  # cut: this request never reaches the server
-                    upstream.sendall(raw)
+                    out: list[bytes] = [data]
+                    destination = client
+                else:
+                    out = []
+                    destination = upstream
+                    for raw, kind, flags, stream_id, payload in frames.feed(data):
+                        if kind in (HEADERS, CONTINUATION) and proxy._on_headers(
+                            self, kind, flags, stream_id, payload
+                        ):
+                            return True  # cut: this request never reaches the server
+                        out.append(raw)
+                for chunk in out:
+                    if latency > 0 or transit:
+                        transit.append((arrived + latency, destination, chunk))
+                    else:
+                        destination.sendall(chunk)
 
 
 class FaultProxy:
     """A TCP forwarder in front of ``target`` (``host:port``); see the module docstring."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, latency_s: float = 0.0) -> None:
         host, port = target.rsplit(":", 1)
         self.target_address = (host, int(port))
+        self.latency_s = latency_s  # one-way, each direction (see the module docstring)
         self.paused = False
         self.closed = False
         self._lock = threading.Condition()

@@ -138,3 +138,24 @@ def test_ttft_histogram_counts_every_request(services: Services) -> None:
     rpcs = value(after, "radixkv_model_cache_rpc_seconds_count") - value(before, "radixkv_model_cache_rpc_seconds_count")
     steps = value(after, "radixkv_model_step_seconds_count") - value(before, "radixkv_model_step_seconds_count")
     assert 0 < rpcs <= steps + n
+
+
+def test_cache_waits_are_counted_per_step(services: Services) -> None:
+    """Pipelined (the default): a request arriving at an idle engine waits for its admission
+    once; its decodes (lookahead blocks asked for ahead) and its finish (nobody waits for it) at most
+    once more."""
+    before = services.model_metrics()
+    n = 4
+    for i in range(n):
+        greedy(services.stub, [110 + i, 210 + i, 310 + i], 6)
+    after = services.model_metrics()
+
+    def delta(name: str) -> float:
+        return value(after, name) - value(before, name)
+
+    steps = delta("radixkv_model_steps_total")
+    assert steps == delta("radixkv_model_step_seconds_count") >= 6 * n
+    waits = delta("radixkv_model_cache_waits_total")
+    assert waits == delta("radixkv_cache_wait_seconds_count")
+    assert n <= waits <= 2 * n  # the synchronous path would wait 3n times: admit, extend, finish
+    assert delta("radixkv_cache_wait_seconds_sum") > 0

@@ -1,7 +1,7 @@
 """Scheduler behaviour through the real services on a tiny random Llama (fast): chunked prefill,
 odd block sizes, preemption under a tiny pool, namespaces. Greedy output must equal
-transformers' generate() on the same weights in every case. Also exercises `--model PATH` with
-a local HF folder."""
+transformers' generate() on the same weights in every case, with the cache pipeline on and off
+(every test runs in both modes). Also exercises `--model PATH` with a local HF folder."""
 
 from __future__ import annotations
 
@@ -46,6 +46,22 @@ def expected(tiny_reference, prompts) -> list[list[int]]:
     return [reference_greedy(tiny_reference, p, MAX_TOKENS) for p in prompts]
 
 
+@pytest.fixture(scope="module", params=["on", "off"])
+def pipeline(request) -> str:
+    """--cache-pipeline of the services below."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def chunked_pool(pipeline) -> str:
+    return f"tiny-chunked-{pipeline}"
+
+
+@pytest.fixture(scope="module")
+def small_pool(pipeline) -> str:
+    return f"tiny-small-pool-{pipeline}"
+
+
 def _serve(cache_addr: str, model_dir: Path, worker_id: str, *flags: str) -> Iterator[model_pb2_grpc.ModelServiceStub]:
     running = start_model(cache_addr, "--model", str(model_dir), "--worker-id", worker_id, *flags)
     try:
@@ -56,17 +72,17 @@ def _serve(cache_addr: str, model_dir: Path, worker_id: str, *flags: str) -> Ite
 
 
 @pytest.fixture(scope="module")
-def chunked_service(cache_service, tiny_model_dir) -> Iterator[model_pb2_grpc.ModelServiceStub]:
+def chunked_service(cache_service, tiny_model_dir, pipeline, chunked_pool) -> Iterator[model_pb2_grpc.ModelServiceStub]:
     """Token budget 8 per step: every prompt over 8 tokens is prefilled in chunks next to decodes."""
-    yield from _serve(cache_service.addr, tiny_model_dir, "tiny-chunked", "--block-size", "4",
-                      "--num-blocks", "512", "--max-batch-tokens", "8")
+    yield from _serve(cache_service.addr, tiny_model_dir, chunked_pool, "--block-size", "4",
+                      "--num-blocks", "512", "--max-batch-tokens", "8", "--cache-pipeline", pipeline)
 
 
 @pytest.fixture(scope="module")
-def small_pool_service(cache_service, tiny_model_dir) -> Iterator[model_pb2_grpc.ModelServiceStub]:
+def small_pool_service(cache_service, tiny_model_dir, pipeline, small_pool) -> Iterator[model_pb2_grpc.ModelServiceStub]:
     """32 blocks of 4 tokens: each request fits alone, the six together need ~75 blocks."""
-    yield from _serve(cache_service.addr, tiny_model_dir, "tiny-small-pool", "--block-size", "4",
-                      "--num-blocks", "32")
+    yield from _serve(cache_service.addr, tiny_model_dir, small_pool, "--block-size", "4",
+                      "--num-blocks", "32", "--cache-pipeline", pipeline)
 
 
 def _concurrently(stub, prompts: list[list[int]], max_tokens: int = MAX_TOKENS):
@@ -74,24 +90,24 @@ def _concurrently(stub, prompts: list[list[int]], max_tokens: int = MAX_TOKENS):
         return list(pool.map(lambda p: greedy(stub, p, max_tokens), prompts))
 
 
-def test_chunked_prefill_matches_generate(chunked_service, cache_stub, prompts, expected):
+def test_chunked_prefill_matches_generate(chunked_service, cache_stub, chunked_pool, prompts, expected):
     assert [g.token_ids for g in _concurrently(chunked_service, prompts)] == expected
     # Again: now the prefixes are cached (block-aligned, at least one token recomputed).
     again = _concurrently(chunked_service, prompts)
     assert [g.token_ids for g in again] == expected
     for prompt, g in zip(prompts, again, strict=True):
         assert g.final.usage.cached_prompt_tokens == (len(prompt) - 1) // 4 * 4
-    stats = wait_until_idle(cache_stub, "tiny-chunked")
+    stats = wait_until_idle(cache_stub, chunked_pool)
     assert stats.num_running_requests == 0
 
 
-def test_small_pool_preempts_and_still_matches(small_pool_service, cache_stub, tiny_reference, prompts):
+def test_small_pool_preempts_and_still_matches(small_pool_service, cache_stub, small_pool, tiny_reference, prompts):
     long_outputs = 60
     expected = [reference_greedy(tiny_reference, p, long_outputs) for p in prompts]
     results = _concurrently(small_pool_service, prompts, long_outputs)
     assert [g.token_ids for g in results] == expected
     assert sum(g.final.usage.num_preemptions for g in results) > 0
-    stats = wait_until_idle(cache_stub, "tiny-small-pool")
+    stats = wait_until_idle(cache_stub, small_pool)
     assert stats.num_released > 0
     assert stats.num_running_requests == 0 and stats.num_private_blocks == 0
 
@@ -104,7 +120,7 @@ def test_namespaces_do_not_share_prefixes(chunked_service, prompts):
     assert runs[0].token_ids == runs[1].token_ids == runs[2].token_ids
 
 
-def test_running_requests_share_their_computed_prompt(chunked_service, cache_stub, tiny_reference):
+def test_running_requests_share_their_computed_prompt(chunked_service, cache_stub, chunked_pool, tiny_reference):
     """A request's prompt pages are cached as soon as they are computed (not when it finishes):
     requests arriving while it still decodes hit them, and every output still matches."""
     rng = random.Random(11)
@@ -124,7 +140,7 @@ def test_running_requests_share_their_computed_prompt(chunked_service, cache_stu
     assert first_tokens == reference_greedy(tiny_reference, first, long_run, ignore_eos=True)
     assert [g.token_ids for g in results] == [reference_greedy(tiny_reference, p, MAX_TOKENS) for p in later]
     assert [g.final.usage.cached_prompt_tokens for g in results] == [len(prefix) // 4 * 4] * 2
-    stats = wait_until_idle(cache_stub, "tiny-chunked")
+    stats = wait_until_idle(cache_stub, chunked_pool)
     assert stats.num_running_requests == 0 and stats.num_private_blocks == 0
 
 

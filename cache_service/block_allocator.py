@@ -5,7 +5,13 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable
 
+import numpy as np
+
 from cache_service.errors import AllocationError, IntegrityError
+
+# Calls on at least this many blocks go through numpy views of the same arrays (page size 1
+# moves hundreds of blocks per call); fewer are cheaper as plain Python loops.
+BULK = 128
 
 
 class BlockAllocator:
@@ -15,6 +21,7 @@ class BlockAllocator:
     `incref` adds holders (a request reading a cached page); `free` drops one reference and puts
     the block back on the free list when the last one goes. Freeing a free block raises.
     Allocation is all-or-nothing. Freed blocks are reused first (LIFO), in any order.
+    Block ids must be in range (as every id the allocator handed out is).
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -24,6 +31,21 @@ class BlockAllocator:
         # Reversed so that a fresh allocator hands out 0, 1, 2, ... (pop from the end).
         self._free = array("I", range(num_blocks - 1, -1, -1))
         self._refcount = array("I", bytes(4 * num_blocks))
+        self._rc = np.frombuffer(self._refcount, dtype=np.uint32)  # a view: never resize _refcount
+
+    @classmethod
+    def restore(cls, num_blocks: int, free_list: list[int], refcounts: list[int]) -> BlockAllocator:
+        """An allocator with exactly this free list (in order) and these refcounts (snapshots).
+
+        Raises IntegrityError unless the free list holds exactly the blocks with refcount 0.
+        """
+        allocator = cls(num_blocks)
+        if len(refcounts) != num_blocks or any(not 0 <= b < num_blocks for b in free_list):
+            raise IntegrityError("restored allocator state does not fit num_blocks")
+        allocator._free = array("I", free_list)
+        allocator._refcount = array("I", refcounts)
+        allocator.check_integrity()
+        return allocator
 
     @property
     def num_free_blocks(self) -> int:
@@ -38,21 +60,40 @@ class BlockAllocator:
             raise AllocationError(f"cannot allocate {n} blocks, {len(self._free)} free")
         if n == 0:
             return []
-        blocks = self._free[-n:].tolist()
+        taken = self._free[-n:]
         del self._free[-n:]
-        blocks.reverse()
+        taken.reverse()
+        if n >= BULK:
+            self._rc[np.frombuffer(taken, dtype=np.uint32)] = 1
+            return taken.tolist()
+        blocks = taken.tolist()
         refcount = self._refcount
         for b in blocks:
             refcount[b] = 1
         return blocks
 
     def incref(self, block_ids: Iterable[int]) -> None:
-        """Add a reference to blocks that are in use."""
+        """Add a reference to blocks that are in use; all or nothing (a free block raises)."""
+        if not isinstance(block_ids, list | tuple | array):
+            block_ids = list(block_ids)
+        if len(block_ids) >= BULK:
+            idx = np.frombuffer(array("I", block_ids), dtype=np.uint32)
+            if not self._rc[idx].all():
+                raise AllocationError(f"incref of free block {idx[self._rc[idx] == 0][0]}")
+            ordered = np.sort(idx)
+            if (ordered[1:] == ordered[:-1]).any():
+                np.add.at(self._rc, idx, 1)  # repeated ids: unbuffered (slower) add
+            else:
+                self._rc[idx] += 1
+            return
         refcount = self._refcount
-        for b in block_ids:
-            if refcount[b] == 0:
+        for i, b in enumerate(block_ids):
+            rc = refcount[b]
+            if rc == 0:
+                for done in block_ids[:i]:  # undo: all or nothing
+                    refcount[done] -= 1
                 raise AllocationError(f"incref of free block {b}")
-            refcount[b] += 1
+            refcount[b] = rc + 1
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference per listed block; blocks reaching 0 return to the free list.
@@ -60,25 +101,37 @@ class BlockAllocator:
         All or nothing: if any block would be freed more often than it is referenced (a double
         free), AllocationError is raised and no refcount changes.
         """
-        blocks = list(block_ids)
+        blocks = block_ids if isinstance(block_ids, list) else list(block_ids)
+        if len(blocks) >= BULK and self._free_bulk(blocks):
+            return
         refcount = self._refcount
-        if len(set(blocks)) == len(blocks):
-            for b in blocks:
-                if refcount[b] == 0:
-                    raise AllocationError(f"double free of block {b}")
-        else:
-            counts: dict[int, int] = {}
-            for b in blocks:
-                counts[b] = counts.get(b, 0) + 1
-            for b, c in counts.items():
-                if refcount[b] < c:
-                    raise AllocationError(f"double free of block {b}")
         free_list = self._free
-        for b in blocks:
-            rc = refcount[b] - 1
-            refcount[b] = rc
-            if rc == 0:
+        freed = 0
+        for i, b in enumerate(blocks):
+            rc = refcount[b]
+            if rc == 0:  # freed more often than referenced (repeats included): undo it all
+                for done in blocks[:i]:
+                    refcount[done] += 1
+                if freed:
+                    del free_list[-freed:]
+                raise AllocationError(f"double free of block {b}")
+            refcount[b] = rc - 1
+            if rc == 1:
                 free_list.append(b)
+                freed += 1
+
+    def _free_bulk(self, blocks: list[int]) -> bool:
+        """`free` of distinct blocks with numpy; False (nothing done) when some block repeats."""
+        idx = np.frombuffer(array("I", blocks), dtype=np.uint32)
+        ordered = np.sort(idx)
+        if (ordered[1:] == ordered[:-1]).any():
+            return False
+        rc = self._rc[idx]
+        if not rc.all():
+            raise AllocationError(f"double free of block {idx[rc == 0][0]}")
+        self._rc[idx] = rc - 1
+        self._free.frombytes(idx[rc == 1].tobytes())  # in the order given, as the loop would
+        return True
 
     def refcount(self, block_id: int) -> int:
         return self._refcount[block_id]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from cache_service.events import AllCleared, BlockRemoved, BlockStored, CacheEvent
 from cache_service.miss_reasons import MissBreakdown
 from cache_service.pool import Pool
@@ -18,6 +20,9 @@ from cache_service.schema import (
     StepResult,
 )
 from protos import cache_pb2
+
+if TYPE_CHECKING:
+    from cache_service.durable import DurableStats
 
 
 def _finish(msg: cache_pb2.Finish) -> Finish:
@@ -40,7 +45,7 @@ def step_input(msg: cache_pb2.StepRequest) -> StepInput:
     return StepInput(
         releases=[_finish(f) for f in msg.releases],
         finishes=[_finish(f) for f in msg.finishes],
-        extends=[Extend(e.request_id, e.num_tokens) for e in msg.extends],
+        extends=[Extend(e.request_id, e.num_tokens, e.num_lookahead_tokens) for e in msg.extends],
         admits=[Admit(a.request_id, tuple(a.token_ids), a.namespace, a.num_lookahead_tokens, a.resumed)
                 for a in msg.admits],
         commits=[Commit(c.request_id, c.num_computed_tokens, tuple(c.output_token_ids)) for c in msg.commits],
@@ -108,6 +113,9 @@ def pool_stats(s: PoolStats) -> cache_pb2.PoolStats:
         load=replica_load_proto(s.load),
         num_reservations=s.num_reservations,
         num_remembered_evicted_pages=s.num_remembered_evicted_pages,
+        restored=s.restored,
+        num_restored_cached_blocks=s.num_restored_cached_blocks,
+        num_lookahead_blocks=s.num_lookahead_blocks,
     )
 
 
@@ -169,3 +177,29 @@ def cache_event(ev: CacheEvent) -> cache_pb2.CacheEvent:
     elif isinstance(p, AllCleared):
         msg.cleared.SetInParent()
     return msg
+
+
+def register_response(pool: Pool, reattached: bool, lease_seconds: float) -> cache_pb2.RegisterPoolResponse:
+    """The RegisterPool reply; a re-attach carries the pool's running requests as held here."""
+    reply = cache_pb2.RegisterPoolResponse(pool_id=pool.pool_id, epoch=pool.epoch, lease_seconds=lease_seconds)
+    if reattached:
+        reply.restored = True
+        reply.num_cached_blocks = pool.tree.total_size
+        bs = pool.block_size
+        reply.running_requests.extend(
+            cache_pb2.RegisterPoolResponse.RunningRequest(
+                request_id=r.request_id, block_table=r.block_table, cached_tokens=r.num_cached_pages * bs)
+            for r in pool.requests.values()
+        )
+    return reply
+
+
+def durability(stats: DurableStats, state_dir: str) -> cache_pb2.StatsResponse.Durability:
+    return cache_pb2.StatsResponse.Durability(
+        state_dir=state_dir, journal_bytes=stats.journal_bytes, journal_records=stats.journal_records,
+        last_fsync_seconds=stats.last_fsync_seconds, max_fsync_seconds=stats.max_fsync_seconds,
+        num_snapshots=stats.num_snapshots, last_snapshot_seconds=stats.last_snapshot_seconds,
+        recovery_seconds=stats.recovery_seconds, num_restored_pools=stats.num_restored_pools,
+        num_restored_cached_blocks=stats.num_restored_cached_blocks,
+        num_replayed_records=stats.num_replayed_records, num_dropped_pools=stats.num_dropped_pools,
+    )

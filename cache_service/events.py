@@ -85,7 +85,7 @@ def stored_from_node(node: TreeNode, block_size: int) -> BlockStored:
     return BlockStored(
         block_hashes=list(node.hashes),
         parent_block_hash=parent.last_hash if parent is not None else 0,
-        token_ids=list(node.key),
+        token_ids=node.token_ids,
         block_size=block_size,
         namespace=node.namespace,
         block_ids=list(node.value),
@@ -141,6 +141,9 @@ class EventLog:
         self._next_subscriber = 0
         self._clock = clock
         self.epoch = new_epoch()
+        # Publisher epochs of earlier processes whose numbering this log continues (durable
+        # cache manager, cache_service/durable.py): a resume from one of them is valid here.
+        self.continued_epochs: list[int] = []
 
     def now(self) -> float:
         return self._clock()
@@ -171,12 +174,18 @@ class EventLog:
     def num_buffered(self) -> int:
         return len(self._buffer)
 
-    def replay(self, start_sequence: int, pool_id: str = "") -> list[CacheEvent]:
+    def replay(self, start_sequence: int, pool_id: str = "", publisher_epoch: int = 0) -> list[CacheEvent]:
         """Buffered events with sequence >= start_sequence (of one pool when pool_id is set).
 
         Raises OutOfRange when that sequence was already dropped from the buffer, or is beyond
-        the next one (e.g. a consumer of a previous server instance).
+        the next one (e.g. a consumer of a previous server instance), or when `publisher_epoch`
+        (0: unchecked) is neither this log's epoch nor one it continues.
         """
+        if publisher_epoch and publisher_epoch != self.epoch and publisher_epoch not in self.continued_epochs:
+            raise OutOfRange(
+                f"publisher epoch {publisher_epoch} is not continued by this server (epoch {self.epoch}); "
+                "resubscribe with snapshot"
+            )
         if start_sequence < self.oldest_sequence:
             raise OutOfRange(
                 f"sequence {start_sequence} is no longer buffered (oldest {self.oldest_sequence}); "

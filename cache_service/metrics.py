@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from cache_service.durable import DurableState
 from cache_service.pool_registry import PoolRegistry
 from common.metrics_server import MetricsServer
 
@@ -69,11 +70,34 @@ class PoolCollector(Collector):
         yield from (blocks, total, running, hit_rate, *counters.values())
 
 
+class DurabilityCollector(Collector):
+    """Journal size, fsync latency and what the last start restored (--state-dir only)."""
+
+    def __init__(self, durable: DurableState) -> None:
+        self._durable = durable
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._durable.current_stats()
+        for name, doc, value in [
+            ("journal_bytes", "Bytes in the current journal file", s.journal_bytes),
+            ("journal_last_fsync_seconds", "Duration of the last journal fsync", s.last_fsync_seconds),
+            ("journal_max_fsync_seconds", "Longest journal fsync", s.max_fsync_seconds),
+            ("restored_pools", "Pools rebuilt from the state dir at the last start", s.num_restored_pools),
+            ("restored_cached_blocks", "Cached blocks rebuilt from the state dir at the last start",
+             s.num_restored_cached_blocks),
+            ("recovery_seconds", "Time the last start took to rebuild the pools", s.recovery_seconds),
+        ]:
+            yield GaugeMetricFamily(f"radixkv_cache_{name}", doc, value=value)
+        yield CounterMetricFamily("radixkv_cache_snapshots", "Snapshots written", value=s.num_snapshots)
+
+
 class Metrics(MetricsServer):
     """A private registry (several servers may live in one test process) and RPC metrics."""
 
-    def __init__(self, pools: PoolRegistry) -> None:
+    def __init__(self, pools: PoolRegistry, durable: DurableState | None = None) -> None:
         super().__init__(CollectorRegistry())
+        if durable is not None:
+            self.registry.register(DurabilityCollector(durable))
         self.step_latency = Histogram(
             "radixkv_cache_step_seconds", "Step RPC handling time in the server",
             buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25),

@@ -17,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import Protocol
 
 from cache_service.block_allocator import BlockAllocator
 from cache_service.errors import (
@@ -28,6 +29,7 @@ from cache_service.errors import (
 )
 from cache_service.events import AllCleared, BlockRemoved, EventLog, stored_from_node
 from cache_service.miss_reasons import EvictedPages, classify_miss
+from cache_service.page_hash import TOKEN_BYTES, encode_tokens
 from cache_service.radix_tree import RadixTree, TreeNode
 from cache_service.routed import RoutedRequest, RoutedRequests
 from cache_service.schema import (
@@ -50,6 +52,14 @@ from common.limits import quote_id
 log = logging.getLogger(__name__)
 
 
+class RouteJournal(Protocol):
+    """Where a durable cache manager records Route decisions that change a pool (durable.py)."""
+
+    def routed(self, pool: Pool, entry: RoutedRequest) -> None: ...
+
+    def routed_expired(self, pool: Pool, now: float) -> None: ...
+
+
 @dataclass(slots=True)
 class RequestState:
     request_id: str
@@ -60,6 +70,20 @@ class RequestState:
     block_table: list[int]
     # Output tokens (after the prompt) inside the cached pages, from commits of decode pages.
     cached_outputs: tuple[int, ...] = ()
+    # Tokens it asked capacity for (Admit: prompt + next token; Extend.num_tokens); blocks
+    # beyond them are lookahead (spare, private, never cached).
+    num_needed_tokens: int = 0
+    prompt_bytes: bytes | None = None  # the prompt as the tree's keys are (encoded_prompt)
+
+    def num_lookahead_blocks(self, block_size: int) -> int:
+        needed = max(self.num_cached_pages, -(-self.num_needed_tokens // block_size))
+        return max(0, len(self.block_table) - needed)
+
+    def encoded_prompt(self) -> bytes:
+        """`prompt` encoded for the tree (page_hash.encode_tokens), once per request."""
+        if self.prompt_bytes is None:
+            self.prompt_bytes = encode_tokens(self.prompt)
+        return self.prompt_bytes
 
     def cached_key(self, block_size: int) -> tuple[int, ...]:
         """The tokens of the request's tree-owned pages."""
@@ -113,6 +137,13 @@ class Pool:
         self.evicted_pages = EvictedPages(2 * num_blocks)
         # Other live pools of the same model (set by the registry): for miss reasons.
         self.peers: Callable[[], Iterable[Pool]] = tuple
+        # Durable cache manager (cache_service/durable.py): the replica's KV incarnation id, and
+        # whether this pool was rebuilt from the state dir and waits for its replica to re-attach.
+        self.incarnation = ""
+        self.restored = False
+        self.awaiting_reattach = False
+        self.num_restored_cached_blocks = 0
+        self.route_journal: RouteJournal | None = None  # records routed requests and their expiry
 
     # ------------------------------------------------------------------ step
 
@@ -188,9 +219,10 @@ class Pool:
                 )
         for item in step.extends:
             self._live_request(item.request_id)
-            if item.num_tokens < 0:
-                raise InvalidArgument(f"request {quote_id(item.request_id)}: num_tokens must be >= 0")
-            self._check_fits(item.request_id, item.num_tokens)
+            if item.num_tokens < 0 or item.num_lookahead_tokens < 0:
+                raise InvalidArgument(
+                    f"request {quote_id(item.request_id)}: num_tokens and num_lookahead_tokens must be >= 0")
+            self._check_fits(item.request_id, item.num_tokens)  # lookahead is capped at the pool instead
         for item in step.admits:
             rid = item.request_id
             if rid in self.requests:
@@ -244,7 +276,8 @@ class Pool:
         bs = self.block_size
         tokens = tuple(item.token_ids)
         max_cached = (len(tokens) - 1) // bs * bs  # at least one prompt token is computed
-        match = self.tree.match_prefix(tokens[:max_cached], item.namespace)
+        key = encode_tokens(tokens)
+        match = self.tree.match_prefix(key[: max_cached * TOKEN_BYTES], item.namespace)
         num_cached = len(match.block_ids)
         num_fresh = -(-(len(tokens) + item.num_lookahead_tokens) // bs) - num_cached
         self.tree.inc_lock_ref(match.last_node)  # before evicting, so our own prefix stays
@@ -255,7 +288,8 @@ class Pool:
         self.allocator.incref(match.block_ids)
         table = match.block_ids + self.allocator.allocate(num_fresh)
         self.requests[item.request_id] = RequestState(
-            item.request_id, item.namespace, tokens, match.last_node, num_cached, table
+            item.request_id, item.namespace, tokens, match.last_node, num_cached, table,
+            num_needed_tokens=len(tokens) + min(item.num_lookahead_tokens, 1), prompt_bytes=key,
         )
         self._unlock(self.routed.on_admit(item.request_id))  # our own lock holds the prefix now
         miss = None
@@ -263,7 +297,7 @@ class Pool:
             parent_hash = match.last_node.last_hash if match.last_node is not None else 0
             peers = (p.tree for p in self.peers() if p is not self)
             miss = classify_miss(self.tree, self.evicted_pages, peers, tokens, item.namespace, num_cached,
-                                 parent_hash)
+                                 parent_hash, key)
         self._finished_ids.pop(item.request_id, None)
         self.num_private_blocks += num_fresh
         self.num_admitted += 1
@@ -278,7 +312,9 @@ class Pool:
 
     def _extend(self, item: Extend) -> ExtendResult:
         req = self.requests[item.request_id]
-        need = -(-item.num_tokens // self.block_size) - len(req.block_table)
+        req.num_needed_tokens = max(req.num_needed_tokens, item.num_tokens)
+        want = min(item.num_tokens + item.num_lookahead_tokens, self.num_blocks * self.block_size)
+        need = -(-want // self.block_size) - len(req.block_table)
         if need <= 0:
             return ExtendResult(item.request_id, True, [])
         if not self._make_free(need):
@@ -299,7 +335,9 @@ class Pool:
         prompt = req.prompt
         tokens = prompt[:n] if n <= len(prompt) else prompt + tuple(item.output_token_ids[: n - len(prompt)])
         table = req.block_table
-        result = self.tree.insert(tokens, table[:full_pages], req.namespace)
+        key = req.encoded_prompt()
+        key = key[: n * TOKEN_BYTES] if n <= len(prompt) else key + encode_tokens(tokens[len(prompt):])
+        result = self.tree.insert(key, table[:full_pages], req.namespace)
         existing = result.num_existing_pages
         if existing < cached:  # the request's own prefix is locked, so it must still be there
             raise IntegrityError(f"request {quote_id(req.request_id)}: locked prefix vanished from the tree")
@@ -332,8 +370,8 @@ class Pool:
         full_pages = item.num_computed_tokens // bs
         existing = cached
         if full_pages > cached:
-            tokens = req.prompt + tuple(item.output_token_ids)
-            result = self.tree.insert(tokens[: full_pages * bs], table[:full_pages], req.namespace)
+            key = req.encoded_prompt() + encode_tokens(item.output_token_ids)
+            result = self.tree.insert(key[: full_pages * bs * TOKEN_BYTES], table[:full_pages], req.namespace)
             existing = result.num_existing_pages
             if existing < cached:  # the request's own prefix is locked, so it must still be there
                 raise IntegrityError(f"request {quote_id(req.request_id)}: locked prefix vanished from the tree")
@@ -446,10 +484,29 @@ class Pool:
     def add_routed(self, entry: RoutedRequest) -> None:
         """Remember a request routed here (its pin, if any, is already locked)."""
         self._unlock(self.routed.add(entry))
+        if self.route_journal is not None:
+            self.route_journal.routed(self, entry)
 
     def expire_routed(self, now: float) -> None:
         """End routed requests and reservations whose time has come."""
+        before = (len(self.routed), self.routed.num_pins)
         self._unlock(self.routed.expire(now))
+        if self.route_journal is not None and (len(self.routed), self.routed.num_pins) != before:
+            self.route_journal.routed_expired(self, now)
+
+    def drop_routed(self) -> None:
+        """Forget every routed request and reservation (their pins unlocked)."""
+        self._unlock(self.routed.drop_all())
+
+    # ------------------------------------------------------------------ durability
+
+    def finished_ids(self) -> list[str]:
+        """Ids of recently finished or released requests, oldest first (for snapshots)."""
+        return list(self._finished_ids)
+
+    def restore_finished_ids(self, request_ids: Iterable[str]) -> None:
+        """Set the recently-finished ids (snapshot restore)."""
+        self._finished_ids = OrderedDict.fromkeys(request_ids)
 
     # ------------------------------------------------------------------ queries
 
@@ -484,6 +541,9 @@ class Pool:
             load=self.load,
             num_reservations=self.routed.num_pins,
             num_remembered_evicted_pages=len(self.evicted_pages),
+            restored=self.restored,
+            num_restored_cached_blocks=self.num_restored_cached_blocks,
+            num_lookahead_blocks=sum(r.num_lookahead_blocks(self.block_size) for r in self.requests.values()),
         )
 
     def check_integrity(self) -> None:

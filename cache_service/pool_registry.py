@@ -18,10 +18,12 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import NamedTuple, Protocol
 
 from cache_service.errors import FailedPrecondition, InvalidArgument, NotFound
 from cache_service.events import EventLog
 from cache_service.pool import Pool
+from cache_service.routed import RoutedRequest
 from cache_service.routing import RouteQuery, RouteResult, route
 from cache_service.schema import ReplicaLoad
 from common.limits import quote_id
@@ -31,6 +33,24 @@ log = logging.getLogger(__name__)
 MAX_NUM_BLOCKS = 1 << 24
 MAX_BLOCK_SIZE = 1 << 16
 MAX_ADDR_LEN = 1024
+MAX_INCARNATION_LEN = 256
+
+
+class RegistryJournal(Protocol):
+    """What a durable cache manager records of the registry's own decisions (cache_service/durable.py)."""
+
+    def registered(self, pool: Pool, reattached: bool) -> None: ...
+
+    def retired(self, pool_id: str, why: str) -> None: ...
+
+    def routed(self, pool: Pool, entry: RoutedRequest) -> None: ...
+
+    def routed_expired(self, pool: Pool, now: float) -> None: ...
+
+
+class Registration(NamedTuple):
+    pool: Pool
+    reattached: bool  # the replica's existing pool (same incarnation) was kept, with a new epoch
 
 
 class PoolRegistry:
@@ -52,6 +72,18 @@ class PoolRegistry:
         self._last_epoch = 0
         self._tombstones: OrderedDict[str, str] = OrderedDict()  # pool_id -> why it went away
         self._max_tombstones = max_tombstones
+        self._journal: RegistryJournal | None = None
+
+    @property
+    def journal(self) -> RegistryJournal | None:
+        """Records the registry's and its pools' decisions (a durable cache manager); None: off."""
+        return self._journal
+
+    @journal.setter
+    def journal(self, journal: RegistryJournal | None) -> None:
+        self._journal = journal
+        for pool in self.pools.values():
+            pool.route_journal = journal
 
     def _new_epoch(self) -> int:
         self._last_epoch = max(time.time_ns(), self._last_epoch + 1)
@@ -67,6 +99,52 @@ class PoolRegistry:
         serving_addr: str = "",
     ) -> Pool:
         """Create the pool of `worker_id`, retiring any previous one of the same worker."""
+        return self.register_replica(worker_id, num_blocks, block_size, model_fingerprint, vocab_size,
+                                     serving_addr).pool
+
+    def register_replica(
+        self,
+        worker_id: str,
+        num_blocks: int,
+        block_size: int,
+        model_fingerprint: str = "",
+        vocab_size: int = 0,
+        serving_addr: str = "",
+        incarnation: str = "",
+        epoch: int | None = None,
+    ) -> Registration:
+        """Register a replica's pool; re-attach to its existing one when the incarnation matches.
+
+        Same worker, same non-empty `incarnation` (the replica's KV tensors are the same ones) and
+        the same shape: the pool is kept (a restored pool stops waiting) with a new epoch. Anything
+        else retires the old pool and creates a new, empty one. `epoch`: replay of a journal only.
+        """
+        if len(incarnation) > MAX_INCARNATION_LEN:
+            raise InvalidArgument(f"incarnation longer than {MAX_INCARNATION_LEN} characters")
+        old = self.pools.get(worker_id)
+        if (old is not None and incarnation and old.incarnation == incarnation and old.num_blocks == num_blocks
+                and old.block_size == block_size and old.model_fingerprint == model_fingerprint
+                and old.vocab_size == vocab_size and len(serving_addr) <= MAX_ADDR_LEN
+                and (epoch is not None or self._clock() < old.lease_deadline)):
+            old.epoch = epoch if epoch is not None else self._new_epoch()
+            self._last_epoch = max(self._last_epoch, old.epoch)
+            old.awaiting_reattach = False
+            old.serving_addr = serving_addr
+            old.lease_deadline = self._clock() + self.lease_seconds
+            if self.journal is not None:
+                self.journal.registered(old, True)
+            log.info("pool re-attached pool=%s epoch=%d restored=%s running_requests=%d cached_blocks=%d",
+                     worker_id, old.epoch, old.restored, len(old.requests), old.tree.total_size)
+            return Registration(old, True)
+        pool = self._create(worker_id, num_blocks, block_size, model_fingerprint, vocab_size, serving_addr,
+                            epoch)
+        pool.incarnation = incarnation
+        if self.journal is not None:
+            self.journal.registered(pool, False)
+        return Registration(pool, False)
+
+    def _create(self, worker_id: str, num_blocks: int, block_size: int, model_fingerprint: str, vocab_size: int,
+                serving_addr: str, epoch: int | None) -> Pool:
         if not worker_id:
             raise InvalidArgument("worker_id must be non-empty")
         if not 0 < num_blocks <= MAX_NUM_BLOCKS:
@@ -79,19 +157,48 @@ class PoolRegistry:
             raise InvalidArgument(f"serving_addr longer than {MAX_ADDR_LEN} characters")
         if worker_id in self.pools:
             self._retire(worker_id, "re-registered")
+        if epoch is None:
+            epoch = self._new_epoch()
+        self._last_epoch = max(self._last_epoch, epoch)
         pool = Pool(
-            worker_id, self._new_epoch(), num_blocks, block_size, model_fingerprint, vocab_size, self.events,
+            worker_id, epoch, num_blocks, block_size, model_fingerprint, vocab_size, self.events,
             serving_addr=serving_addr,
         )
-        pool.peers = lambda: self.live_pools(model_fingerprint)
-        pool.lease_deadline = self._clock() + self.lease_seconds
-        self.pools[worker_id] = pool
+        self.add_pool(pool)
         self._tombstones.pop(worker_id, None)
         log.info(
             "pool registered pool=%s epoch=%d num_blocks=%d block_size=%d fingerprint=%s serving_addr=%s",
             worker_id, pool.epoch, num_blocks, block_size, model_fingerprint, serving_addr or "-",
         )
         return pool
+
+    @property
+    def last_epoch(self) -> int:
+        return self._last_epoch
+
+    def note_epoch(self, epoch: int) -> None:
+        """Never hand out an epoch <= `epoch` (one a previous server process issued)."""
+        self._last_epoch = max(self._last_epoch, epoch)
+
+    def tombstones(self) -> list[tuple[str, str]]:
+        """(pool_id, why) of retired pools, oldest first."""
+        return list(self._tombstones.items())
+
+    def remember_retired(self, pool_id: str, why: str) -> None:
+        """Add a tombstone (restore of a snapshot or journal)."""
+        self._tombstones[pool_id] = why
+        self._tombstones.move_to_end(pool_id)
+        if len(self._tombstones) > self._max_tombstones:
+            self._tombstones.popitem(last=False)
+
+    def add_pool(self, pool: Pool) -> None:
+        """Take a pool in (a new one, or one restored from a snapshot), with a fresh lease."""
+        model_fingerprint = pool.model_fingerprint
+        pool.peers = lambda: self.live_pools(model_fingerprint)
+        pool.lease_deadline = self._clock() + self.lease_seconds
+        pool.route_journal = self._journal
+        self.pools[pool.pool_id] = pool
+        self._last_epoch = max(self._last_epoch, pool.epoch)
 
     def get(self, pool_id: str, epoch: int) -> Pool:
         """The live pool for a pool RPC; checks the epoch and lease, and renews the lease."""
@@ -101,6 +208,9 @@ class PoolRegistry:
             if why is not None:
                 raise FailedPrecondition(f"pool {quote_id(pool_id)} is gone ({why}); re-register")
             raise NotFound(f"unknown pool {quote_id(pool_id)}; register it first")
+        if pool.awaiting_reattach:
+            raise FailedPrecondition(
+                f"the cache manager restarted; pool {quote_id(pool_id)} waits for its replica to re-register")
         if epoch != pool.epoch:
             raise FailedPrecondition(f"stale epoch for pool {quote_id(pool_id)}; re-register")
         now = self._clock()
@@ -151,14 +261,17 @@ class PoolRegistry:
             self._retire(pid, "lease expired")
         return expired
 
+    def retire(self, pool_id: str, why: str) -> None:
+        """Retire a pool whole (its requests, locks and tree); later calls get FAILED_PRECONDITION."""
+        self._retire(pool_id, why)
+
     def _retire(self, pool_id: str, why: str) -> None:
+        if self.journal is not None:
+            self.journal.retired(pool_id, why)
         pool = self.pools.pop(pool_id)
         running = len(pool.requests)
         pool.retire()
-        self._tombstones[pool_id] = why
-        self._tombstones.move_to_end(pool_id)
-        if len(self._tombstones) > self._max_tombstones:
-            self._tombstones.popitem(last=False)
+        self.remember_retired(pool_id, why)
         log.info("pool retired pool=%s epoch=%d reason=%s running_requests=%d", pool_id, pool.epoch, why, running)
 
     def check_integrity(self) -> None:

@@ -107,6 +107,10 @@ class RoutedRequests:
                 unlock.extend(self._unpin(entry))
         return unlock
 
+    def entries(self) -> list[RoutedRequest]:
+        """Every remembered routed request (for snapshots)."""
+        return list(self._entries.values())
+
     def drop_all(self) -> list[TreeNode]:
         unlock: list[TreeNode] = []
         for request_id in list(self._entries):

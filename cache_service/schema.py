@@ -31,6 +31,7 @@ class Admit:
 class Extend:
     request_id: str
     num_tokens: int  # total tokens the request must be able to hold
+    num_lookahead_tokens: int = 0  # extra capacity beyond num_tokens (lookahead blocks)
 
 
 @dataclass(slots=True)
@@ -121,6 +122,9 @@ class PoolStats:
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     num_reservations: int = 0
     num_remembered_evicted_pages: int = 0
+    restored: bool = False  # rebuilt from the state dir (cache_service/durable.py)
+    num_restored_cached_blocks: int = 0
+    num_lookahead_blocks: int = 0
 
     @property
     def hit_rate(self) -> float:

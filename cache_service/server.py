@@ -11,6 +11,7 @@ import sys
 import grpc
 from grpc_health.v1 import health
 
+from cache_service.durable import DEFAULT_FSYNC_SECONDS, DEFAULT_SNAPSHOT_BYTES, DurableState
 from cache_service.events import DEFAULT_BUFFER_BYTES, EventLog
 from cache_service.metrics import Metrics
 from cache_service.pool_registry import PoolRegistry
@@ -33,6 +34,7 @@ async def create_server(
     credentials: grpc.ServerCredentials | None = None,
     tokens: TokenStore | None = None,
     limits: ServerLimits | None = None,
+    durable: DurableState | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Build (not start) a server bound to `address`; returns it and the bound port.
 
@@ -46,7 +48,7 @@ async def create_server(
     # gRPC's default 4 MiB request limit, so the default is 64 MiB. Requests are parsed in the
     # handler: bytes that are not the message, or ids over MAX_ID_BYTES, are INVALID_ARGUMENT.
     server = new_server(limits or ServerLimits(), server_interceptors(tokens, {SERVICE_NAME: METHOD_ROLES}))
-    servicer = CacheManagerServicer(registry, metrics, watch_queue_size)
+    servicer = CacheManagerServicer(registry, metrics, watch_queue_size, durable)
     add_servicer(server, servicer, cache_pb2.DESCRIPTOR.services_by_name["CacheManager"], id_error)
     add_health_and_reflection(server, SERVICE_NAME, health_servicer)
     await set_health(health_servicer, [SERVICE_NAME])
@@ -73,16 +75,31 @@ async def serve(
     tls: ServerTLS | None = None,
     tokens: TokenStore | None = None,
     limits: ServerLimits | None = None,
+    state_dir: str | None = None,
+    snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES,
+    fsync_seconds: float = DEFAULT_FSYNC_SECONDS,
 ) -> int:
-    """Run until SIGTERM/SIGINT; returns the process exit code."""
+    """Run until SIGTERM/SIGINT; returns the process exit code.
+
+    `state_dir`: durable mode (cache_service/durable.py): rebuild every pool from it first, then
+    journal every applied change there.
+    """
     registry = PoolRegistry(lease_seconds=lease_seconds, events=EventLog(max_bytes=event_buffer_bytes))
-    metrics = Metrics(registry) if metrics_port is not None else None
+    durable = None
+    if state_dir is not None:
+        durable = DurableState(state_dir, registry, snapshot_bytes, fsync_seconds)
+        try:
+            durable.recover()
+        except (RuntimeError, OSError) as err:
+            print(f"cache_service: cannot use state dir {state_dir}: {err}", file=sys.stderr, flush=True)
+            return 1
+    metrics = Metrics(registry, durable) if metrics_port is not None else None
     health_servicer = health.aio.HealthServicer()
     address = format_address(host, port)
     try:
         server, bound = await create_server(address, registry, metrics, health_servicer,
                                             credentials=tls.credentials() if tls is not None else None,
-                                            tokens=tokens, limits=limits)
+                                            tokens=tokens, limits=limits, durable=durable)
     except RuntimeError as err:
         print(f"cache_service: cannot listen on {address} (port in use?): {err}", file=sys.stderr, flush=True)
         return 1
@@ -100,6 +117,7 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     reload_on_sighup(loop, tokens)
     expiry = asyncio.create_task(expire_leases_forever(registry, min(0.25, lease_seconds / 4)))
+    syncer = asyncio.create_task(durable.sync_forever()) if durable is not None else None
     try:
         await server.start()
         print(f"cache_service listening on {format_address(host, bound)}", flush=True)
@@ -114,6 +132,12 @@ async def serve(
             await expiry
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace_seconds)
+        if syncer is not None:
+            syncer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await syncer
+        if durable is not None:
+            durable.close()
         if metrics is not None:
             metrics.stop()
     return 0

@@ -16,11 +16,13 @@ from typing import TypeVar
 import grpc
 
 from cache_service import convert
+from cache_service.durable import DurableState
 from cache_service.errors import CacheError, InvalidArgument, PermissionDenied, ResourceExhausted
 from cache_service.events import BlockRemoved, BlockStored, CacheEvent, tree_snapshot
 from cache_service.metrics import Metrics
 from cache_service.pool_registry import PoolRegistry
 from common.auth import Principal, current_principal
+from common.grpc_server import request_bytes
 from common.limits import quote_id
 from protos import cache_pb2, cache_pb2_grpc
 
@@ -95,10 +97,12 @@ def _rpc(method: Handler) -> Handler:
 
 
 class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
-    def __init__(self, registry: PoolRegistry, metrics: Metrics | None = None, watch_queue_size: int = 65536):
+    def __init__(self, registry: PoolRegistry, metrics: Metrics | None = None, watch_queue_size: int = 65536,
+                 durable: DurableState | None = None):
         self.registry = registry
         self.metrics = metrics
         self.watch_queue_size = watch_queue_size
+        self.durable = durable  # --state-dir: every applied change is journaled before the reply
 
     def _count_error(self, method: str, code: grpc.StatusCode) -> None:
         if self.metrics is not None:
@@ -106,20 +110,21 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
 
     @_rpc
     async def RegisterPool(self, request: cache_pb2.RegisterPoolRequest, context) -> cache_pb2.RegisterPoolResponse:
-        pool = self.registry.register(
+        reg = self.registry.register_replica(
             request.worker_id, request.num_blocks, request.block_size, request.model_fingerprint, request.vocab_size,
-            request.serving_addr,
+            request.serving_addr, request.incarnation,
         )
-        return cache_pb2.RegisterPoolResponse(
-            pool_id=pool.pool_id, epoch=pool.epoch, lease_seconds=self.registry.lease_seconds
-        )
+        return convert.register_response(reg.pool, reg.reattached, self.registry.lease_seconds)
 
     @_rpc
     async def Step(self, request: cache_pb2.StepRequest, context) -> cache_pb2.StepResponse:
         start = time.perf_counter()
         try:
             pool = self.registry.get(request.pool_id, request.epoch)
-            return convert.step_response(pool.step(convert.step_input(request)))
+            result = pool.step(convert.step_input(request))
+            if self.durable is not None:
+                self.durable.step(request_bytes.get() or request, result)
+            return convert.step_response(result)
         finally:
             if self.metrics is not None:
                 self.metrics.step_latency.observe(time.perf_counter() - start)
@@ -155,19 +160,27 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
     @_rpc
     async def Stats(self, request: cache_pb2.StatsRequest, context) -> cache_pb2.StatsResponse:
         pools = [self.registry.peek(request.pool_id)] if request.pool_id else list(self.registry.pools.values())
-        return cache_pb2.StatsResponse(
+        reply = cache_pb2.StatsResponse(
             pools=[convert.pool_stats(p.stats(self.registry.lease_remaining(p))) for p in pools]
         )
+        if self.durable is not None:
+            reply.durability.CopyFrom(convert.durability(self.durable.current_stats(), self.durable.state_dir))
+        return reply
 
     @_rpc
     async def Evict(self, request: cache_pb2.EvictRequest, context) -> cache_pb2.EvictResponse:
         pool = self.registry.get(request.pool_id, request.epoch)
-        return cache_pb2.EvictResponse(num_evicted_blocks=pool.evict(request.num_blocks))
+        evicted = pool.evict(request.num_blocks)
+        if self.durable is not None:
+            self.durable.evicted(pool.pool_id, request.num_blocks)
+        return cache_pb2.EvictResponse(num_evicted_blocks=evicted)
 
     @_rpc
     async def Clear(self, request: cache_pb2.ClearRequest, context) -> cache_pb2.ClearResponse:
         pool = self.registry.get(request.pool_id, request.epoch)
         result = pool.clear()
+        if self.durable is not None:
+            self.durable.cleared(pool.pool_id)
         return cache_pb2.ClearResponse(
             num_evicted_blocks=result.num_evicted_blocks, num_locked_blocks=result.num_locked_blocks
         )
@@ -209,7 +222,7 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
                 for pool in pools:
                     backlog.extend(tree_snapshot(pool.pool_id, pool.tree, seq, now, events.epoch))
             elif request.start_sequence:
-                backlog = events.replay(request.start_sequence, pool_id)
+                backlog = events.replay(request.start_sequence, pool_id, request.publisher_epoch)
             backlog = [event for event in backlog if visible(event, principal)]
             unsubscribe = events.subscribe(on_event)
         except CacheError as err:

@@ -4,6 +4,7 @@ grpc.health.v1 and reflection services next to its own."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterable
 
 import grpc
@@ -104,11 +105,18 @@ def servicer_handler(servicer: object, service, check=None) -> grpc.GenericRpcHa
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
+# The raw bytes of the unary request being handled (each call runs in a task of its own, so
+# this is per call): a servicer that records requests (the durable cache manager's journal) uses
+# them as they arrived instead of serializing the parsed message again.
+request_bytes: contextvars.ContextVar[bytes] = contextvars.ContextVar("request_bytes", default=b"")
+
+
 def _unary(behavior, parse):
     async def call(data: bytes, context: grpc.aio.ServicerContext):
         request, why = parse(data)
         if request is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        request_bytes.set(data)
         return await behavior(request, context)
 
     return call

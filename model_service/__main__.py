@@ -26,7 +26,7 @@ from common.security import (
     server_tls_from_args,
 )
 from model_service.malloc_tuning import keep_freed_memory
-from model_service.server import DTYPES, ModelServiceConfig, serve
+from model_service.server import DEFAULT_LOOKAHEAD_BLOCKS, DTYPES, ModelServiceConfig, serve
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30}
@@ -44,6 +44,13 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
@@ -82,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="waiting queue bound; beyond it Generate fails with RESOURCE_EXHAUSTED")
     p.add_argument("--worker-id", default=None, help="pool name at the cache manager (default model-HOST-PORT)")
     p.add_argument("--cache-timeout", type=float, default=10.0, help="deadline of each cache manager RPC (s)")
+    p.add_argument("--cache-pipeline", choices=["on", "off"], default="on",
+                   help="on: each cache Step is in flight while the previous forward pass runs (the cache "
+                        "manager's latency is off the critical path); off: wait for it before each step")
+    p.add_argument("--lookahead-blocks", type=non_negative_int, default=DEFAULT_LOOKAHEAD_BLOCKS,
+                   help="with the pipeline on: spare blocks a running request may hold beyond its need, so "
+                        "extensions are asked for well before they are needed "
+                        f"(default {DEFAULT_LOOKAHEAD_BLOCKS})")
     p.add_argument("--num-threads", type=positive_int, default=None,
                    help="torch CPU threads (default: torch's choice, one per core); use fewer when the "
                         "cores are shared with other busy processes")
@@ -116,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory, device=args.device, dtype=args.dtype,
         attention=args.attention, max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting, metrics_port=args.metrics_port, worker_id=args.worker_id,
-        cache_timeout=args.cache_timeout, advertise_addr=args.advertise_addr, tls=tls, tokens=tokens,
+        cache_timeout=args.cache_timeout, cache_pipeline=args.cache_pipeline == "on",
+        lookahead_blocks=args.lookahead_blocks, advertise_addr=args.advertise_addr, tls=tls, tokens=tokens,
         cache_tls=cache_tls, cache_token=cache_token, limits=limits, request_limits=request_limits,
         grace_seconds=grace_from_args(args, parser))
     try:

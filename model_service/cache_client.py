@@ -9,11 +9,14 @@ import json
 import logging
 import threading
 import time
+import uuid
+from typing import NamedTuple
 
 import grpc
 
 from common.auth import ClientToken
 from common.security import open_channel
+from model_service.reattach import HeldRequest
 from model_service.request import MissBreakdown
 from model_service.scheduler import (
     AdmitReply,
@@ -41,6 +44,13 @@ _SERVICE_CONFIG = json.dumps({
 })
 
 
+class Registration(NamedTuple):
+    """What RegisterPool said: whether the pool was kept, and its running requests as held there."""
+
+    restored: bool
+    held: dict[str, HeldRequest]
+
+
 class CachePoolLost(Exception):
     """The cache manager is unreachable or no longer knows this pool/epoch: re-register and recompute."""
 
@@ -62,6 +72,7 @@ class CacheClient:
         self.load = ReplicaLoad()
         self.pool_id = ""
         self.epoch = 0
+        self.incarnation = ""  # of this process's KV tensors (RegisterPoolRequest.incarnation)
         self.lease_seconds = 0.0
         self.last_call = 0.0
         # TLS when credentials are given; the bearer token (reloadable) goes with every call.
@@ -77,41 +88,51 @@ class CacheClient:
     def close(self) -> None:
         self._channel.close()
 
-    def register(self) -> None:
-        """Registers the pool (a new epoch). Raises CachePoolLost when the cache manager is down."""
+    def register(self) -> Registration:
+        """Registers the pool (a new epoch), re-attaching to the one the cache manager kept for this
+        incarnation if any. Raises CachePoolLost when the cache manager is down."""
+        if not self.incarnation:  # once per process: the KV tensors live as long as it does
+            self.incarnation = uuid.uuid4().hex
         try:
             reply = self._stub.RegisterPool(cache_pb2.RegisterPoolRequest(
                 worker_id=self.worker_id, num_blocks=self.num_blocks, block_size=self.block_size,
                 model_fingerprint=self.model_fingerprint, vocab_size=self.vocab_size,
-                serving_addr=self.serving_addr), timeout=self.timeout, metadata=self.token.metadata)
+                serving_addr=self.serving_addr, incarnation=self.incarnation),
+                timeout=self.timeout, metadata=self.token.metadata)
         except grpc.RpcError as e:
             self.pool_id = ""
             raise CachePoolLost(f"RegisterPool failed: {e.code().name}: {e.details()}") from e
         self.pool_id, self.epoch, self.lease_seconds = reply.pool_id, reply.epoch, reply.lease_seconds
         self.last_call = time.monotonic()
-        log.info("registered pool %s epoch %d at %s (%d blocks of %d tokens, lease %.1fs)",
-                 self.pool_id, self.epoch, self.address, self.num_blocks, self.block_size, self.lease_seconds)
+        held = {r.request_id: HeldRequest(r.request_id, list(r.block_table), r.cached_tokens)
+                for r in reply.running_requests}
+        log.info("registered pool %s epoch %d at %s (%d blocks of %d tokens, lease %.1fs)%s",
+                 self.pool_id, self.epoch, self.address, self.num_blocks, self.block_size, self.lease_seconds,
+                 f": re-attached, {reply.num_cached_blocks} cached blocks and {len(held)} running requests kept"
+                 if reply.restored else "")
+        return Registration(reply.restored, held)
 
     def step(self, plan: CachePlan) -> CacheReply:
-        request = cache_pb2.StepRequest(
+        """One Step RPC, waited for. Raises CachePoolLost on failure."""
+        return _step_reply(self._call(self._stub.Step, self._step_request(plan)))
+
+    def step_async(self, plan: CachePlan) -> StepCall:
+        """Sends one Step RPC and returns at once; `StepCall.result()` waits for its reply."""
+        future = self._stub.Step.future(self._step_request(plan), timeout=self.timeout, metadata=self.token.metadata)
+        return StepCall(self, future)
+
+    def _step_request(self, plan: CachePlan) -> cache_pb2.StepRequest:
+        return cache_pb2.StepRequest(
             pool_id=self.pool_id, epoch=self.epoch,
             releases=[_finish_proto(r) for r in plan.releases],
             finishes=[_finish_proto(r) for r in plan.finishes],
-            extends=[cache_pb2.Extend(request_id=e.request.request_id, num_tokens=e.num_tokens)
-                     for e in plan.extends],
+            extends=[cache_pb2.Extend(request_id=e.request.request_id, num_tokens=e.num_tokens,
+                                      num_lookahead_tokens=e.num_lookahead_tokens) for e in plan.extends],
             admits=[cache_pb2.Admit(request_id=r.request_id, token_ids=r.all_token_ids, namespace=r.namespace,
                                     num_lookahead_tokens=1, resumed=r.was_admitted) for r in plan.admits],
             commits=[cache_pb2.Commit(request_id=c.request.request_id, num_computed_tokens=c.num_computed_tokens,
                                       output_token_ids=c.output_token_ids) for c in plan.commits],
             load=_load_proto(plan.load),
-        )
-        reply = self._call(self._stub.Step, request)
-        return CacheReply(
-            admits=[AdmitReply(a.request_id, a.status == cache_pb2.ADMIT_STATUS_ADMITTED, a.cached_tokens,
-                               list(a.block_table), _miss(a)) for a in reply.admits],
-            extends=[ExtendReply(e.request_id, e.ok, list(e.new_block_ids)) for e in reply.extends],
-            commits=[CommitReply(c.request_id, c.cached_tokens, list(c.cached_block_ids)) for c in reply.commits],
-            num_free_blocks=reply.num_free_blocks,
         )
 
     def heartbeat_if_due(self) -> None:
@@ -154,6 +175,51 @@ class CacheClient:
             raise CachePoolLost(f"{e.code().name}: {e.details()}") from e
         self.last_call = time.monotonic()
         return reply
+
+
+class StepCall:
+    """A Step RPC in flight (`CacheClient.step_async`)."""
+
+    __slots__ = ("_client", "_future", "_sent", "elapsed")
+
+    def __init__(self, client: CacheClient, future: grpc.Future) -> None:
+        self._client = client
+        self._future = future
+        self._sent = time.perf_counter()
+        self.elapsed: float | None = None  # seconds from send to reply, once it arrived
+        future.add_done_callback(self._on_done)
+
+    def _on_done(self, _future: grpc.Future) -> None:
+        self.elapsed = time.perf_counter() - self._sent
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def cancel(self) -> None:
+        self._future.cancel()
+
+    def result(self) -> CacheReply:
+        """Waits for the reply. Raises CachePoolLost on failure (the client is then unregistered)."""
+        try:
+            reply = self._future.result()
+        except grpc.RpcError as e:  # the future raises the call itself, an RpcError
+            self._client.pool_id = ""
+            raise CachePoolLost(f"{e.code().name}: {e.details()}") from e
+        except grpc.FutureCancelledError as e:
+            self._client.pool_id = ""
+            raise CachePoolLost("Step cancelled") from e
+        self._client.last_call = time.monotonic()
+        return _step_reply(reply)
+
+
+def _step_reply(reply: cache_pb2.StepResponse) -> CacheReply:
+    return CacheReply(
+        admits=[AdmitReply(a.request_id, a.status == cache_pb2.ADMIT_STATUS_ADMITTED, a.cached_tokens,
+                           list(a.block_table), _miss(a)) for a in reply.admits],
+        extends=[ExtendReply(e.request_id, e.ok, list(e.new_block_ids)) for e in reply.extends],
+        commits=[CommitReply(c.request_id, c.cached_tokens, list(c.cached_block_ids)) for c in reply.commits],
+        num_free_blocks=reply.num_free_blocks,
+    )
 
 
 def _finish_proto(record: FinishRecord) -> cache_pb2.Finish:

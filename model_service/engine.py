@@ -1,4 +1,6 @@
 """The engine loop: scheduler + one cache Step + model forward + sampling, in its own thread.
+With the cache pipeline on (default), that Step is the next step's, in flight while this step's
+forward runs (model_service/cache_pipeline.py); off, it is waited for before the forward.
 
 The gRPC servicer submits requests and receives `GenerationOutput`s through a sink callback
 (called from the engine thread); it may abort any live request by id and read the engine's
@@ -18,11 +20,13 @@ from typing import NamedTuple
 
 from common.limits import quote_id
 from model_service.cache_client import CacheClient, CachePoolLost
+from model_service.cache_pipeline import CachePipeline
 from model_service.metrics import ModelMetrics
 from model_service.model_runner import ModelRunner
+from model_service.reattach import reconcile
 from model_service.request import FinishReason, MissBreakdown, Request
 from model_service.sampler import Sampler
-from model_service.scheduler import CacheReply, QueueFullError, ScheduledBatch, Scheduler
+from model_service.scheduler import CachePlan, CacheReply, QueueFullError, ScheduledBatch, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +89,9 @@ class EngineConfig:
     max_context_tokens: int
     idle_poll_seconds: float = 0.5
     register_retry_seconds: float = 0.5
+    # Overlap each cache Step with the previous step's forward pass (model_service/cache_pipeline.py);
+    # False: one Step, waited for, before each forward (the synchronous path).
+    cache_pipeline: bool = True
 
 
 class Engine:
@@ -110,6 +117,7 @@ class Engine:
         self._cached_prompt_tokens = 0
         # Replaced whole by the engine thread after every change, read by any thread.
         self.load = EngineLoad(num_blocks=cache.num_blocks, num_free_blocks=cache.num_blocks)
+        self._pipeline = CachePipeline(cache, scheduler, metrics) if config.cache_pipeline else None
         self._thread = threading.Thread(target=self._run, name="radixkv-engine", daemon=True)
 
     # ------------------------------------------------------------------ API (any thread)
@@ -159,7 +167,7 @@ class Engine:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
-                self._drain_inbox(block=not self.scheduler.has_work())
+                self._drain_inbox(block=not self._has_work())
                 if self._stopping.is_set():
                     break
                 if not self.cache.registered:
@@ -168,7 +176,7 @@ class Engine:
                 # Renew the lease when due, busy or not: decode steps make no cache RPC until a
                 # request needs a new block or finishes, which can take longer than the lease.
                 self._heartbeat()
-                if self.cache.registered and self.scheduler.has_work():
+                if self.cache.registered and self._has_work():
                     self._step()
                     self._publish_load()
         except Exception:
@@ -177,7 +185,16 @@ class Engine:
         finally:
             self._abort_all("server shutting down")
 
+    def _has_work(self) -> bool:
+        return self.scheduler.has_work() or (self._pipeline is not None and self._pipeline.in_flight)
+
     def _step(self) -> None:
+        if self._pipeline is not None:
+            try:
+                self._pipeline.step(self._apply_reply, self._execute)
+            except CachePoolLost as e:
+                self._on_pool_lost(str(e))
+            return
         plan = self.scheduler.plan_cache_step()
         reply = CacheReply([], [])
         if not plan.is_empty:
@@ -187,9 +204,18 @@ class Engine:
             except CachePoolLost as e:
                 self._on_pool_lost(str(e))
                 return
-            self.metrics.cache_rpc.observe(time.perf_counter() - started)
+            waited = time.perf_counter() - started
+            self.metrics.cache_rpc.observe(waited)
+            self.metrics.cache_waits.inc()  # the synchronous path waits for every Step
+            self.metrics.cache_wait.observe(waited)
+        self._apply_reply(plan, reply)
+        batch = self.scheduler.build_batch()
+        if batch.chunks:
+            self._execute(batch)
+
+    def _apply_reply(self, plan: CachePlan, reply: CacheReply) -> None:
         preemptions_before = self.scheduler.num_preemptions
-        batch = self.scheduler.apply_cache_reply(plan, reply)
+        self.scheduler.apply_reply(plan, reply)
         self.metrics.preemptions.inc(self.scheduler.num_preemptions - preemptions_before)
         if reply.num_free_blocks is not None:
             self._num_free_blocks = reply.num_free_blocks
@@ -202,8 +228,6 @@ class Engine:
         self.metrics.waiting.set(len(self.scheduler.waiting))
         self.metrics.running.set(len(self.scheduler.running))
         self._sync_counts()
-        if batch.chunks:
-            self._execute(batch)
 
     def _execute(self, batch: ScheduledBatch) -> None:
         started = time.perf_counter()
@@ -215,6 +239,7 @@ class Engine:
                 self._finish(request, FinishReason.ERROR, "", error=f"model forward failed: {e}")
             return
         self.metrics.step_time.observe(time.perf_counter() - started)
+        self.metrics.steps.inc()
         self.scheduler.on_executed(batch)
         rows = [r for r, c in zip(batch.requests, batch.chunks, strict=True) if c.needs_logits]
         if not rows:
@@ -325,10 +350,21 @@ class Engine:
 
     def _try_register(self) -> None:
         try:
-            self.cache.register()
+            registration = self.cache.register()
         except CachePoolLost as e:
             log.warning("cache manager at %s not reachable (%s); retrying", self.cache.address, e)
             self._stopping.wait(self.config.register_retry_seconds)
+            return
+        if registration.restored:  # the pool was kept: continue what still agrees (model_service/reattach.py)
+            done = reconcile(self.scheduler, registration.held, self.cache.block_size)
+            log.info("re-attached to the kept pool: %d requests continue without recompute, %d recomputed, "
+                     "%d released", done.kept, done.recomputed, done.released)
+        else:  # a fresh, empty pool: everything running is recomputed
+            if self.scheduler.running:
+                log.warning("new cache pool: recomputing %d running requests", len(self.scheduler.running))
+            self.scheduler.reset()
+            self._num_free_blocks = self.cache.num_blocks
+        self._sync_counts()
 
     def _heartbeat(self) -> None:
         try:
@@ -337,14 +373,20 @@ class Engine:
             self._on_pool_lost(str(e))
 
     def _on_pool_lost(self, why: str) -> None:
-        log.warning("cache pool lost (%s): re-registering and recomputing %d running requests",
+        # Nothing runs until the next registration, which decides: a kept pool (same KV
+        # incarnation) is reconciled, a new one means recomputing every running request.
+        log.warning("cache pool lost (%s): re-registering; %d running requests wait for it",
                     why, len(self.scheduler.running))
         self.metrics.cache_reconnects.inc()
-        self.scheduler.reset()
-        self._num_free_blocks = self.cache.num_blocks  # the next registration is a fresh, empty pool
+        self.cache.pool_id = ""  # re-register before any further Step
         self._sync_counts()
 
     def _abort_all(self, why: str) -> None:
+        if self._pipeline is not None and self.cache.registered:
+            try:  # apply the Step in flight first, so the finishes below give back all its blocks
+                self._pipeline.collect(self._apply_reply)
+            except CachePoolLost:
+                pass
         for request in list(self._requests.values()):
             self._finish(request, FinishReason.ABORT, request.detokenizer.finish(), error=why)
         if self.cache.registered and self.scheduler.has_work():

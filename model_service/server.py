@@ -31,6 +31,9 @@ from protos import model_pb2
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = model_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name
+# Spare blocks per running request in pipelined mode: with 16-token blocks, two give an extension
+# at least 17 steps to come back before it is needed (bench/README.md, cache_link).
+DEFAULT_LOOKAHEAD_BLOCKS = 2
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -52,6 +55,9 @@ class ModelServiceConfig:
     metrics_port: int | None = None
     worker_id: str | None = None
     cache_timeout: float = 10.0
+    # Overlap each cache Step with the previous forward pass; lookahead blocks per request then.
+    cache_pipeline: bool = True
+    lookahead_blocks: int = DEFAULT_LOOKAHEAD_BLOCKS
     # Address clients dial to reach this replica (reported to the cache manager and in
     # ModelInfo). None: host:port, with the port actually bound when port is 0.
     advertise_addr: str | None = None
@@ -98,12 +104,13 @@ def build_engine(config: ModelServiceConfig, worker_id: str) -> tuple[Engine, Mo
              dtype, backend.name, num_blocks, config.block_size, kv_cache.num_bytes / 2**20)
     runner = ModelRunner(loaded.model, kv_cache, backend, device)
     scheduler = Scheduler(SchedulerConfig(config.block_size, config.max_batch_tokens, config.max_num_seqs,
-                                          config.max_waiting))
+                                          config.max_waiting, lookahead_blocks=config.lookahead_blocks))
     cache = CacheClient(config.cache_addr, worker_id, num_blocks, config.block_size, loaded.fingerprint,
                         loaded.vocab_size, timeout=config.cache_timeout,
                         credentials=config.cache_tls.credentials() if config.cache_tls is not None else None,
                         token=config.cache_token)
-    engine = Engine(EngineConfig(frozenset(loaded.eos_token_ids), loaded.max_context_tokens), scheduler, runner,
+    engine = Engine(EngineConfig(frozenset(loaded.eos_token_ids), loaded.max_context_tokens,
+                                 cache_pipeline=config.cache_pipeline), scheduler, runner,
                     Sampler(), cache, ModelMetrics())
     info = ServingInfo(config.block_size, num_blocks, str(dtype).removeprefix("torch."), str(device), backend.name,
                        config.cache_addr, worker_id)

@@ -1,15 +1,17 @@
 """The suite's workloads, in the order a full run makes them (`python -m bench --list`)."""
 
 from bench.workloads.base import Context, Workload
+from bench.workloads.cache_link import CACHE_LINK
 from bench.workloads.components import CACHE, STEP
 from bench.workloads.concurrency import CONCURRENCY
 from bench.workloads.fleet import FLEET
+from bench.workloads.journal import JOURNAL
 from bench.workloads.latency import LATENCY
 from bench.workloads.multiturn import MULTITURN
 from bench.workloads.no_share import NO_SHARE
 from bench.workloads.shared_prefix import SHARED_PREFIX, SHARED_PREFIX_LARGE
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
-    SHARED_PREFIX, SHARED_PREFIX_LARGE, MULTITURN, NO_SHARE, CONCURRENCY, LATENCY, CACHE, STEP, FLEET)}
+    SHARED_PREFIX, SHARED_PREFIX_LARGE, MULTITURN, NO_SHARE, CONCURRENCY, LATENCY, CACHE_LINK, CACHE, JOURNAL, STEP, FLEET)}
 
 __all__ = ["WORKLOADS", "Context", "Workload"]

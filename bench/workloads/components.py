@@ -1,5 +1,5 @@
 """Components measured alone: the cache manager (bench.cache_bench: match+insert, eviction, Step
-in-process vs over gRPC, Route) and our ModelRunner's decode step vs the GEMMs it runs
+in-process vs over gRPC vs a bare echo, Route, the tree on issue 12's trace) and our ModelRunner's decode step vs the GEMMs it runs
 (bench.model_bench phase 4). Neither needs the shared model service.
 """
 
@@ -32,7 +32,27 @@ def flat_cache(d: Json) -> Json:
         "cache_bench_grpc_over_inprocess_extend": r["grpc_over_inprocess_extend"],
         "cache_bench_route_p50_us": r["route"]["route_us_p50"],
         "cache_bench_route_pools": r["route"]["pools"],
+        "cache_step_grpc_p99_us": by[("all", "gRPC")]["p99_us"],
+        "grpc_echo_p99_us": by[("all", "echo")]["p99_us"],
+        "cache_step_over_echo_p99": r["step_over_echo_p99_all"],
+        **flat_tree_trace(r["tree_trace"]),
     }
+
+
+def flat_tree_trace(rows: list[Json]) -> Json:
+    """tree_trace_p{16,1}_*: the current tree on issue 12's trace, the previous one as `_old_`."""
+    out: Json = {}
+    for row in rows:
+        p = f"tree_trace_p{row['page_size']}"
+        for name, infix in (("new", ""), ("new_hashed", "_hashed"), ("old", "_old")):
+            r = row[name]
+            out[f"{p}{infix}_req_s"] = r["req_s"]
+            for kind in ("match", "insert", "evict"):
+                out[f"{p}{infix}_{kind}_us"] = r[f"{kind}_us"]
+        out[f"{p}_over_old"] = row["new_over_old"]
+        out[f"{p}_hashed_over_old"] = row["new_hashed_over_old"]
+        out[f"{p}_over_sglang_reference"] = row["new_over_sglang_reference"]
+    return out
 
 
 def report_cache(d: Json) -> str:
@@ -60,7 +80,7 @@ def report_step(d: Json) -> str:
 
 
 CACHE = Workload(name="cache", help="the cache manager alone: bench.cache_bench (Step in-process vs gRPC ...)",
-                 run=run_cache, flat=flat_cache, report=report_cache, cap_s=120.0, runs=lambda ctx: 1,
+                 run=run_cache, flat=flat_cache, report=report_cache, cap_s=180.0, runs=lambda ctx: 1,
                  needs_services=False, needs_model=False)
 STEP = Workload(name="step", help="in-process ModelRunner decode step vs its GEMMs (+ profile)",
                 run=run_step, flat=flat_step, report=report_step, cap_s=60.0, runs=lambda ctx: 1,

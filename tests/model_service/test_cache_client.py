@@ -83,7 +83,8 @@ def test_resumed_admission_is_not_counted_in_the_pool_hit_rate(client: CacheClie
     run_step(scheduler, client)
     before = pool_stats(cache_stub, POOL_ID)
     scheduler.reset()  # as after a lost pool: the request is admitted again, as resumed
-    client.register()  # a new epoch: a fresh pool
+    client.incarnation = ""  # new KV tensors (as after a replica restart): the next registration is a fresh pool
+    assert not client.register().restored
     run_step(scheduler, client)
     after = pool_stats(cache_stub, POOL_ID)
     assert request.was_admitted and request.num_preemptions == 1

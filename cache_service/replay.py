@@ -1,0 +1,139 @@
+"""What the durable cache manager's journal records mean, and replaying them (cache_service/durable.py).
+
+Records carry the inputs of state changes; replay feeds them through the same core code (the
+core is deterministic given its inputs), verifying each Step against the digest of its result.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import zlib
+from array import array
+from collections.abc import Callable
+from enum import IntEnum
+
+from cache_service import convert
+from cache_service.errors import CacheError
+from cache_service.pool_registry import PoolRegistry
+from cache_service.radix_tree import TreeNode
+from cache_service.routed import RoutedRequest
+from cache_service.schema import StepResult
+from protos import cache_pb2
+
+log = logging.getLogger(__name__)
+
+
+class Kind(IntEnum):
+    """The record kinds of a journal (the u8 of each record's header)."""
+
+    STEP = 1
+    REGISTER = 2
+    RETIRE = 3
+    EVICT = 4
+    CLEAR = 5
+    ROUTED = 6  # a Route decision remembered by a pool (its reservation pin, if any)
+    ROUTED_EXPIRED = 7  # routed requests / pins of a pool ended by time
+
+
+def step_digest(result: StepResult) -> int:
+    """crc32 of what a Step handed out (miss reasons excluded: they depend on peers' leases)."""
+    head = [result.num_free_blocks, result.num_evicted_blocks]
+    crc = 0
+    for a in result.admits:
+        head += (a.admitted, a.cached_tokens, len(a.block_table))
+        crc = zlib.crc32(array("I", a.block_table), crc)
+    for e in result.extends:
+        head += (e.ok, len(e.new_block_ids))
+        crc = zlib.crc32(array("I", e.new_block_ids), crc)
+    for c in result.commits:
+        head += (c.cached_tokens, len(c.cached_block_ids))
+        crc = zlib.crc32(array("I", c.cached_block_ids), crc)
+    return zlib.crc32(array("q", head), crc)
+
+
+STEP_HEADER = struct.Struct("<I")  # a STEP record: [u32 digest][StepRequest bytes]
+
+
+def path_tokens(node: TreeNode) -> list[int]:
+    """The tokens from the root down to the end of `node` (public node fields only)."""
+    parts = []
+    while node is not None and node.parent is not None:
+        parts.append(node.token_ids)
+        node = node.parent
+    return [t for part in reversed(parts) for t in part]
+
+
+class Replayer:
+    """Applies journal records to a registry (whose journal is off meanwhile)."""
+
+    def __init__(self, registry: PoolRegistry, on_drop: Callable[[str, str], None]) -> None:
+        self.registry = registry
+        self.on_drop = on_drop  # (pool_id, why) of a pool dropped because its replay did not verify
+        self.dropped: set[str] = set()
+
+    def apply(self, kind: int, payload: bytes) -> None:
+        """Apply one journal record; a pool whose replay does not verify is dropped."""
+        registry, dropped = self.registry, self.dropped
+        if kind == Kind.REGISTER:
+            r = json.loads(payload)
+            if r["reattached"] and r["worker_id"] in dropped:
+                return
+            dropped.discard(r["worker_id"])
+            reg = registry.register_replica(r["worker_id"], r["num_blocks"], r["block_size"], r["model_fingerprint"],
+                                            r["vocab_size"], r["serving_addr"], r["incarnation"], r["epoch"])
+            if reg.reattached != r["reattached"]:
+                self._drop(r["worker_id"], dropped, "re-attach did not replay")
+            return
+        if kind == Kind.RETIRE:
+            r = json.loads(payload)
+            if r["pool_id"] in registry.pools:
+                registry.retire(r["pool_id"], r["why"])
+            else:
+                registry.remember_retired(r["pool_id"], r["why"])
+            return
+        if kind == Kind.STEP:
+            (digest,) = STEP_HEADER.unpack_from(payload)
+            request = cache_pb2.StepRequest.FromString(payload[STEP_HEADER.size:])
+            pool = registry.pools.get(request.pool_id)
+            if pool is None or request.pool_id in dropped:
+                return
+            try:
+                result = pool.step(convert.step_input(request))
+            except CacheError as err:
+                self._drop(pool.pool_id, dropped, f"step failed on replay: {err}")
+                return
+            if step_digest(result) != digest:
+                self._drop(pool.pool_id, dropped, "step result differs on replay")
+            return
+        if kind in (Kind.EVICT, Kind.CLEAR):
+            r = json.loads(payload)
+            pool = registry.pools.get(r["pool_id"])
+            if pool is None or r["pool_id"] in dropped:
+                return
+            if kind == Kind.EVICT:
+                pool.evict(r["num_blocks"])
+            else:
+                pool.clear()
+            return
+        if kind in (Kind.ROUTED, Kind.ROUTED_EXPIRED):
+            r = json.loads(payload)
+            pool = registry.pools.get(r["pool_id"])
+            if pool is None or r["pool_id"] in dropped:
+                return
+            if kind == Kind.ROUTED_EXPIRED:
+                pool.expire_routed(r["now"])
+                return
+            pin = pool.pin_prefix(r["pin"], r["namespace"]) if r["pin"] is not None else None
+            pool.add_routed(RoutedRequest(r["request_id"], r["page_hashes"], r["prefill_tokens"], r["expires_at"],
+                                          pin, r["pin_expires_at"]))
+            return
+        log.warning("journal record of unknown kind %d skipped", kind)
+
+    def _drop(self, pool_id: str, dropped: set[str], why: str) -> None:
+        log.error("pool %s: %s; dropping it (its replica gets a fresh pool)", pool_id, why)
+        dropped.add(pool_id)
+        self.on_drop(pool_id, why)
+        if pool_id in self.registry.pools:
+            self.registry.retire(pool_id, "not restorable")

@@ -1,0 +1,206 @@
+"""Pool state <-> plain data (lists, dicts, ints, strings) for durable snapshots.
+
+Only public interfaces of the tree are used (`iter_nodes`, a node's `token_ids`, `value`,
+`parent`, `namespace`, `last_access`, `insert`, `inc_lock_ref`), never its private
+representation: a node's key encoding may change without breaking a snapshot. The tree is
+rebuilt by inserting every node's whole path in least-recently-used order, so node boundaries,
+page -> block mapping and the relative LRU order come back as they were; lock refs are re-taken
+for every running request.
+
+Routed requests and Route reservations (pins) are included, so that the journal after the
+snapshot replays exactly (a pin can change what an eviction takes); a recovered pool drops them
+at the end of recovery (cache_service/durable.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import sys
+from array import array
+from collections.abc import Iterable
+from typing import Any
+
+from cache_service.block_allocator import BlockAllocator
+from cache_service.errors import IntegrityError
+from cache_service.events import EventLog
+from cache_service.pool import Pool, RequestState
+from cache_service.radix_tree import TreeNode
+from cache_service.routed import RoutedRequest
+from cache_service.schema import ReplicaLoad
+
+FORMAT_VERSION = 1
+
+_COUNTERS = ("num_private_blocks", "queried_tokens", "hit_tokens", "num_evicted_blocks", "num_admitted",
+             "num_finished", "num_released")
+
+
+# RequestState fields kept as tuples; every field but the tree node and derived encodings travels by
+# name, so a field added to RequestState is carried along.
+_TUPLE_FIELDS = ("prompt", "cached_outputs")
+
+
+def _request_row(request: RequestState) -> dict[str, Any]:
+    row = {}
+    for f in dataclasses.fields(request):
+        # bytes fields are encodings of other fields, rebuilt on demand (e.g. the prompt as tree key)
+        if f.name != "last_node" and "bytes" not in str(f.type):
+            value = getattr(request, f.name)
+            row[f.name] = list(value) if isinstance(value, tuple | list) else value
+    return row
+
+
+def _pack(ints: Iterable[int], code: str = "I") -> str:
+    """A list of ints as base64 of its little-endian array (JSON encodes one string fast)."""
+    data = array(code, ints)
+    if sys.byteorder == "big":
+        data.byteswap()
+    return base64.b64encode(data.tobytes()).decode()
+
+
+def _unpack(text: str, code: str = "I") -> list[int]:
+    data = array(code)
+    data.frombytes(base64.b64decode(text))
+    if sys.byteorder == "big":
+        data.byteswap()
+    return data.tolist()
+
+
+def dump_pool(pool: Pool) -> dict[str, Any]:
+    """The pool's whole state as plain data (see `restore_pool`)."""
+    tree = pool.tree
+    nodes = list(tree.iter_nodes())  # parents before children
+    index = {id(node): i for i, node in enumerate(nodes)}
+    # LRU rank instead of the tree's own stamps; deeper first on ties (see restore_pool)
+    depth: dict[int, int] = {}
+    for node in nodes:
+        parent = node.parent
+        depth[id(node)] = depth.get(id(parent), 0) + 1 if parent is not None and not parent.is_root else 1
+    order = sorted(range(len(nodes)), key=lambda i: (nodes[i].last_access, -depth[id(nodes[i])]))
+    rank = [0] * len(nodes)
+    for r, i in enumerate(order):
+        rank[i] = r
+    node_rows = []
+    for i, node in enumerate(nodes):
+        parent = node.parent
+        parent_index = index[id(parent)] if parent is not None and not parent.is_root else -1
+        node_rows.append([parent_index, node.namespace, _pack(node.token_ids), _pack(node.value), rank[i]])
+    requests = [_request_row(r) for r in pool.requests.values()]
+    load = pool.load
+    return {
+        "pool_id": pool.pool_id,
+        "epoch": pool.epoch,
+        "num_blocks": pool.num_blocks,
+        "block_size": pool.block_size,
+        "model_fingerprint": pool.model_fingerprint,
+        "vocab_size": pool.vocab_size,
+        "serving_addr": pool.serving_addr,
+        "incarnation": pool.incarnation,
+        "counters": {name: getattr(pool, name) for name in _COUNTERS},
+        "load": [load.num_waiting_requests, load.num_waiting_tokens, load.num_running_requests],
+        "free": _pack(pool.allocator.free_block_ids()),
+        "nodes": node_rows,
+        "requests": requests,
+        "routed": [[e.request_id, _pack(e.page_hashes, "Q"), e.prefill_tokens, e.expires_at,
+                    e.pin.value[-1] if e.pin is not None else -1, e.pin_expires_at, e.admitted]
+                   for e in pool.routed.entries()],
+        "finished_ids": pool.finished_ids(),
+        "evicted_pages": _pack(pool.evicted_pages.hashes(), "Q"),
+    }
+
+
+def restore_pool(data: dict[str, Any], events: EventLog | None) -> Pool:
+    """Rebuild a pool from `dump_pool` data; raises IntegrityError when the data is inconsistent."""
+    try:
+        return _restore(data, events)
+    except (KeyError, IndexError, TypeError, ValueError) as err:
+        raise IntegrityError(f"snapshot of pool {data.get('pool_id')!r} is malformed: {err!r}") from err
+
+
+def _restore(data: dict[str, Any], events: EventLog | None) -> Pool:
+    pool = Pool(data["pool_id"], int(data["epoch"]), int(data["num_blocks"]), int(data["block_size"]),
+                data["model_fingerprint"], int(data["vocab_size"]), events, serving_addr=data["serving_addr"])
+    pool.incarnation = data["incarnation"]
+    bs = pool.block_size
+    tree = pool.tree
+    rows = [[parent, ns, _unpack(tokens), _unpack(blocks), rank] for parent, ns, tokens, blocks, rank in data["nodes"]]
+    paths: list[tuple[list[int], list[int]]] = []  # whole path tokens and blocks per node
+    depth: list[int] = []
+    for parent_index, _, tokens, blocks, _ in rows:
+        if len(tokens) != len(blocks) * bs or not blocks:
+            raise IntegrityError("snapshot node is not whole pages")
+        if parent_index >= 0:
+            if parent_index >= len(paths):
+                raise IntegrityError("snapshot node listed before its parent")
+            ptoks, pblocks = paths[parent_index]
+            paths.append((ptoks + tokens, pblocks + blocks))
+            depth.append(depth[parent_index] + 1)
+        else:
+            paths.append((list(tokens), list(blocks)))
+            depth.append(1)
+    for i in sorted(range(len(rows)), key=lambda i: (rows[i][4], -depth[i])):
+        tokens, blocks = paths[i]
+        tree.insert(tokens, blocks, rows[i][1])
+    by_last_block: dict[int, TreeNode] = {node.value[-1]: node for node in tree.iter_nodes()}
+    if sorted(list(n.value) for n in by_last_block.values()) != sorted(row[3] for row in rows):
+        raise IntegrityError("snapshot tree does not rebuild to the same nodes")
+    refcounts = [0] * pool.num_blocks
+    for _, _, _, blocks, _ in rows:
+        for b in blocks:
+            refcounts[b] += 1
+    private = 0
+    for row in data["requests"]:
+        fields = {name: tuple(v) if name in _TUPLE_FIELDS else v for name, v in row.items()}
+        num_cached, table = fields["num_cached_pages"], fields["block_table"]
+        last_node = None
+        if num_cached:
+            last_node = by_last_block.get(table[num_cached - 1])
+            if last_node is None:
+                raise IntegrityError(f"snapshot request {fields['request_id']!r}: its cached prefix is not a node")
+            tree.inc_lock_ref(last_node)
+        for b in table:
+            refcounts[b] += 1
+        private += len(table) - num_cached
+        pool.requests[fields["request_id"]] = RequestState(last_node=last_node, **fields)
+    for rid, hashes, prefill, expires_at, pin_block, pin_expires_at, admitted in data["routed"]:
+        pin = None
+        if pin_block >= 0:
+            pin = by_last_block.get(pin_block)
+            if pin is None:
+                raise IntegrityError(f"snapshot reservation {rid!r}: its pinned prefix is not a node")
+            tree.inc_lock_ref(pin)
+        entry = RoutedRequest(rid, _unpack(hashes, "Q"), prefill, expires_at, pin, pin_expires_at)
+        pool.routed.add(entry)
+        if admitted:  # as RoutedRequests.on_admit left it (its pin already ended then)
+            entry.admitted = True
+            pool.routed.queued_tokens -= prefill
+    pool.allocator = BlockAllocator.restore(pool.num_blocks, _unpack(data["free"]), refcounts)
+    for name in _COUNTERS:
+        setattr(pool, name, int(data["counters"][name]))
+    if pool.num_private_blocks != private:
+        raise IntegrityError("snapshot private block counter differs from its requests")
+    pool.load = ReplicaLoad(*data["load"])
+    pool.restore_finished_ids(data["finished_ids"])
+    pool.evicted_pages.add(_unpack(data["evicted_pages"], "Q"))
+    pool.check_integrity()
+    return pool
+
+
+def canonical(pool: Pool) -> dict[str, Any]:
+    """A comparable view of a pool's state: equal for a live pool and its snapshot + replay."""
+    data = dump_pool(pool)
+    # Node order and the tree's LRU stamps are representation: compare nodes by content, and the
+    # LRU order of the evictable leaves (what eviction acts on) by rank.
+    nodes = data.pop("nodes")
+    keyed = sorted((row[1], row[2], row[3]) for row in nodes)
+    data["nodes"] = keyed
+    leaves = [n for n in pool.tree.iter_nodes() if not n.children and n.lock_ref == 0]
+    data["lru_leaves"] = [list(n.value) for n in sorted(leaves, key=lambda n: n.last_access)]
+    data["locks"] = sorted((list(n.value), n.lock_ref) for n in pool.tree.iter_nodes())
+    data["requests"] = sorted(data["requests"], key=lambda row: row["request_id"])
+    data["finished_ids"] = sorted(data["finished_ids"])
+    data["routed"] = sorted(data["routed"])
+    data["routed_totals"] = [pool.routed.queued_tokens, pool.routed.num_pins, len(pool.routed)]
+    data["evicted_pages"] = sorted(_unpack(data["evicted_pages"], "Q"))
+    data.pop("epoch")
+    return data

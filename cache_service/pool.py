@@ -128,6 +128,7 @@ class Pool:
         self.num_admitted = 0
         self.num_finished = 0
         self.num_released = 0
+        self.num_steps = 0  # Steps applied (restored ones included): re-attach checks it
         self._events = events
         self._finished_ids: OrderedDict[str, None] = OrderedDict()
         self._max_finished_ids = max_finished_ids
@@ -165,6 +166,7 @@ class Pool:
             result = AdmitResult(item.request_id, False, 0, []) if full else self._admit(item)
             full = not result.admitted
             admits.append(result)
+        self.num_steps += 1
         return StepResult(
             admits, extends, commits, self.num_evicted_blocks - evicted_before, self.allocator.num_free_blocks
         )

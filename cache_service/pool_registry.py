@@ -112,12 +112,16 @@ class PoolRegistry:
         serving_addr: str = "",
         incarnation: str = "",
         epoch: int | None = None,
+        num_steps_acknowledged: int = 0,
     ) -> Registration:
         """Register a replica's pool; re-attach to its existing one when the incarnation matches.
 
         Same worker, same non-empty `incarnation` (the replica's KV tensors are the same ones) and
-        the same shape: the pool is kept (a restored pool stops waiting) with a new epoch. Anything
-        else retires the old pool and creates a new, empty one. `epoch`: replay of a journal only.
+        the same shape: the pool is kept (a restored pool stops waiting) with a new epoch, unless it
+        applied fewer Steps than the replica saw answered (`num_steps_acknowledged`: the journal
+        lost its last records, say at a power loss, so blocks the replica wrote since may be cached
+        here under other prefixes). Anything else retires the old pool and creates a new, empty one.
+        `epoch`: replay of a journal only (the live decision is replayed as it was).
         """
         if len(incarnation) > MAX_INCARNATION_LEN:
             raise InvalidArgument(f"incarnation longer than {MAX_INCARNATION_LEN} characters")
@@ -125,7 +129,8 @@ class PoolRegistry:
         if (old is not None and incarnation and old.incarnation == incarnation and old.num_blocks == num_blocks
                 and old.block_size == block_size and old.model_fingerprint == model_fingerprint
                 and old.vocab_size == vocab_size and len(serving_addr) <= MAX_ADDR_LEN
-                and (epoch is not None or self._clock() < old.lease_deadline)):
+                and (epoch is not None or (self._clock() < old.lease_deadline
+                                           and old.num_steps >= num_steps_acknowledged))):
             old.epoch = epoch if epoch is not None else self._new_epoch()
             self._last_epoch = max(self._last_epoch, old.epoch)
             old.awaiting_reattach = False

@@ -112,7 +112,7 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
     async def RegisterPool(self, request: cache_pb2.RegisterPoolRequest, context) -> cache_pb2.RegisterPoolResponse:
         reg = self.registry.register_replica(
             request.worker_id, request.num_blocks, request.block_size, request.model_fingerprint, request.vocab_size,
-            request.serving_addr, request.incarnation,
+            request.serving_addr, request.incarnation, num_steps_acknowledged=request.num_steps_acknowledged,
         )
         return convert.register_response(reg.pool, reg.reattached, self.registry.lease_seconds)
 

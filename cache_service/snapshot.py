@@ -32,7 +32,7 @@ from cache_service.schema import ReplicaLoad
 FORMAT_VERSION = 1
 
 _COUNTERS = ("num_private_blocks", "queried_tokens", "hit_tokens", "num_evicted_blocks", "num_admitted",
-             "num_finished", "num_released")
+             "num_finished", "num_released", "num_steps")
 
 
 # RequestState fields kept as tuples; every field but the tree node and derived encodings travels by

@@ -73,6 +73,7 @@ class CacheClient:
         self.pool_id = ""
         self.epoch = 0
         self.incarnation = ""  # of this process's KV tensors (RegisterPoolRequest.incarnation)
+        self.num_steps_acknowledged = 0  # Step replies received from the current pool
         self.lease_seconds = 0.0
         self.last_call = 0.0
         # TLS when credentials are given; the bearer token (reloadable) goes with every call.
@@ -97,12 +98,15 @@ class CacheClient:
             reply = self._stub.RegisterPool(cache_pb2.RegisterPoolRequest(
                 worker_id=self.worker_id, num_blocks=self.num_blocks, block_size=self.block_size,
                 model_fingerprint=self.model_fingerprint, vocab_size=self.vocab_size,
-                serving_addr=self.serving_addr, incarnation=self.incarnation),
+                serving_addr=self.serving_addr, incarnation=self.incarnation,
+                num_steps_acknowledged=self.num_steps_acknowledged),
                 timeout=self.timeout, metadata=self.token.metadata)
         except grpc.RpcError as e:
             self.pool_id = ""
             raise CachePoolLost(f"RegisterPool failed: {e.code().name}: {e.details()}") from e
         self.pool_id, self.epoch, self.lease_seconds = reply.pool_id, reply.epoch, reply.lease_seconds
+        if not reply.restored:
+            self.num_steps_acknowledged = 0
         self.last_call = time.monotonic()
         held = {r.request_id: HeldRequest(r.request_id, list(r.block_table), r.cached_tokens)
                 for r in reply.running_requests}
@@ -114,7 +118,9 @@ class CacheClient:
 
     def step(self, plan: CachePlan) -> CacheReply:
         """One Step RPC, waited for. Raises CachePoolLost on failure."""
-        return _step_reply(self._call(self._stub.Step, self._step_request(plan)))
+        reply = self._call(self._stub.Step, self._step_request(plan))
+        self.num_steps_acknowledged += 1
+        return _step_reply(reply)
 
     def step_async(self, plan: CachePlan) -> StepCall:
         """Sends one Step RPC and returns at once; `StepCall.result()` waits for its reply."""
@@ -209,6 +215,7 @@ class StepCall:
             self._client.pool_id = ""
             raise CachePoolLost("Step cancelled") from e
         self._client.last_call = time.monotonic()
+        self._client.num_steps_acknowledged += 1
         return _step_reply(reply)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from cache_service.journal import read_records
 from protos import cache_pb2
 from tests.cache.conftest import REPO, ServerProcess, spawn_server, stop_server
 
@@ -288,3 +289,34 @@ def test_a_corrupt_snapshot_is_refused_with_a_clear_message(tmp_path: Path, stat
     assert proc.returncode == 1
     assert "cannot use state dir" in proc.stderr and "corrupt" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_journal_that_lost_acknowledged_steps_is_not_reattached(tmp_path: Path, state_dir: Path) -> None:
+    """A power loss inside --fsync-ms drops the journal's last records: the rebuilt pool is behind
+    what the replica saw answered, so blocks the replica wrote since may be cached under other
+    prefixes there. Re-attach must refuse it (a fresh pool) instead of serving stale KV."""
+    server = start(tmp_path, state_dir)
+    reg, table = populate(server)  # 3 Steps answered
+    server.proc.kill()
+    stop_server(server)
+    (log_name,) = [n for n in os.listdir(state_dir) if n.startswith("journal-")]
+    with open(state_dir / log_name, "rb") as f:
+        data = f.read()
+    records = list(read_records(data))
+    with open(state_dir / log_name, "r+b") as f:  # lose the last Step (the "live" admission)
+        f.truncate(records[-2].end)
+    server = start(tmp_path, state_dir)
+    try:
+        def register_acked(n: int) -> cache_pb2.RegisterPoolResponse:
+            return server.stub.RegisterPool(cache_pb2.RegisterPoolRequest(
+                worker_id="w", num_blocks=NUM_BLOCKS, block_size=BS, model_fingerprint="fp", incarnation="inc-1",
+                num_steps_acknowledged=n), timeout=10)
+
+        kept = register_acked(2)  # what the rebuilt pool did apply: trusted
+        assert kept.restored and kept.num_cached_blocks == 5
+        fresh = register_acked(3)  # the replica saw one more answered: not trusted
+        assert not fresh.restored and not fresh.running_requests
+        pool = stats(server)
+        assert pool.num_cached_blocks == 0 and pool.num_private_blocks == 0
+    finally:
+        stop_server(server)

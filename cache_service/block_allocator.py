@@ -43,7 +43,7 @@ class BlockAllocator:
         if len(refcounts) != num_blocks or any(not 0 <= b < num_blocks for b in free_list):
             raise IntegrityError("restored allocator state does not fit num_blocks")
         allocator._free = array("I", free_list)
-        allocator._refcount = array("I", refcounts)
+        allocator._rc[:] = refcounts  # in place: `_rc` must stay a view of `_refcount`
         allocator.check_integrity()
         return allocator
 

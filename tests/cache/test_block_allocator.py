@@ -122,3 +122,19 @@ def test_bulk_free_keeps_the_free_order_of_the_loop() -> None:
     order = blocks[::-1]
     alloc.free(order)
     assert alloc.free_block_ids() == order  # appended in the order given
+
+
+def test_restored_allocator_bulk_calls_update_the_restored_refcounts() -> None:
+    """`restore` (snapshots) must leave the numpy view the bulk paths write through on the
+    restored refcounts, or a restored pool's first large allocation corrupts its accounting."""
+    live = BlockAllocator(4 * BULK)
+    held = live.allocate(10)
+    restored = BlockAllocator.restore(4 * BULK, list(live._free), [live.refcount(b) for b in range(4 * BULK)])
+    blocks = restored.allocate(2 * BULK)  # the bulk path
+    assert all(restored.refcount(b) == 1 for b in blocks)
+    restored.incref(blocks)
+    assert all(restored.refcount(b) == 2 for b in blocks)
+    restored.free(blocks)
+    restored.free(blocks)
+    restored.check_integrity()
+    assert restored.num_free_blocks == 4 * BULK - len(held)

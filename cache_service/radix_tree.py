@@ -27,17 +27,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from cache_service.errors import IntegrityError
-from cache_service.page_hash import (
-    TOKEN_BYTES,
-    decode_tokens,
-    encode_tokens,
-    page_hash,
-    page_hashes,
-    page_hashes_raw,
-)
-
-__all__ = ["EvictedNode", "InsertResult", "MatchResult", "RadixTree", "TreeNode", "encode_tokens", "page_hash",
-           "page_hashes"]
+from cache_service.page_hash import TOKEN_BYTES, decode_tokens, encode_tokens, page_hashes
 
 
 @dataclass(slots=True, eq=False)
@@ -86,7 +76,7 @@ class TreeNode:
         parent_hash = node.computed_hashes[-1] if node is not None and node.computed_hashes else 0
         for n in reversed(pending):
             page_size = len(n.key) // (TOKEN_BYTES * len(n.value)) if n.value else 1
-            n.computed_hashes = page_hashes_raw(parent_hash, n.namespace, n.key, page_size)
+            n.computed_hashes = page_hashes(parent_hash, n.namespace, n.key, page_size)
             parent_hash = n.computed_hashes[-1] if n.computed_hashes else parent_hash
         return self.computed_hashes  # type: ignore[return-value]
 
@@ -510,7 +500,7 @@ class RadixTree:
                             raise IntegrityError("page hashes computed below a node without them")
                         if len(computed) != len(child.value):
                             raise IntegrityError("hash count differs from page count")
-                        if check_hashes and page_hashes_raw(node.last_hash, ns, child.key, self.page_size) != computed:
+                        if check_hashes and page_hashes(node.last_hash, ns, child.key, self.page_size) != computed:
                             raise IntegrityError("page hash chain broken")
                     if child.lock_ref < 0:
                         raise IntegrityError("negative lock_ref")

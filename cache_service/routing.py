@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from cache_service.errors import InvalidArgument
-from cache_service.page_hash import TOKEN_BYTES, encode_tokens
+from cache_service.page_hash import TOKEN_BYTES, encode_tokens, page_hashes
 from cache_service.pool import Pool
-from cache_service.radix_tree import page_hashes
 from cache_service.routed import DEFAULT_ROUTED_TTL_SECONDS, RoutedRequest
 from cache_service.schema import ReplicaLoad
 

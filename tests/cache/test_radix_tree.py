@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cache_service.radix_tree import RadixTree, page_hashes
+from cache_service.page_hash import page_hashes
+from cache_service.radix_tree import RadixTree
 from tests.cache.conftest import CheckedTree
 
 BS = 4

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from cache_service.errors import InvalidArgument
+from cache_service.page_hash import page_hashes
 from cache_service.pool_registry import PoolRegistry
-from cache_service.radix_tree import page_hashes
 from cache_service.routing import RouteQuery, RouteWeights
 from cache_service.schema import Admit, Finish, ReplicaLoad, StepInput
 

@@ -13,9 +13,11 @@ import zlib
 from array import array
 from collections.abc import Callable
 from enum import IntEnum
+from typing import Any
 
 from cache_service import convert
 from cache_service.errors import CacheError
+from cache_service.pool import Pool
 from cache_service.pool_registry import PoolRegistry
 from cache_service.radix_tree import TreeNode
 from cache_service.routed import RoutedRequest
@@ -107,27 +109,11 @@ class Replayer:
             if step_digest(result) != digest:
                 self._drop(pool.pool_id, dropped, "step result differs on replay")
             return
-        if kind in (Kind.EVICT, Kind.CLEAR):
+        if kind in (Kind.EVICT, Kind.CLEAR, Kind.ROUTED, Kind.ROUTED_EXPIRED):
             r = json.loads(payload)
             pool = registry.pools.get(r["pool_id"])
-            if pool is None or r["pool_id"] in dropped:
-                return
-            if kind == Kind.EVICT:
-                pool.evict(r["num_blocks"])
-            else:
-                pool.clear()
-            return
-        if kind in (Kind.ROUTED, Kind.ROUTED_EXPIRED):
-            r = json.loads(payload)
-            pool = registry.pools.get(r["pool_id"])
-            if pool is None or r["pool_id"] in dropped:
-                return
-            if kind == Kind.ROUTED_EXPIRED:
-                pool.expire_routed(r["now"])
-                return
-            pin = pool.pin_prefix(r["pin"], r["namespace"]) if r["pin"] is not None else None
-            pool.add_routed(RoutedRequest(r["request_id"], r["page_hashes"], r["prefill_tokens"], r["expires_at"],
-                                          pin, r["pin_expires_at"]))
+            if pool is not None and r["pool_id"] not in dropped:
+                _apply_pool_record(pool, kind, r)
             return
         log.warning("journal record of unknown kind %d skipped", kind)
 
@@ -137,3 +123,17 @@ class Replayer:
         self.on_drop(pool_id, why)
         if pool_id in self.registry.pools:
             self.registry.retire(pool_id, "not restorable")
+
+
+def _apply_pool_record(pool: Pool, kind: int, r: dict[str, Any]) -> None:
+    """One admin or routing record (EVICT, CLEAR, ROUTED, ROUTED_EXPIRED) of a live pool."""
+    if kind == Kind.EVICT:
+        pool.evict(r["num_blocks"])
+    elif kind == Kind.CLEAR:
+        pool.clear()
+    elif kind == Kind.ROUTED_EXPIRED:
+        pool.expire_routed(r["now"])
+    else:
+        pin = pool.pin_prefix(r["pin"], r["namespace"]) if r["pin"] is not None else None
+        pool.add_routed(RoutedRequest(r["request_id"], r["page_hashes"], r["prefill_tokens"], r["expires_at"],
+                                      pin, r["pin_expires_at"]))

@@ -38,13 +38,15 @@ _COUNTERS = ("num_private_blocks", "queried_tokens", "hit_tokens", "num_evicted_
 # RequestState fields kept as tuples; every field but the tree node and derived encodings travels by
 # name, so a field added to RequestState is carried along.
 _TUPLE_FIELDS = ("prompt", "cached_outputs")
+# Not stored: the tree node (re-found from the block table) and the prompt as tree key (rebuilt
+# on demand from `prompt`).
+_DERIVED_FIELDS = ("last_node", "prompt_bytes")
 
 
 def _request_row(request: RequestState) -> dict[str, Any]:
     row = {}
     for f in dataclasses.fields(request):
-        # bytes fields are encodings of other fields, rebuilt on demand (e.g. the prompt as tree key)
-        if f.name != "last_node" and "bytes" not in str(f.type):
+        if f.name not in _DERIVED_FIELDS:
             value = getattr(request, f.name)
             row[f.name] = list(value) if isinstance(value, tuple | list) else value
     return row

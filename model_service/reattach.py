@@ -90,10 +90,8 @@ def reconcile(scheduler: Scheduler, held: Mapping[str, HeldRequest], block_size:
     scheduler.pending_releases[:] = releases
     for request in reversed(recompute):
         scheduler.running.remove(request)
-        request.reset_cache_state()
-        request.num_preemptions += 1
+        scheduler.requeue(request)
         scheduler.num_preemptions += 1
-        scheduler.waiting.appendleft(request)
     scheduler.generation += 1  # replies to plans sent before the loss are void
     return Reconciled(len(keep), len(recompute), released)
 

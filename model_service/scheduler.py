@@ -187,15 +187,20 @@ class Scheduler:
     def reset(self) -> None:
         """The cache pool was lost: every running request goes back to waiting to be recomputed."""
         for request in reversed(self.running):
-            request.reset_cache_state()
-            request.num_preemptions += 1
-            self.waiting.appendleft(request)
+            self.requeue(request)
         self.running.clear()
         self.pending_finishes.clear()
         self.pending_releases.clear()
         self._pause_admission = False
         self._lookahead_paused = False
         self.generation += 1
+
+    def requeue(self, request: Request) -> None:
+        """Puts a request taken off `running` (by the caller) back at the head of the waiting
+        queue, to be recomputed from its tokens: its cache state is dropped, its preemption counted."""
+        request.reset_cache_state()
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
 
     # ------------------------------------------------------------------ step
 
@@ -371,10 +376,8 @@ class Scheduler:
         held = {block for r in self.running for block in r.block_table}
         freed = len(set(victim.block_table) - held)
         self.pending_releases.append(self._record(victim))
-        victim.reset_cache_state()
-        victim.num_preemptions += 1
+        self.requeue(victim)
         self.num_preemptions += 1
-        self.waiting.appendleft(victim)
         self._pause_admission = True
         return victim, freed
 

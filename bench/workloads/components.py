@@ -5,17 +5,24 @@ in-process vs over gRPC vs a bare echo, Route, the tree on issue 12's trace) and
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from bench import cache_bench
 from bench.harness import Json
 from bench.model_bench import bench_step
 from bench.workloads.base import Context, Workload
 
 
-def run_cache(ctx: Context, deadline: float) -> Json:
+def run_component(ctx: Context, label: str, run: Callable[..., Json]) -> Json:
+    """A bench module's `run(quick, echo=...)` as a workload: its results and printed report."""
     lines: list[str] = []
-    with ctx.progress.run("cache_bench (in-process + gRPC Step, Route)", 0):
-        results = cache_bench.run(ctx.quick, echo=lines.append)
+    with ctx.progress.run(label, 0):
+        results = run(ctx.quick, echo=lines.append)
     return {"config": {"quick": ctx.quick}, "results": results, "report": "\n".join(lines)}
+
+
+def run_cache(ctx: Context, deadline: float) -> Json:
+    return run_component(ctx, "cache_bench (in-process + gRPC Step, Route)", cache_bench.run)
 
 
 def flat_cache(d: Json) -> Json:

@@ -6,13 +6,11 @@ from __future__ import annotations
 from bench import journal_bench
 from bench.harness import Json
 from bench.workloads.base import Context, Workload
+from bench.workloads.components import run_component
 
 
 def run_journal(ctx: Context, deadline: float) -> Json:
-    lines: list[str] = []
-    with ctx.progress.run("journal_bench (Step with/without --state-dir, restart, hit rate)", 0):
-        results = journal_bench.run(ctx.quick, echo=lines.append)
-    return {"config": {"quick": ctx.quick}, "results": results, "report": "\n".join(lines)}
+    return run_component(ctx, "journal_bench (Step with/without --state-dir, restart, hit rate)", journal_bench.run)
 
 
 def flat_journal(d: Json) -> Json:

@@ -3,7 +3,9 @@ forward pass runs, so the cache manager's latency is off the critical path.
 
 At most one Step is in flight, so the cache manager applies them in order. Each engine step:
   1. collects the reply in flight if it has arrived, or waits for it when a running request has no
-     block for its next token (or there is nothing else to run);
+     block for its next token (or there is nothing else to run); then, when requests are waiting
+     and the step computes a long prompt (SYNC_ADMIT_TOKENS), sends a Step and waits for it, so
+     that what it admits joins this step;
   2. builds the batch from the blocks at hand;
   3. when nothing is in flight, plans the Step for the step after this batch (finishes, releases and
      commits known now, extensions with lookahead, admissions) and sends it;
@@ -22,6 +24,12 @@ from typing import NamedTuple
 from model_service.cache_client import CacheClient, StepCall
 from model_service.metrics import ModelMetrics
 from model_service.scheduler import CachePlan, CacheReply, ScheduledBatch, Scheduler
+
+# A step that computes at least this many prompt tokens is long next to a cache round trip: if
+# requests are waiting, a Step is sent and awaited before its batch is built, so those it admits
+# (say, a prefix group's followers, once their leader's pages are committed) join this step
+# instead of the next one, a whole long step later.
+SYNC_ADMIT_TOKENS = 256
 
 ApplyReply = Callable[[CachePlan, CacheReply], None]
 Execute = Callable[[ScheduledBatch], None]
@@ -54,6 +62,9 @@ class CachePipeline:
             self._flight = None  # the pool was lost since it was sent: its reply means nothing now
         if self._flight is not None and (self._flight.call.done() or scheduler.needs_reply()):
             self.collect(apply)
+        if (self._flight is None and self.cache.registered and scheduler.waiting
+                and scheduler.num_prefill_tokens() >= SYNC_ADMIT_TOKENS):
+            self._step_now(apply)
         batch = scheduler.build_batch()
         if not batch.chunks and self._flight is not None:
             self.collect(apply, idle=not scheduler.has_work())
@@ -65,6 +76,19 @@ class CachePipeline:
                                          time.perf_counter())
         if batch.chunks:
             execute(batch)
+
+    def _step_now(self, apply: ApplyReply) -> None:
+        """A synchronous Step for the batch about to be built (nothing is in flight)."""
+        plan = self.scheduler.plan_cache_step()
+        if plan.is_empty:
+            return
+        started = time.perf_counter()
+        reply = self.cache.step(plan)
+        waited = time.perf_counter() - started
+        self.metrics.cache_rpc.observe(waited)
+        self.metrics.cache_waits.inc()
+        self.metrics.cache_wait.observe(waited)
+        apply(plan, reply)
 
     def collect(self, apply: ApplyReply, idle: bool = False) -> None:
         """Waits for the Step in flight, if any, and applies its reply. Raises CachePoolLost.

@@ -6,22 +6,29 @@ from model_service.request import Request
 
 
 class PrefillIndex:
-    """Requests whose prompt is being computed (admitted, pages not all committed yet), keyed by
-    their first page, to find a waiting request that would compute the same prefix again."""
+    """Prompts keyed by their first page, with how many of their leading tokens the tree holds.
+
+    Default: the prompts being computed (admitted, pages not all committed yet), to find a waiting
+    request that would compute the same prefix again. `cached=True`: the prompts whose leading
+    pages the tree holds (or will once this step's commits apply), to estimate a waiting request's
+    cache hit before the cache manager answers (`expected_hit`)."""
 
     MAX_CANDIDATES = 8
 
-    def __init__(self, block_size: int, min_tokens: int) -> None:
+    def __init__(self, block_size: int, min_tokens: int, cached: bool = False) -> None:
         self.block_size = block_size
         self.min_tokens = min_tokens
+        self.cached = cached
         self._by_first_page: dict[tuple[int, ...], list[tuple[Request, int]]] = {}
 
     def add(self, request: Request, cached_tokens: int) -> None:
         """`cached_tokens`: its leading tokens the tree will hold when admissions are applied."""
         bs = self.block_size
         prompt = request.prompt_token_ids
-        if not self.min_tokens or len(prompt) < self.min_tokens or cached_tokens >= len(prompt) // bs * bs:
-            return  # short, or its whole prompt is in the tree already: a waiting request just hits it
+        if not self.min_tokens or len(prompt) < self.min_tokens:
+            return
+        if (cached_tokens < bs) if self.cached else (cached_tokens >= len(prompt) // bs * bs):
+            return  # nothing of it to hit / its whole prompt is in the tree: a waiting request hits it
         self._by_first_page.setdefault(tuple(prompt[:bs]), []).append((request, cached_tokens))
 
     def longest_shared(self, request: Request) -> tuple[int, int]:
@@ -47,3 +54,9 @@ class PrefillIndex:
     def shares_uncached_prefix(self, request: Request) -> bool:
         common, cached_tokens = self.longest_shared(request)
         return common >= self.min_tokens and cached_tokens < common
+
+    def expected_hit(self, request: Request) -> int:
+        """Leading tokens of `request` an indexed prompt has in the tree (an estimate: they may be
+        evicted before it is admitted)."""
+        common, cached_tokens = self.longest_shared(request)
+        return min(common, cached_tokens)

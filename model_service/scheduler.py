@@ -167,6 +167,10 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens the running requests still have to compute."""
+        return sum(max(0, r.num_admitted_tokens - r.num_computed_tokens) for r in self.running)
+
     def load(self) -> ReplicaLoad:
         """Requests waiting and running, and the tokens they still have to prefill: running ones,
         those of the admitted tokens not computed yet; waiting ones, theirs beyond the longest
@@ -175,9 +179,8 @@ class Scheduler:
         had to compute it."""
         bs = self.config.block_size
         prompts = PrefillIndex(bs, bs)
-        tokens = 0
+        tokens = self.num_prefill_tokens()
         for r in self.running:
-            tokens += max(0, r.num_admitted_tokens - r.num_computed_tokens)
             prompts.add(r, 0)
         for r in self.waiting:
             tokens += r.num_tokens - prompts.longest_shared(r)[0]
@@ -210,8 +213,8 @@ class Scheduler:
         token will have one more (its sampled token), and extensions carry lookahead."""
         plan = CachePlan(releases=self.pending_releases,
                          finishes=[self._record(r) for r in self.pending_finishes])
-        self.pending_releases, self.pending_finishes = [], []
         bs = self.config.block_size
+        self.pending_releases, self.pending_finishes = [], []
         budget = self.config.max_batch_tokens
         # What `ahead` does to each of its requests: tokens computed, and one sampled (or not).
         runs = {} if ahead is None else {id(r): (len(c.token_ids), c.needs_logits) for r, c in zip(*ahead, strict=True)}
@@ -247,19 +250,27 @@ class Scheduler:
         # A new request may reuse the id of one whose finish is in this step; the cache manager
         # takes an id once per step, so it waits for the next one (and so does everyone after it).
         leaving = {r.request_id for r in plan.finishes} | {r.request_id for r in plan.releases}
+        bs = self.config.block_size
         slots = self.config.max_num_seqs - len(self.running)
-        prefilling = PrefillIndex(self.config.block_size, self.config.defer_shared_prefix_tokens or 0)
+        prefilling = PrefillIndex(bs, self.config.defer_shared_prefix_tokens or 0)
+        in_tree = PrefillIndex(bs, bs, cached=True)
         committing = {id(c.request): c.num_computed_tokens for c in plan.commits}  # applied before admits
         for request in self.running:
-            prefilling.add(request, committing.get(id(request), request.num_shared_tokens))
+            cached_tokens = committing.get(id(request), request.num_shared_tokens)
+            prefilling.add(request, cached_tokens)
+            in_tree.add(request, cached_tokens)
         for request in self.waiting:
             if budget <= 0 or slots <= 0 or request.request_id in leaving:
                 break
             if prefilling.shares_uncached_prefix(request):
                 continue  # admitted after the other request's commit, as a cache hit
             plan.admits.append(request)
-            prefilling.add(request, 0)
-            budget -= request.num_tokens
+            expected_hit = in_tree.expected_hit(request)
+            prefilling.add(request, expected_hit)
+            # A hit computes only its miss: charging the whole prompt would admit a prefix group's
+            # followers a few per step, each behind a full prompt's worth of budget. The pages of
+            # running requests are locked in the tree, so the expected hit is a sure one.
+            budget -= request.num_tokens - expected_hit
             slots -= 1
 
     def apply_cache_reply(self, plan: CachePlan, reply: CacheReply) -> ScheduledBatch:
@@ -323,11 +334,16 @@ class Scheduler:
         budget = self.config.max_batch_tokens
         requests: list[Request] = []
         chunks: list[SequenceChunk] = []
-        # Decodes first: one token each, latency-sensitive; then prefills in arrival order.
-        ordered = sorted(self.running, key=lambda r: r.num_uncomputed_tokens > 1)
-        for request in ordered:
+        decodes, shorts, longs = self._run_order(budget)
+        num_first = len(decodes) + len(shorts)
+        long_tokens = 0
+        for i, request in enumerate(decodes + shorts + longs):
             if budget <= 0:
                 break
+            is_long = i >= num_first
+            if (is_long and long_tokens >= self.config.max_batch_tokens // 2
+                    and request.num_uncomputed_tokens > self.config.max_batch_tokens // 4):
+                continue  # one long prompt at a time: it reaches its first token a whole step sooner
             start = request.num_computed_tokens
             end = min(request.num_tokens, start + budget, len(request.block_table) * bs)
             if end <= start:
@@ -336,9 +352,34 @@ class Scheduler:
             chunks.append(SequenceChunk(self._token_slice(request, start, end), start,
                                         request.block_table, end == request.num_tokens))
             budget -= end - start
+            if is_long:
+                long_tokens += end - start
         return ScheduledBatch(requests, chunks)
 
     # ------------------------------------------------------------------ internals
+
+    def _run_order(self, budget: int) -> tuple[list[Request], list[Request], list[Request]]:
+        """The running requests in the order a step serves them, as (decodes, short prefills, long
+        prefills). Decodes first (one token each, latency-sensitive); then the prefills that fit
+        together in half the budget, shortest first, so a cache hit's few tokens are not queued
+        behind a long prompt's chunk; then the other (long) prefills in arrival order. Long ones
+        always get at least half the budget, so short arrivals never starve a long prompt; and one
+        with over a quarter of the budget left to compute runs only while those before it took
+        under half the budget, so two long prompts do not share every step and both reach their
+        first token late."""
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for request in self.running:
+            (decodes if request.num_uncomputed_tokens <= 1 else prefills).append(request)
+        room = (budget - len(decodes)) // 2
+        shorts: list[Request] = []
+        for request in sorted(prefills, key=lambda r: r.num_uncomputed_tokens):
+            if request.num_uncomputed_tokens > room:
+                break
+            shorts.append(request)
+            room -= request.num_uncomputed_tokens
+        chosen = {id(r) for r in shorts}
+        return decodes, shorts, [r for r in prefills if id(r) not in chosen]
 
     @staticmethod
     def _token_slice(request: Request, start: int, end: int) -> list[int]:

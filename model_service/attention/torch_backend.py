@@ -60,6 +60,10 @@ CASCADE_MIN_SHARED_BLOCKS = 1
 CASCADE_FIXED_TOKENS = 1024
 SPLIT_FIXED_TOKENS = 512
 CASCADE_MODES = ("auto", "always", "never")
+# An extend chunk of at least this many tokens is attended in an SDPA call of its own: padded
+# into one call with the others, every short chunk (a cache hit's few tokens) would be padded
+# to its length, and a step with a prompt and a few hits would attend as if all were prompts.
+EXTEND_ALONE_TOKENS = 128
 
 
 @dataclass(slots=True)
@@ -198,8 +202,10 @@ class TorchAttentionBackend(AttentionBackend):
         if num_decode == batch or num_decode == 0:
             if num_decode and self.decode_gather == "rows":
                 self._decode = self._plan_decode(layout, None, slens, None)
-            else:
+            elif num_decode:
                 self._groups = [self._plan_group(layout, None, qlens, slens)]
+            else:
+                self._groups = self._plan_extends(layout, torch.arange(batch), qlens, slens)
         else:
             # Mixed step: decode rows and extend rows are attended separately.
             starts = torch.cumsum(qlens, 0) - qlens  # [batch]
@@ -212,7 +218,7 @@ class TorchAttentionBackend(AttentionBackend):
                 self._decode = self._plan_decode(layout, dec_idx, slens[dec_idx], dec_rows)
             else:
                 self._groups.append(self._plan_group(layout, dec_idx, qlens[dec_idx], slens[dec_idx], dec_rows))
-            self._groups.append(self._plan_group(layout, ext_idx, qlens[ext_idx], slens[ext_idx], ext_rows))
+            self._groups += self._plan_extends(layout, ext_idx, qlens, slens, ext_rows)
         # One scratch for the step: the decode gathers side by side, each extend group's gather
         # from the start (run one after another, each consumed before the next one).
         need = [g.num_seqs * g.num_ctx_blocks * self.block_size * self.num_kv_heads * self.head_dim
@@ -223,6 +229,31 @@ class TorchAttentionBackend(AttentionBackend):
         if self._k_scratch is None or self._k_scratch.numel() < numel:
             self._k_scratch = torch.empty(numel, dtype=self.dtype, device=self.device)
             self._v_scratch = torch.empty(numel, dtype=self.dtype, device=self.device)
+
+    def _plan_extends(self, layout: BatchLayout, seq_idx: torch.Tensor, qlens: torch.Tensor,
+                      slens: torch.Tensor, rows: torch.Tensor | None = None) -> list[_Group]:
+        """SDPA calls for the extend sequences `seq_idx` (of all `qlens`/`slens`; `rows`: their
+        packed tokens, None when they are all the step's tokens): one padded call for the chunks
+        under EXTEND_ALONE_TOKENS, one call each for the longer ones."""
+        q = qlens[seq_idx]
+        alone = q >= EXTEND_ALONE_TOKENS
+        num_calls = int(alone.sum()) + int(not bool(alone.all()))
+        if num_calls == 1:
+            if rows is None:
+                return [self._plan_group(layout, None, qlens, slens)]
+            return [self._plan_group(layout, seq_idx, q, slens[seq_idx], rows)]
+        if rows is None:
+            rows = torch.arange(int(qlens.sum()))
+        starts = torch.cumsum(q, 0) - q  # [n] first token of each sequence within `rows`
+        parts = [torch.nonzero(~alone).flatten()] + [i.view(1) for i in torch.nonzero(alone).flatten()]
+        groups = []
+        for part in parts:
+            if part.numel() == 0:
+                continue
+            tok_seq, tok_offset = segments(q[part])  # [part tokens] each
+            part_rows = rows[starts[part][tok_seq] + tok_offset]
+            groups.append(self._plan_group(layout, seq_idx[part], q[part], slens[seq_idx[part]], part_rows))
+        return groups
 
     def _plan_decode(self, layout: BatchLayout, seq_idx: torch.Tensor | None, slens: torch.Tensor,
                      rows: torch.Tensor | None) -> _Decode:

@@ -51,6 +51,9 @@ SCENARIOS = {
     "decode_batch_ragged": ([1, 16, 17, 64, 33], [1, 1, 1, 1, 1]),
     "mixed_prefill_and_decode": ([40, 17, 9, 80, 3], [1, 12, 1, 7, 3]),
     "mixed_one_prefill_many_decodes": ([30, 31, 32, 50], [1, 1, 1, 50]),
+    # Chunks of EXTEND_ALONE_TOKENS (128) or more get an SDPA call each, the short ones one call.
+    "long_prompts_and_short_hits": ([200, 214, 120, 133], [200, 150, 5, 20]),
+    "long_prompts_hits_and_decodes": ([131, 50, 260, 70, 140], [131, 1, 140, 1, 17]),
 }
 
 
@@ -124,6 +127,20 @@ def test_fast_paths_are_planned():
     legacy = TorchAttentionBackend(9, 3, 64, 16, torch.float32, torch.device("cpu"), decode_gather="blocks")
     legacy.plan(make_case([20, 33, 40], [1, 30, 1], **mk).layout)
     assert legacy._decode is None and [grp.max_query_len for grp in legacy._groups] == [1, 30]
+
+
+def test_long_extend_chunks_are_not_padded_with_short_ones():
+    """A prompt's chunk and a few cache hits' short suffixes: the short ones share one padded
+    call, each long one has its own (padding every hit to the prompt's length multiplies the
+    attention cost by the number of hits)."""
+    mk = dict(block_size=16, seed=0, **SMOLLM2)
+    backend = TorchAttentionBackend(9, 3, 64, 16, torch.float32, torch.device("cpu"))
+    backend.plan(make_case([200, 214, 120, 133, 60], [200, 150, 5, 20, 1], **mk).layout)
+    assert [(g.num_seqs, g.max_query_len) for g in backend._groups] == [(2, 20), (1, 200), (1, 150)]
+    assert backend._groups[1].block_ids is None and backend._groups[1].is_causal  # no cached prefix
+    assert backend._decode is not None and backend._decode.num_seqs == 1
+    backend.plan(make_case([200, 300], [200, 130], **mk).layout)
+    assert [(g.num_seqs, g.max_query_len) for g in backend._groups] == [(1, 200), (1, 130)]
 
 
 def test_plan_is_shared_by_layers():

@@ -53,17 +53,32 @@ def scheduler() -> Scheduler:
 
 
 def test_admission_stops_at_the_token_budget_and_chunks_the_last_prompt(scheduler):
-    for i in range(3):
+    for i in range(4):
+        scheduler.add(make_request(f"r{i}", 60))
+    plan = scheduler.plan_cache_step()
+    assert [r.request_id for r in plan.admits] == ["r0", "r1", "r2"]
+    batch = scheduler.apply_cache_reply(plan, admit_all(plan))
+    assert [len(c.token_ids) for c in batch.chunks] == [60, 60, 30]
+    assert [c.needs_logits for c in batch.chunks] == [True, True, False]
+    assert [c.start_position for c in batch.chunks] == [0, 0, 0]
+    scheduler.on_executed(batch)
+    assert [r.num_computed_tokens for r in scheduler.running] == [60, 60, 30]
+    assert [r.request_id for r in scheduler.waiting] == ["r3"]
+
+
+def test_long_prompts_are_computed_one_at_a_time(scheduler):
+    """Two prompts that each take over half the budget do not share a step: the first reaches its
+    first token a step sooner, the second no later than if they had shared both steps."""
+    for i in range(2):
         scheduler.add(make_request(f"r{i}", 100))
     plan = scheduler.plan_cache_step()
-    assert [r.request_id for r in plan.admits] == ["r0", "r1"]
     batch = scheduler.apply_cache_reply(plan, admit_all(plan))
-    assert [len(c.token_ids) for c in batch.chunks] == [100, 50]
-    assert [c.needs_logits for c in batch.chunks] == [True, False]
-    assert [c.start_position for c in batch.chunks] == [0, 0]
+    assert [r.request_id for r in batch.requests] == ["r0"] and len(batch.chunks[0].token_ids) == 100
     scheduler.on_executed(batch)
-    assert [r.num_computed_tokens for r in scheduler.running] == [100, 50]
-    assert [r.request_id for r in scheduler.waiting] == ["r2"]
+    scheduler.running[0].output_token_ids.append(7)
+    plan = scheduler.plan_cache_step()
+    batch = scheduler.apply_cache_reply(plan, admit_all(plan))
+    assert [len(c.token_ids) for c in batch.chunks] == [1, 100]  # r0 decodes, r1 whole
 
 
 def test_no_space_keeps_first_come_first_served_order(scheduler):
@@ -155,21 +170,21 @@ def test_finish_reports_running_requests_only(scheduler):
 
 
 def test_computed_prompt_pages_are_committed_once_per_chunk(scheduler):
-    scheduler.add(make_request("r0", 100))
+    scheduler.add(make_request("r0", 70))
     scheduler.add(make_request("r1", 100))
     plan = scheduler.plan_cache_step()
     assert plan.commits == []
     batch = scheduler.apply_cache_reply(plan, admit_all(plan))
-    scheduler.on_executed(batch)  # r0: 100 computed, r1: a 50-token chunk
+    scheduler.on_executed(batch)  # r0: 70 computed, r1: an 80-token chunk
     r0, r1 = scheduler.running
     plan = scheduler.plan_cache_step()
-    assert [(c.request.request_id, c.num_computed_tokens) for c in plan.commits] == [("r0", 96), ("r1", 48)]
+    assert [(c.request.request_id, c.num_computed_tokens) for c in plan.commits] == [("r0", 64), ("r1", 80)]
     # Another request cached r1's first page first: r1 uses that copy from now on.
     reply = admit_all(plan)
     reply = reply._replace(commits=[reply.commits[0], CommitReply("r1", 48, [900, 901, 902])])
     batch = scheduler.apply_cache_reply(plan, reply)
     assert r1.block_table[:4] == [900, 901, 902, 3] and r1.num_shared_tokens == 48
-    assert r0.num_shared_tokens == 96
+    assert r0.num_shared_tokens == 64
     assert [c.block_table[:3] for c in batch.chunks if c.block_table is r1.block_table] == [[900, 901, 902]]
     scheduler.on_executed(batch)  # r1's second chunk; r0 decodes nothing new (no token sampled here)
     r0.output_token_ids.append(7)
@@ -400,8 +415,8 @@ def test_load_counts_tokens_left_to_prefill(scheduler):
     plan = scheduler.plan_cache_step()
     assert plan.load == (1, 230, 2)  # as if the planned admissions succeed; nothing computed yet
     batch = scheduler.apply_cache_reply(plan, admit_all(plan))
-    scheduler.on_executed(batch)  # r0 whole, r1 a 50-token chunk; r2 waits
-    assert scheduler.load() == (1, 30 + 50, 2)
+    scheduler.on_executed(batch)  # r0 whole; r1 (long too) waits for the next step, r2 to be admitted
+    assert scheduler.load() == (1, 30 + 100, 2)
 
 
 def test_miss_breakdown_is_kept_from_the_first_admission_only(scheduler):
@@ -472,3 +487,98 @@ def test_load_does_not_count_a_shared_prefix_twice():
         scheduler.add(shared_prefix_request(rid, prefix, tail))
     scheduler.add(shared_prefix_request("d", list(range(5000, 5040)), []))
     assert scheduler.load() == (4, 162 + 3 + 1 + 40, 0)  # b and c count only their tails
+
+
+# ---------------------------------------------------------------------- hits and time to first token
+
+
+def _leader_committed(scheduler: Scheduler, prefix: list[int]) -> Request:
+    """Admits and computes a prompt `prefix + [1]`, then plans the step that commits its pages."""
+    leader = shared_prefix_request("leader", prefix, [1])
+    scheduler.add(leader)
+    plan = scheduler.plan_cache_step()
+    scheduler.on_executed(scheduler.apply_cache_reply(plan, admit_all(plan)))
+    plan = scheduler.plan_cache_step()
+    scheduler.on_executed(scheduler.apply_cache_reply(plan, admit_all(plan)))
+    assert leader.num_shared_tokens == len(prefix)
+    return leader
+
+
+def test_a_cache_hit_is_charged_only_its_expected_miss_against_the_budget():
+    """Followers of a committed prompt are admitted together (a hit computes only its tail), not
+    one per step as if each had to compute the whole prefix."""
+    scheduler = Scheduler(SchedulerConfig(block_size=16, max_batch_tokens=200, max_num_seqs=8))
+    prefix = list(range(1000, 1160))  # 10 pages
+    _leader_committed(scheduler, prefix)
+    for rid in ("a", "b", "c", "d"):
+        scheduler.add(shared_prefix_request(rid, prefix, [ord(rid)] * 20))
+    scheduler.add(make_request("other", 150))  # nothing cached: charged in full
+    plan = scheduler.plan_cache_step()
+    assert [r.request_id for r in plan.admits] == ["a", "b", "c", "d", "other"]
+    reply = admit_all(plan, cached=160)
+    reply = reply._replace(admits=reply.admits[:4] + [reply.admits[4]._replace(cached_tokens=0)])
+    scheduler.apply_cache_reply(plan, reply)
+    scheduler.add(make_request("late", 10))
+    assert scheduler.plan_cache_step().admits == []  # other's 150 (and the tails) used the budget up
+
+
+def test_a_finished_prompt_is_not_expected_to_hit():
+    """Its pages are unlocked once it finishes (evictable, or cleared): a waiting request sharing
+    them is charged in full, and the in-batch prefix check still holds back the second one."""
+    scheduler = Scheduler(SchedulerConfig(block_size=16, max_batch_tokens=400, max_num_seqs=8))
+    prefix = list(range(1000, 1160))
+    leader = _leader_committed(scheduler, prefix)
+    scheduler.finish(leader, FinishReason.LENGTH)
+    scheduler.apply_cache_reply(plan := scheduler.plan_cache_step(), admit_all(plan))  # its finish
+    for rid in ("a", "b", "c"):
+        scheduler.add(shared_prefix_request(rid, prefix, [ord(rid)] * 20))
+    assert [r.request_id for r in scheduler.plan_cache_step().admits] == ["a"]
+
+
+def test_a_short_prefill_runs_before_a_long_prompts_chunk_which_keeps_half_the_budget():
+    scheduler = Scheduler(SchedulerConfig(block_size=16, max_batch_tokens=200, max_num_seqs=8,
+                                          defer_shared_prefix_tokens=0))
+    long = make_request("long", 500)
+    long.prompt_token_ids = list(range(5000, 5500))
+    scheduler.add(long)
+    plan = scheduler.plan_cache_step()
+    scheduler.on_executed(scheduler.apply_cache_reply(plan, admit_all(plan)))
+    assert long.num_computed_tokens == 200
+    shorts = []
+    for i in range(6):  # 6 x 30 tokens: more than half the budget
+        shorts.append(make_request(f"s{i}", 30))
+        shorts[-1].prompt_token_ids = [100 * (i + 1) + t for t in range(30)]
+        scheduler.add(shorts[-1])
+    plan = scheduler.plan_cache_step()
+    assert len(plan.admits) == 0  # the long prompt's 300 left take the whole budget
+    scheduler.on_executed(scheduler.apply_cache_reply(plan, admit_all(plan)))
+    plan = scheduler.plan_cache_step()  # long has 100 left: room for the shorts
+    assert [r.request_id for r in plan.admits] == ["s0", "s1", "s2", "s3"]
+    batch = scheduler.apply_cache_reply(plan, admit_all(plan))
+    # Three shorts fit in half the budget and go first; the long prompt's chunk; s3 gets the rest.
+    assert [r.request_id for r in batch.requests] == ["s0", "s1", "s2", "long", "s3"]
+    assert [len(c.token_ids) for c in batch.chunks] == [30, 30, 30, 100, 10]
+    scheduler.on_executed(batch)
+    for request, chunk in zip(*batch):
+        if chunk.needs_logits:
+            request.output_token_ids.append(7)  # as the engine samples
+    plan = scheduler.plan_cache_step()
+    batch = scheduler.apply_cache_reply(plan, admit_all(plan))
+    assert batch.requests[0] is long and len(batch.chunks[0].token_ids) == 1  # decodes first
+
+
+def test_shortest_prefills_first_never_take_more_than_half_the_budget():
+    scheduler = Scheduler(SchedulerConfig(block_size=16, max_batch_tokens=200, max_num_seqs=16,
+                                          defer_shared_prefix_tokens=0))
+    requests = []
+    for i, n in enumerate((300, 60, 50, 40, 30)):
+        requests.append(make_request(f"r{i}", n))
+        requests[-1].prompt_token_ids = [1000 * (i + 1) + t for t in range(n)]
+    for r in requests:  # all running, nothing computed yet (as if admitted earlier)
+        r.status = RequestStatus.RUNNING
+        r.block_table = list(range(-(-(r.num_tokens + 1) // 16)))
+        scheduler.running.append(r)
+    batch = scheduler.build_batch()
+    # 30 + 40 fit in 100; 50 does not -> the rest in arrival order: r0 takes what is left.
+    assert [r.request_id for r in batch.requests] == ["r4", "r3", "r0"]
+    assert [len(c.token_ids) for c in batch.chunks] == [30, 40, 130]

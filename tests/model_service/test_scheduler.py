@@ -559,7 +559,7 @@ def test_a_short_prefill_runs_before_a_long_prompts_chunk_which_keeps_half_the_b
     assert [r.request_id for r in batch.requests] == ["s0", "s1", "s2", "long", "s3"]
     assert [len(c.token_ids) for c in batch.chunks] == [30, 30, 30, 100, 10]
     scheduler.on_executed(batch)
-    for request, chunk in zip(*batch):
+    for request, chunk in zip(*batch, strict=True):
         if chunk.needs_logits:
             request.output_token_ids.append(7)  # as the engine samples
     plan = scheduler.plan_cache_step()

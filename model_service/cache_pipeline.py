@@ -42,6 +42,17 @@ class _InFlight(NamedTuple):
     sent_at: float
 
 
+def step_and_wait(cache: CacheClient, plan: CachePlan, metrics: ModelMetrics) -> CacheReply:
+    """Sends `plan` as a Step and blocks for its reply (the engine waits: counted as a wait).
+    Raises CachePoolLost."""
+    started = time.perf_counter()
+    reply = cache.step(plan)
+    waited = time.perf_counter() - started
+    metrics.cache_rpc.observe(waited)
+    metrics.observe_cache_wait(waited)
+    return reply
+
+
 class CachePipeline:
     """Runs engine steps with the cache Step one step ahead (engine thread only)."""
 
@@ -80,15 +91,8 @@ class CachePipeline:
     def _step_now(self, apply: ApplyReply) -> None:
         """A synchronous Step for the batch about to be built (nothing is in flight)."""
         plan = self.scheduler.plan_cache_step()
-        if plan.is_empty:
-            return
-        started = time.perf_counter()
-        reply = self.cache.step(plan)
-        waited = time.perf_counter() - started
-        self.metrics.cache_rpc.observe(waited)
-        self.metrics.cache_waits.inc()
-        self.metrics.cache_wait.observe(waited)
-        apply(plan, reply)
+        if not plan.is_empty:
+            apply(plan, step_and_wait(self.cache, plan, self.metrics))
 
     def collect(self, apply: ApplyReply, idle: bool = False) -> None:
         """Waits for the Step in flight, if any, and applies its reply. Raises CachePoolLost.
@@ -101,8 +105,7 @@ class CachePipeline:
         else:
             started = time.perf_counter()
             reply = flight.call.result()
-            self.metrics.cache_waits.inc()
-            self.metrics.cache_wait.observe(time.perf_counter() - started)
+            self.metrics.observe_cache_wait(time.perf_counter() - started)
         self.metrics.cache_rpc.observe(flight.call.elapsed if flight.call.elapsed is not None
                                        else time.perf_counter() - flight.sent_at)
         apply(flight.plan, reply)

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from common.limits import quote_id
 from model_service.cache_client import CacheClient, CachePoolLost
-from model_service.cache_pipeline import CachePipeline
+from model_service.cache_pipeline import CachePipeline, step_and_wait
 from model_service.metrics import ModelMetrics
 from model_service.model_runner import ModelRunner
 from model_service.reattach import reconcile
@@ -198,16 +198,11 @@ class Engine:
         plan = self.scheduler.plan_cache_step()
         reply = CacheReply([], [])
         if not plan.is_empty:
-            started = time.perf_counter()
             try:
-                reply = self.cache.step(plan)
+                reply = step_and_wait(self.cache, plan, self.metrics)  # the synchronous path waits for every Step
             except CachePoolLost as e:
                 self._on_pool_lost(str(e))
                 return
-            waited = time.perf_counter() - started
-            self.metrics.cache_rpc.observe(waited)
-            self.metrics.cache_waits.inc()  # the synchronous path waits for every Step
-            self.metrics.cache_wait.observe(waited)
         self._apply_reply(plan, reply)
         batch = self.scheduler.build_batch()
         if batch.chunks:

@@ -40,3 +40,8 @@ class ModelMetrics(MetricsServer):
                                     buckets=_WAIT_BUCKETS, registry=r)
         self.cache_reconnects = Counter("radixkv_model_cache_pool_lost",
                                         "Times the cache pool was lost and re-registered", registry=r)
+
+    def observe_cache_wait(self, seconds: float) -> None:
+        """The engine blocked `seconds` on a cache Step reply."""
+        self.cache_waits.inc()
+        self.cache_wait.observe(seconds)

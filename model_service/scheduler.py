@@ -213,8 +213,8 @@ class Scheduler:
         token will have one more (its sampled token), and extensions carry lookahead."""
         plan = CachePlan(releases=self.pending_releases,
                          finishes=[self._record(r) for r in self.pending_finishes])
-        bs = self.config.block_size
         self.pending_releases, self.pending_finishes = [], []
+        bs = self.config.block_size
         budget = self.config.max_batch_tokens
         # What `ahead` does to each of its requests: tokens computed, and one sampled (or not).
         runs = {} if ahead is None else {id(r): (len(c.token_ids), c.needs_logits) for r, c in zip(*ahead, strict=True)}

@@ -22,6 +22,10 @@ block tables start with the same physical blocks (a radix tree's shared prefix; 
 - both partial results merged exactly with their log-sum-exp (FlashInfer's `merge_state`):
   `lse = logaddexp(lse1, lse2)`, `o = o1 * exp(lse1 - lse) + o2 * exp(lse2 - lse)`.
 
+The prefixes' gathered copies are kept across steps while their blocks are unwritten
+(`PrefixKVStore`): a group decoding for many steps gathers its prefix once per layer, not once
+per layer and step.
+
 Whether a step's groups are worth it, and whether the suffixes and the ungrouped contexts go
 in one padded call or two, is decided in plan() by a cost model (K/V tokens read, padding
 included; see CASCADE_FIXED_TOKENS). Ungrouped decode sequences of a step without cascade are
@@ -48,6 +52,7 @@ import torch.nn.functional as F
 from model_service.attention.base import AttentionBackend, BatchLayout
 from model_service.attention.indexing import segments, shared_prefix_groups
 from model_service.attention.merge_state import attention_with_lse, merge_states
+from model_service.attention.prefix_store import PREFIX_STORE_MAX_BYTES, PrefixCopy, PrefixKVStore
 
 # Cascade cost model (bench/attention_bench.py measures it). Decode cost ~ K/V tokens gathered
 # and attended, padding included: without cascade every decode row pads to the longest context;
@@ -124,12 +129,14 @@ class _Cascade:
     pick_group: torch.Tensor
     pick_head: torch.Tensor
     pick_slot: torch.Tensor
-    prefix: _RowGather  # one segment per group: its shared blocks
+    prefix: _RowGather  # one segment per group: its shared blocks (gathered apart, see PrefixKVStore)
     # Suffix call. combined: one segment per decode sequence in decode order, a member's being
     # its context after the shared blocks, an ungrouped one's its whole context (one padded
     # call for both); else one segment per member (members order), ungrouped ones go `plain`.
     rest: _RowGather
     combined: bool
+    prefix_key: tuple  # (shared blocks per group, their block ids): what `prefix` reads
+    prefix_blocks: torch.Tensor  # [sum(shared)] int64 those block ids
 
 
 @dataclass(slots=True)
@@ -138,7 +145,7 @@ class _Decode:
 
     num_seqs: int
     rows: torch.Tensor | None  # packed tokens of the decode sequences, None = all tokens
-    gather_rows: torch.Tensor  # [total] every cache row read: plain, prefix, suffix back to back
+    gather_rows: torch.Tensor  # [total] the cache rows read besides the cascade prefixes, back to back
     plain: _RowGather | None  # ungrouped sequences, one SDPA call over their whole contexts
     plain_seqs: torch.Tensor | None  # their decode positions; None = all decode sequences
     cascade: _Cascade | None
@@ -149,7 +156,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     `cascade`: "auto" (default) attends decode sequences sharing prefix blocks as a cascade
     when the cost model above says it is cheaper, "always" whenever such groups exist, "never"
-    not at all. `decode_gather="blocks"` plans decode sequences like extend ones (block-by-block
+    not at all. `prefix_store_bytes` bounds the copies of cascade prefixes kept across steps
+    (`PrefixKVStore`; 0 gathers them in every layer of every step). `decode_gather="blocks"` plans decode sequences like extend ones (block-by-block
     gather, SDPA on a transposed view, no cascade), the path before the cascade, kept for
     comparisons (bench/attention_bench.py).
     """
@@ -158,7 +166,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, *, cascade: str = "auto",
-                 min_shared_blocks: int = CASCADE_MIN_SHARED_BLOCKS, decode_gather: str = "rows") -> None:
+                 min_shared_blocks: int = CASCADE_MIN_SHARED_BLOCKS, decode_gather: str = "rows",
+                 prefix_store_bytes: int = PREFIX_STORE_MAX_BYTES) -> None:
         super().__init__(num_q_heads, num_kv_heads, head_dim, block_size, dtype, device)
         if num_q_heads % num_kv_heads != 0:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
@@ -178,6 +187,7 @@ class TorchAttentionBackend(AttentionBackend):
         # kept across steps (a fresh large CPU allocation per layer costs page faults).
         self._k_scratch: torch.Tensor | None = None  # allocated by plan()
         self._v_scratch: torch.Tensor | None = None
+        self.prefix_store = PrefixKVStore(prefix_store_bytes)
 
     # ------------------------------------------------------------------ plan
     def plan(self, layout: BatchLayout) -> None:
@@ -225,6 +235,12 @@ class TorchAttentionBackend(AttentionBackend):
                 for g in self._groups]
         if self._decode is not None:
             need.append(int(self._decode.gather_rows.shape[0]) * self.head_dim)
+        if self._decode is not None and self._decode.cascade is not None:
+            c = self._decode.cascade
+            need.append((int(self._decode.gather_rows.shape[0]) + c.prefix.num_rows) * self.head_dim)
+            self.prefix_store.begin_step(c.prefix_key, c.prefix_blocks, self._slot_mapping, self.block_size)
+        else:
+            self.prefix_store.begin_step(None, None, self._slot_mapping, self.block_size)
         numel = max(need)
         if self._k_scratch is None or self._k_scratch.numel() < numel:
             self._k_scratch = torch.empty(numel, dtype=self.dtype, device=self.device)
@@ -303,9 +319,9 @@ class TorchAttentionBackend(AttentionBackend):
         start = torch.where(group >= 0, prefix_len[group.clamp(min=0)], 0)  # [n] first position after the prefix
         plain = plain_seqs = None
         if combined:
-            parts = [prefix, self._row_gather(tables, start, slens - start)]
+            parts = [self._row_gather(tables, start, slens - start)]
         else:
-            parts = [prefix, self._row_gather(tables[members], start[members], slens[members] - start[members])]
+            parts = [self._row_gather(tables[members], start[members], slens[members] - start[members])]
             ungrouped = torch.nonzero(group < 0).flatten()
             if ungrouped.numel():
                 plain = self._row_gather(tables[ungrouped], torch.zeros(ungrouped.shape[0], dtype=torch.long),
@@ -313,15 +329,20 @@ class TorchAttentionBackend(AttentionBackend):
                 plain_seqs = ungrouped
                 parts.append(plain)
         offset = 0
-        for part in parts:
+        for part in parts + [prefix]:  # the prefixes last: gathered apart, or not at all
             part.offset = offset
             offset += part.num_rows
+        # The prefixes' identity for the store: each group's shared blocks (what its rows read).
+        prefix_tables = tables[members[first], :int(shared.max())]  # [G, max shared]
+        has_block = torch.arange(prefix_tables.shape[1])[None, :] < shared[:, None]
+        prefix_key = (tuple(shared.tolist()), tuple(prefix_tables[has_block].tolist()))
         cascade = _Cascade(
             members=_to(members, dev), num_groups=num_groups, max_members=gm,
             prefix_q_seq=_to(prefix_q_seq.reshape(num_groups, hkv, gm * r), dev),
             prefix_q_head=_to(prefix_q_head.reshape(1, hkv, gm * r), dev),
             pick_group=_to(member_group[:, None, None], dev), pick_head=_to(pick_head, dev),
-            pick_slot=_to(pick_slot, dev), prefix=prefix, rest=parts[1], combined=combined)
+            pick_slot=_to(pick_slot, dev), prefix=prefix, rest=parts[0], combined=combined,
+            prefix_key=prefix_key, prefix_blocks=_to(prefix_tables[has_block], dev))
         return _Decode(num_seqs=n, rows=_to(rows, dev), gather_rows=torch.cat([p.rows for p in parts]),
                        plain=plain, plain_seqs=_to(plain_seqs, dev), cascade=cascade)
 
@@ -434,19 +455,23 @@ class TorchAttentionBackend(AttentionBackend):
             raise RuntimeError("plan() must be called before forward()")
         if q.shape[0] != self._num_tokens:
             raise ValueError(f"q has {q.shape[0]} tokens, the plan has {self._num_tokens}")
+        d = self._decode
+        stored = None
+        if d is not None and d.cascade is not None:
+            stored = self.prefix_store.lookup(k_cache, v_cache)  # before this step's write
         # [num_blocks * block_size, num_kv_heads, head_dim] views of the paged cache.
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, self._slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, self._slot_mapping, v)
 
-        d = self._decode
         if d is not None and not self._groups:
-            return self._attend_decode(d, q, k_cache, v_cache, scale)
+            return self._attend_decode(d, q, k_cache, v_cache, scale, stored)
         if d is None and len(self._groups) == 1:
             return self._attend(self._groups[0], q, k, v, k_cache, v_cache, scale)
         out = q.new_empty(q.shape[0], self.num_q_heads, self.head_dim)  # [num_tokens, Hq, D]
         if d is not None:
             assert d.rows is not None
-            out.index_copy_(0, d.rows, self._attend_decode(d, q.index_select(0, d.rows), k_cache, v_cache, scale))
+            out.index_copy_(0, d.rows, self._attend_decode(d, q.index_select(0, d.rows), k_cache, v_cache, scale,
+                                                            stored))
         for group in self._groups:
             rows = group.rows
             assert rows is not None
@@ -458,11 +483,12 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _attend_decode(self, d: _Decode, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       scale: float) -> torch.Tensor:
-        """Decode attention. q: [num_decode, Hq, D] in decode order; returns the same shape."""
+                       scale: float, stored: PrefixCopy | None = None) -> torch.Tensor:
+        """Decode attention. q: [num_decode, Hq, D] in decode order; returns the same shape.
+        stored: this layer's still valid copy of the cascade prefixes, if the store has one."""
         assert self._k_scratch is not None and self._v_scratch is not None
         hd = self.head_dim
-        # Every K/V row the decode part reads, in one gather each (K, V).
+        # Every other K/V row the decode part reads, in one gather each (K, V).
         total = int(d.gather_rows.shape[0])
         k_rows = self._k_scratch[:total * hd].view(total, hd)
         v_rows = self._v_scratch[:total * hd].view(total, hd)
@@ -479,9 +505,10 @@ class TorchAttentionBackend(AttentionBackend):
             assert d.plain is not None
             return self._attend_plain(d.plain, q, *kv(d.plain), scale)
         hkv, r = self.num_kv_heads, self.num_q_heads // self.num_kv_heads
+        prefix_k, prefix_v = self._prefix_kv(c.prefix, k_cache, v_cache, stored)  # [G, Hkv, len, D] each
         # Prefix: the r heads of every member of group g that read KV head h form one query block.
         qg = q[c.prefix_q_seq, c.prefix_q_head]  # [G, Hkv, max_members * r, D]
-        o_pre, lse_pre = attention_with_lse(qg, *kv(c.prefix), c.prefix.attn_mask, scale)  # [G, Hkv, gm * r, (D)]
+        o_pre, lse_pre = attention_with_lse(qg, prefix_k, prefix_v, c.prefix.attn_mask, scale)  # [G, Hkv, gm*r, (D)]
         o_pre = o_pre[c.pick_group, c.pick_head, c.pick_slot]  # [members, Hkv, r, D]
         lse_pre = lse_pre[c.pick_group, c.pick_head, c.pick_slot]  # [members, Hkv, r]
         # The rest: members over their own blocks after the shared ones (query head h * r + j
@@ -500,6 +527,29 @@ class TorchAttentionBackend(AttentionBackend):
                 out.index_copy_(0, d.plain_seqs, self._attend_plain(d.plain, plain_q, *kv(d.plain), scale))
         merged = merge_states(o_pre, lse_pre, o_suf, lse_suf)  # [members, Hkv, r, D]
         return out.index_copy_(0, c.members, merged.view(-1, self.num_q_heads, hd))
+
+    def _prefix_kv(self, g: _RowGather, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   stored: PrefixCopy | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cascade prefixes' K/V [G, Hkv, len, D]: the store's copy, else gathered (into
+        buffers the store keeps when it has room, else into the scratch after the other rows)."""
+        if stored is not None:
+            self.prefix_store.hits += 1
+            self.prefix_store.keep(k_cache, v_cache, stored.k, stored.v)  # our write moved the versions
+            return stored.k, stored.v
+        self.prefix_store.misses += 1
+        shape = (g.num_segs, self.num_kv_heads, g.kv_len, self.head_dim)
+        buffers = self.prefix_store.allocate(k_cache, v_cache, shape)
+        keep = buffers is not None
+        if buffers is None:
+            assert self._k_scratch is not None and self._v_scratch is not None
+            lo, hi = g.offset * self.head_dim, (g.offset + g.num_rows) * self.head_dim
+            buffers = self._k_scratch[lo:hi].view(shape), self._v_scratch[lo:hi].view(shape)
+        pk, pv = buffers
+        torch.index_select(k_cache.view(-1, self.head_dim), 0, g.rows, out=pk.view(-1, self.head_dim))
+        torch.index_select(v_cache.view(-1, self.head_dim), 0, g.rows, out=pv.view(-1, self.head_dim))
+        if keep:
+            self.prefix_store.keep(k_cache, v_cache, pk, pv)
+        return pk, pv
 
     def _attend_plain(self, g: _RowGather, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       scale: float) -> torch.Tensor:

@@ -26,6 +26,7 @@ from model_service.model_runner import ModelRunner
 from model_service.sampler import Sampler
 from model_service.scheduler import Scheduler, SchedulerConfig
 from model_service.servicer import METHOD_ROLES, ModelServicer, ServingInfo
+from model_service.torch_threads import run_in_passing_thread
 from protos import model_pb2
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,8 @@ async def serve(config: ModelServiceConfig) -> int:
         print(f"model_service: cannot listen on {address}: {e.strerror} (port in use?)", file=sys.stderr, flush=True)
         return 1
     worker_id = config.worker_id or f"model-{socket.gethostname()}-{config.port}"
-    engine, servicer = await asyncio.to_thread(build_engine, config, worker_id)
+    # Not asyncio.to_thread: its thread would live on with an idle OpenMP pool (see torch_threads).
+    engine, servicer = await run_in_passing_thread(build_engine, config, worker_id)
     server = new_server(config.limits, server_interceptors(config.tokens, {SERVICE_NAME: METHOD_ROLES}))
     add_servicer(server, servicer, model_pb2.DESCRIPTOR.services_by_name["ModelService"], id_error)
     health_servicer = add_health_and_reflection(server, SERVICE_NAME)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model_service.packed_linear import pack_weight, packed_linear
 from model_service.short_gemm import short_linear
 
 SIBLING_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -27,13 +28,18 @@ class FusedGroup:
         self.bias = torch.cat([lin.bias.detach() for lin in linears]) if all(has_bias) else None
         self.sizes = [lin.out_features for lin in linears]
         self.offsets = [sum(self.sizes[:i]) for i in range(len(linears))]
+        self.packed_weight = pack_weight(self.weight)  # bf16 on CPU: oneDNN's layout, once
         self._input: torch.Tensor | None = None
         self._outputs: tuple[torch.Tensor, ...] = ()
 
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
         if index == 0:
             self._input = x
-            self._outputs = torch.split(short_linear(x, self.weight, self.bias), self.sizes, dim=-1)
+            if self.packed_weight is not None and x.dtype == torch.bfloat16:
+                fused = packed_linear(x, self.packed_weight, self.bias)
+            else:
+                fused = short_linear(x, self.weight, self.bias)
+            self._outputs = torch.split(fused, self.sizes, dim=-1)
         elif x is not self._input:
             start, size = self.offsets[index], self.sizes[index]
             bias = self.bias[start:start + size] if self.bias is not None else None

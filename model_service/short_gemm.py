@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_service.packed_linear import pack_weight, packed_linear
+
 MIN_ROWS = 16  # below this, only very wide layers switch (results may differ in the last bit)
 MAX_ROWS = 256  # above this, F.linear is faster
 WIDE_RATIO = 8  # out_features >= WIDE_RATIO * in_features: a logits projection
@@ -99,18 +101,25 @@ def short_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 class ShortInputLinear(nn.Linear):
-    """`nn.Linear` whose forward uses `short_linear` (same parameters)."""
+    """`nn.Linear` whose forward uses `short_linear`, or for bf16 on CPU the oneDNN-packed copy
+    of its weight (`packed_linear`); same parameters."""
+
+    packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None and x.dtype == torch.bfloat16:
+            return packed_linear(x, self.packed_weight, self.bias)
         return short_linear(x, self.weight, self.bias)
 
 
 def use_short_input_gemm(model: nn.Module) -> int:
     """Switches every plain `nn.Linear` of the model to `ShortInputLinear` in place (parameters
-    and weight tying untouched); returns how many. Only CPU float32 inputs take the other path."""
+    and weight tying untouched) and packs bf16 CPU weights; returns how many. Only CPU float32
+    and bfloat16 inputs take another path than `F.linear`."""
     switched = 0
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = ShortInputLinear
+            module.packed_weight = pack_weight(module.weight)
             switched += 1
     return switched

@@ -143,6 +143,10 @@ class LoadMonitor:
             try:
                 t = psutil.Process(pid).cpu_times()
                 total += t.user + t.system
+                if pid == os.getpid():
+                    # Children that ran and exited within the phase (vLLM, a second pair of
+                    # services): the kernel adds a waited-for child's CPU time to its parent's.
+                    total += t.children_user + t.children_system
             except psutil.Error:
                 pass
         return total

@@ -6,6 +6,7 @@ Sides (one run each, in this order so that machine drift hits ours and theirs al
   transformers static batching       generate() with left padding, one group (batch N) at a time
   radixkv, cache defeated            a distinct `namespace` per request: nothing can hit
   transformers continuous batching   the manager behind model.generate_batch(), block sharing on
+  radixkv bf16, prefix cache on      (fp32 runs, 4x8 only) a second pair of services, --dtype bfloat16
   vLLM CPU (fp32, bf16)              when .venv-vllm has it: LLM.generate, prefix caching on
 The large variant (8 x 16) runs radixkv with the cache on and transformers static batching (capped:
 it stops after the groups that fit the cap) unless --all-baselines; vLLM runs there too.
@@ -28,6 +29,7 @@ from bench.harness import (
     BLOCK_SIZE,
     WARMUP_TOKENS,
     Json,
+    Services,
     dist,
     identical_fraction,
     metrics_delta,
@@ -48,7 +50,8 @@ def sizes(ctx: Context, large: bool) -> Json:
 
 def _runs(large: bool, ctx: Context) -> int:
     full = not large or ctx.all_baselines
-    return 3 + (2 if full else 0) + (0 if peers.vllm_absent_reason() else len(peers.VLLM_DTYPES))
+    bf16 = 2 if ctx.dtype == "float32" and not large else 0
+    return 3 + (2 if full else 0) + bf16 + (0 if peers.vllm_absent_reason() else len(peers.VLLM_DTYPES))
 
 
 def _radixkv(ctx: Context, label: str, prompts: list[list[int]], new_tokens: int, defeat: bool) -> Json:
@@ -61,6 +64,31 @@ def _radixkv(ctx: Context, label: str, prompts: list[list[int]], new_tokens: int
     out = stream_stats(start, results)
     out.update(wall_s=wall, tok_s=out["completion_tokens"] / wall, split=time_split(start, start + wall, results),
                metrics=metrics_delta(before, ctx.scrape()), ttft_samples_s=[r.ttft for r in results])
+    out["_tokens"] = [r.token_ids for r in results]
+    return out
+
+
+def _radixkv_bf16(ctx: Context, prompts: list[list[int]], new_tokens: int, warm: list[list[int]]) -> Json:
+    """radixkv with `--dtype bfloat16` on its own pair of services, so that an fp32 run also
+    has our bf16 side next to vLLM's bf16 (same prompts, same run)."""
+    services = Services(dtype="bfloat16", worker_id="model-bench-bf16")
+    try:
+        with ctx.progress.run("radixkv bf16: starting services", 0):
+            services.start()
+            addr = services.wait()
+            ctx.extra_pids.update(services.pids())
+            stream_concurrent(addr, warm, WARMUP_TOKENS)
+        with ctx.progress.run("radixkv bf16 cache on", len(prompts) * new_tokens) as tick:
+            start = time.perf_counter()
+            wall, results = stream_concurrent(addr, prompts, new_tokens, on_tokens=tick)
+    except Exception as error:  # recorded, not fatal
+        return {"error": f"{type(error).__name__}: {error}"}
+    finally:
+        for pid in services.pids():
+            ctx.extra_pids.discard(pid)
+        services.stop()
+    out = stream_stats(start, results)
+    out.update(wall_s=wall, tok_s=out["completion_tokens"] / wall, split=time_split(start, start + wall, results))
     out["_tokens"] = [r.token_ids for r in results]
     return out
 
@@ -113,6 +141,8 @@ def run(ctx: Context, deadline: float, large: bool) -> Json:
         detail["skipped"] = ("radixkv with the cache defeated and transformers' continuous batching: "
                              "run with --all-baselines (together they add ~10 min on 2 cores)")
 
+    if ctx.dtype == "float32" and not large:
+        detail["radixkv_bf16"] = _radixkv_bf16(ctx, prompts, new, warm)
     absent = peers.vllm_absent_reason()
     if absent:
         detail["vllm"] = {"absent": absent}
@@ -136,8 +166,13 @@ def run(ctx: Context, deadline: float, large: bool) -> Json:
                 entry["ttft_s"] = dist(r["ttft_s"])
                 entry["split"] = {"prefill_s": max(r["ttft_s"]), "decode_s": r["wall_s"] - max(r["ttft_s"])}
             detail["vllm"][dtype] = entry
+            if dtype == "bfloat16" and "_tokens" in detail.get("radixkv_bf16", {}):
+                agreement["radixkv_bf16_vs_vllm_bf16"] = identical_fraction(detail["radixkv_bf16"]["_tokens"],
+                                                                             tokens)
+    if "_tokens" in detail.get("radixkv_bf16", {}):
+        agreement["radixkv_bf16"] = identical_fraction(detail["radixkv_bf16"]["_tokens"][:ran], reference)
     detail["greedy_agreement"] = agreement
-    for side in ("radixkv", "radixkv_nocache"):
+    for side in ("radixkv", "radixkv_nocache", "radixkv_bf16"):
         if side in detail:
             detail[side].pop("_tokens", None)
     return detail
@@ -159,6 +194,12 @@ def flat(detail: Json, prefix: str) -> Json:
         nc = detail["radixkv_nocache"]
         out.update({f"{prefix}_nocache_tok_s": nc["tok_s"], f"{prefix}_nocache_hit_rate": nc["hit_rate"],
                     f"{prefix}_nocache_greedy_agreement": agree.get("radixkv_nocache")})
+    bf16 = detail.get("radixkv_bf16")
+    if bf16 and "tok_s" in bf16:
+        out.update({f"{prefix}_bf16_tok_s": bf16["tok_s"], f"{prefix}_bf16_wall_s": bf16["wall_s"],
+                    f"{prefix}_bf16_hit_rate": bf16["hit_rate"], f"{prefix}_bf16_ttft_p50_s": bf16["ttft_s"]["p50"],
+                    f"{prefix}_bf16_greedy_agreement_fp32": agree.get("radixkv_bf16"),
+                    f"{prefix}_bf16_greedy_agreement_vllm_bf16": agree.get("radixkv_bf16_vs_vllm_bf16")})
     cb = detail.get("hf_cb")
     if cb is not None:
         out[f"hf_cb_{prefix}_tok_s"] = cb.get("tok_s")
@@ -204,6 +245,7 @@ def report(detail: Json) -> str:
     row(f"transformers static batch {c['per_group']}/group ({hf['batches_run']}/{hf['batches_total']} groups)", hf,
         1.0)
     row("transformers continuous batching", detail.get("hf_cb"), agree.get("hf_cb"))
+    row("radixkv bf16, prefix cache on (= HF fp32)", detail.get("radixkv_bf16"), agree.get("radixkv_bf16"))
     notes = []
     for dtype, v in (detail.get("vllm") or {}).items():
         if dtype == "absent":
@@ -212,6 +254,10 @@ def report(detail: Json) -> str:
             notes.append(f"vLLM {dtype} failed: {v['error']}")
         else:
             row(f"vLLM CPU {dtype}", v, v.get("greedy_agreement"))
+    if "radixkv_bf16_vs_vllm_bf16" in agree:
+        notes.append(f"radixkv bf16 greedy = vLLM bf16: {100 * agree['radixkv_bf16_vs_vllm_bf16']:.0f}% of sequences")
+    if "error" in (detail.get("radixkv_bf16") or {}):
+        notes.append(f"radixkv bf16 failed: {detail['radixkv_bf16']['error']}")
     cb = detail.get("hf_cb")
     if cb and "error" in cb:
         notes.append(f"transformers continuous batching failed: {cb['error']}")

@@ -143,6 +143,7 @@ class Scheduler:
         self.pending_releases: list[FinishRecord] = []
         self._pause_admission = False
         self._lookahead_paused = False  # a lookahead ask failed: ask for need only until space returns
+        self._held_back_long = False  # the last batch left a long prefill out for short ones
         self.num_preemptions = 0
         self.generation = 0  # bumped by reset(): replies to plans of an older generation are void
 
@@ -332,18 +333,32 @@ class Scheduler:
         """The requests and token chunks to run now, within the token budget and the blocks held."""
         bs = self.config.block_size
         budget = self.config.max_batch_tokens
+        budget_half = budget // 2
         requests: list[Request] = []
         chunks: list[SequenceChunk] = []
         decodes, shorts, longs = self._run_order(budget)
         num_first = len(decodes) + len(shorts)
         long_tokens = 0
+        big = self.config.max_batch_tokens // 4
+        # Short prefills reach their first token in this step: a prompt's chunk larger than all of
+        # them together would make them wait as long as it takes (say, a prefix group's followers
+        # behind the next group's prompt). It runs in the next step instead, when the shorts are
+        # a step's worth of work themselves (at least half the chunk: a step of a few short ones
+        # would cost more in per-step overhead than they wait), and only once: a long prompt is
+        # never held back two steps running, so short arrivals cannot starve it.
+        short_tokens = sum(r.num_uncomputed_tokens for r in shorts)
+        hold_big = bool(shorts) and not self._held_back_long
+        held = False
         for i, request in enumerate(decodes + shorts + longs):
             if budget <= 0:
                 break
             is_long = i >= num_first
-            if (is_long and long_tokens >= self.config.max_batch_tokens // 2
-                    and request.num_uncomputed_tokens > self.config.max_batch_tokens // 4):
-                continue  # one long prompt at a time: it reaches its first token a whole step sooner
+            if is_long and request.num_uncomputed_tokens > big:
+                if hold_big and short_tokens < min(request.num_uncomputed_tokens, budget) <= 2 * short_tokens:
+                    held = True
+                    continue
+                if long_tokens >= budget_half:
+                    continue  # one long prompt at a time: it reaches its first token a whole step sooner
             start = request.num_computed_tokens
             end = min(request.num_tokens, start + budget, len(request.block_table) * bs)
             if end <= start:
@@ -354,6 +369,7 @@ class Scheduler:
             budget -= end - start
             if is_long:
                 long_tokens += end - start
+        self._held_back_long = held
         return ScheduledBatch(requests, chunks)
 
     # ------------------------------------------------------------------ internals
@@ -366,7 +382,8 @@ class Scheduler:
         always get at least half the budget, so short arrivals never starve a long prompt; and one
         with over a quarter of the budget left to compute runs only while those before it took
         under half the budget, so two long prompts do not share every step and both reach their
-        first token late."""
+        first token late. `build_batch` may also hold a long chunk back one step for the short
+        ones (see there)."""
         decodes: list[Request] = []
         prefills: list[Request] = []
         for request in self.running:

@@ -171,25 +171,31 @@ def test_finish_reports_running_requests_only(scheduler):
 
 def test_computed_prompt_pages_are_committed_once_per_chunk(scheduler):
     scheduler.add(make_request("r0", 70))
-    scheduler.add(make_request("r1", 100))
+    scheduler.add(make_request("r1", 200))
     plan = scheduler.plan_cache_step()
     assert plan.commits == []
     batch = scheduler.apply_cache_reply(plan, admit_all(plan))
-    scheduler.on_executed(batch)  # r0: 70 computed, r1: an 80-token chunk
+    assert [len(c.token_ids) for c in batch.chunks] == [70]  # r1 waits one step for the short r0
+    scheduler.on_executed(batch)
     r0, r1 = scheduler.running
     plan = scheduler.plan_cache_step()
-    assert [(c.request.request_id, c.num_computed_tokens) for c in plan.commits] == [("r0", 64), ("r1", 80)]
-    # Another request cached r1's first page first: r1 uses that copy from now on.
-    reply = admit_all(plan)
-    reply = reply._replace(commits=[reply.commits[0], CommitReply("r1", 48, [900, 901, 902])])
+    assert [(c.request.request_id, c.num_computed_tokens) for c in plan.commits] == [("r0", 64)]
+    batch = scheduler.apply_cache_reply(plan, admit_all(plan))
+    assert [(c.block_table is r1.block_table, len(c.token_ids)) for c in batch.chunks] == [(True, 150)]
+    scheduler.on_executed(batch)  # r1's first chunk; r0 decodes nothing new (no token sampled here)
+    plan = scheduler.plan_cache_step()
+    assert [(c.request.request_id, c.num_computed_tokens) for c in plan.commits] == [("r1", 144)]
+    # Another request cached r1's first pages first: r1 uses that copy from now on.
+    fourth = r1.block_table[3]
+    reply = admit_all(plan)._replace(commits=[CommitReply("r1", 48, [900, 901, 902])])
     batch = scheduler.apply_cache_reply(plan, reply)
-    assert r1.block_table[:4] == [900, 901, 902, 3] and r1.num_shared_tokens == 48
+    assert r1.block_table[:4] == [900, 901, 902, fourth] and r1.num_shared_tokens == 48
     assert r0.num_shared_tokens == 64
     assert [c.block_table[:3] for c in batch.chunks if c.block_table is r1.block_table] == [[900, 901, 902]]
-    scheduler.on_executed(batch)  # r1's second chunk; r0 decodes nothing new (no token sampled here)
+    scheduler.on_executed(batch)  # r1's second chunk
     r0.output_token_ids.append(7)
     plan = scheduler.plan_cache_step()
-    assert [(c.request.request_id, c.num_computed_tokens) for c in plan.commits] == [("r1", 96)]
+    assert [(c.request.request_id, c.num_computed_tokens) for c in plan.commits] == [("r1", 192)]
     scheduler.apply_cache_reply(plan, admit_all(plan))
     assert scheduler.plan_cache_step().commits == []  # decode steps commit nothing
 
@@ -535,7 +541,10 @@ def test_a_finished_prompt_is_not_expected_to_hit():
     assert [r.request_id for r in scheduler.plan_cache_step().admits] == ["a"]
 
 
-def test_a_short_prefill_runs_before_a_long_prompts_chunk_which_keeps_half_the_budget():
+def test_short_prefills_run_first_and_a_larger_long_chunk_waits_one_step():
+    """Short prefills reach their first token in the step they run: a long prompt's chunk larger
+    than all of them together waits for the next step (one step, never two in a row); small
+    leftovers still join."""
     scheduler = Scheduler(SchedulerConfig(block_size=16, max_batch_tokens=200, max_num_seqs=8,
                                           defer_shared_prefix_tokens=0))
     long = make_request("long", 500)
@@ -555,16 +564,33 @@ def test_a_short_prefill_runs_before_a_long_prompts_chunk_which_keeps_half_the_b
     plan = scheduler.plan_cache_step()  # long has 100 left: room for the shorts
     assert [r.request_id for r in plan.admits] == ["s0", "s1", "s2", "s3"]
     batch = scheduler.apply_cache_reply(plan, admit_all(plan))
-    # Three shorts fit in half the budget and go first; the long prompt's chunk; s3 gets the rest.
-    assert [r.request_id for r in batch.requests] == ["s0", "s1", "s2", "long", "s3"]
-    assert [len(c.token_ids) for c in batch.chunks] == [30, 30, 30, 100, 10]
+    # Three shorts fit in half the budget and go first; the long prompt's 100 (more than their
+    # 90, at most twice it) wait; s3 (small) runs.
+    assert [r.request_id for r in batch.requests] == ["s0", "s1", "s2", "s3"]
+    assert [len(c.token_ids) for c in batch.chunks] == [30, 30, 30, 30]
     scheduler.on_executed(batch)
     for request, chunk in zip(*batch, strict=True):
         if chunk.needs_logits:
             request.output_token_ids.append(7)  # as the engine samples
     plan = scheduler.plan_cache_step()
+    assert [r.request_id for r in plan.admits] == ["s4", "s5"]
     batch = scheduler.apply_cache_reply(plan, admit_all(plan))
-    assert batch.requests[0] is long and len(batch.chunks[0].token_ids) == 1  # decodes first
+    # Decodes first, the shorts s4, s5, and the long chunk now: it was held back last step.
+    assert [r.request_id for r in batch.requests] == ["s0", "s1", "s2", "s3", "s4", "s5", "long"]
+    assert [len(c.token_ids) for c in batch.chunks] == [1, 1, 1, 1, 30, 30, 100]
+
+
+def test_a_long_chunk_runs_with_a_few_short_prefills():
+    """Shorts that are less than half the long chunk are no step's worth of work of their own
+    (a step's overhead would cost more than they wait): they run together."""
+    scheduler = Scheduler(SchedulerConfig(block_size=16, max_batch_tokens=200, max_num_seqs=8,
+                                          defer_shared_prefix_tokens=0))
+    for i, n in enumerate((160, 30)):
+        scheduler.add(make_request(f"r{i}", n))
+        scheduler.waiting[-1].prompt_token_ids = [1000 * (i + 1) + t for t in range(n)]
+    plan = scheduler.plan_cache_step()
+    batch = scheduler.apply_cache_reply(plan, admit_all(plan))
+    assert [(r.request_id, len(c.token_ids)) for r, c in zip(*batch, strict=True)] == [("r1", 30), ("r0", 160)]
 
 
 def test_shortest_prefills_first_never_take_more_than_half_the_budget():
@@ -579,6 +605,10 @@ def test_shortest_prefills_first_never_take_more_than_half_the_budget():
         r.block_table = list(range(-(-(r.num_tokens + 1) // 16)))
         scheduler.running.append(r)
     batch = scheduler.build_batch()
-    # 30 + 40 fit in 100; 50 does not -> the rest in arrival order: r0 takes what is left.
-    assert [r.request_id for r in batch.requests] == ["r4", "r3", "r0"]
-    assert [len(c.token_ids) for c in batch.chunks] == [30, 40, 130]
+    # 30 + 40 fit in 100; 50 does not -> the rest in arrival order: r0's chunk (130 of the 130
+    # left, more than the shorts' 70 and at most twice it) waits a step, r1 and r2 take the rest.
+    assert [r.request_id for r in batch.requests] == ["r4", "r3", "r1", "r2"]
+    assert [len(c.token_ids) for c in batch.chunks] == [30, 40, 60, 50]
+    scheduler.on_executed(batch)
+    batch = scheduler.build_batch()  # nothing sampled: only r0 has tokens left, held no longer
+    assert [(r.request_id, len(c.token_ids)) for r, c in zip(*batch, strict=True)] == [("r0", 200)]

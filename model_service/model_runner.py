@@ -19,6 +19,7 @@ from model_service.attention.base import AttentionBackend, BatchLayout
 from model_service.fused_linear import fuse_sibling_projections
 from model_service.kv_cache import KVCache
 from model_service.short_gemm import single_token_step, use_short_input_gemm
+from model_service.short_gemm_tuning import choose_paths, linear_weights
 
 ATTENTION_NAME = "radixkv_paged"
 _CONTEXT_KWARG = "radixkv_context"
@@ -69,6 +70,8 @@ class ModelRunner:
         self.model.set_attn_implementation(ATTENTION_NAME)
         fuse_sibling_projections(model)
         use_short_input_gemm(model)
+        if device.type == "cpu":
+            choose_paths(linear_weights(model))
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device

@@ -29,6 +29,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,17 @@ MIN_SPLIT_ELEMENTS = 1 << 18  # smaller weights: a fork costs more than it saves
 _split_parts = 0  # > 1 inside single_token_step(): one-row products are split this many ways
 
 
+@dataclass(slots=True)
+class ShortInputPaths:
+    """Which of the paths above this process takes (set per machine by short_gemm_tuning)."""
+
+    transposed: bool = True  # 2/16-256 rows: (W @ x.T).T instead of F.linear
+    split_one_row: bool = True  # one token: single_token_step() (one thread, large products split)
+
+
+paths = ShortInputPaths()
+
+
 @contextmanager
 def single_token_step() -> Iterator[None]:
     """Runs the body with one intra-op thread, splitting large one-row products across the cores.
@@ -51,7 +63,7 @@ def single_token_step() -> Iterator[None]:
     global _split_parts
     threads = torch.get_num_threads()
     parts = min(threads, torch.get_num_interop_threads())
-    if parts < 2:
+    if parts < 2 or not paths.split_one_row:
         yield
         return
     torch.set_num_threads(1)
@@ -89,7 +101,7 @@ def short_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         out = _split_rows_linear(x, weight, _split_parts)
         return out if bias is None else out + bias
     wide = out_features >= WIDE_RATIO * in_features
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or rows > MAX_ROWS
+    if (not paths.transposed or x.device.type != "cpu" or x.dtype != torch.float32 or rows > MAX_ROWS
             or rows < (2 if wide else MIN_ROWS)):
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, in_features)  # [rows, in]

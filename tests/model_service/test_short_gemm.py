@@ -7,11 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_service import short_gemm, short_gemm_tuning
 from model_service.short_gemm import (
     MAX_ROWS,
     MIN_ROWS,
     MIN_SPLIT_ELEMENTS,
     ShortInputLinear,
+    ShortInputPaths,
     short_linear,
     single_token_step,
     use_short_input_gemm,
@@ -19,6 +21,12 @@ from model_service.short_gemm import (
 
 # SmolLM2-135M shapes (in, out): fused q/k/v, o, fused gate/up, down, lm_head.
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]
+
+
+@pytest.fixture(autouse=True)
+def both_paths_on(monkeypatch):
+    """These tests check the paths themselves, whatever a ModelRunner in this process chose."""
+    monkeypatch.setattr(short_gemm, "paths", ShortInputPaths(transposed=True, split_one_row=True))
 
 
 def _weights(in_features: int, out_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,3 +96,35 @@ def test_switching_keeps_parameters_and_weight_tying() -> None:
     assert model["head"].weight is embed.weight
     x = torch.randn(20, 8)
     torch.testing.assert_close(model["proj"](x), F.linear(x, model["proj"].weight, model["proj"].bias))
+
+
+@pytest.mark.parametrize(("times", "transposed", "split"), [
+    ((1.0, 0.5, 1.0, 0.5), True, True),  # (F.linear, transposed, one-row F.linear, one-row split) s
+    ((1.0, 0.98, 1.0, 1.2), False, False),  # within MIN_GAIN, or slower: F.linear
+    ((1.0, 1.5, 1.0, 0.9), False, True),
+])
+def test_a_path_is_kept_only_where_it_is_clearly_faster(monkeypatch, times, transposed, split):
+    calls = iter(times)
+    monkeypatch.setattr(short_gemm_tuning, "_pass_s", lambda *args: next(calls))
+    chosen = short_gemm_tuning.choose_paths([torch.zeros(8, 4)], repeats=1)
+    assert chosen == ShortInputPaths(transposed=transposed, split_one_row=split)
+    assert short_gemm.paths == chosen
+
+
+def test_paths_off_are_f_linear_and_one_thread_steps_are_not_entered(monkeypatch):
+    monkeypatch.setattr(short_gemm, "paths", ShortInputPaths(transposed=False, split_one_row=False))
+    weight, _ = _weights(576, 3072, seed=2)
+    x = torch.randn(1, 32, 576)
+    assert torch.equal(short_linear(x, weight), F.linear(x, weight))
+    threads = torch.get_num_threads()
+    with single_token_step():
+        assert torch.get_num_threads() == threads and short_gemm._split_parts == 0
+
+
+def test_choosing_times_the_model_weights_and_sets_the_paths():
+    model = nn.Sequential(nn.Linear(64, 256, bias=False), nn.Linear(256, 64))
+    use_short_input_gemm(model)
+    weights = short_gemm_tuning.linear_weights(model)
+    assert [tuple(w.shape) for w in weights] == [(256, 64), (64, 256)]
+    chosen = short_gemm_tuning.choose_paths(weights, repeats=1)
+    assert short_gemm.paths is chosen

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model_service.packed_linear import pack_weight, packed_linear
-from model_service.short_gemm import short_linear
+from model_service.packed_linear import pack_weight
+from model_service.short_gemm import model_linear, short_linear
 
 SIBLING_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -35,10 +35,7 @@ class FusedGroup:
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
         if index == 0:
             self._input = x
-            if self.packed_weight is not None and x.dtype == torch.bfloat16:
-                fused = packed_linear(x, self.packed_weight, self.bias)
-            else:
-                fused = short_linear(x, self.weight, self.bias)
+            fused = model_linear(x, self.weight, self.bias, self.packed_weight)
             self._outputs = torch.split(fused, self.sizes, dim=-1)
         elif x is not self._input:
             start, size = self.offsets[index], self.sizes[index]

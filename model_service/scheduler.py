@@ -333,13 +333,12 @@ class Scheduler:
         """The requests and token chunks to run now, within the token budget and the blocks held."""
         bs = self.config.block_size
         budget = self.config.max_batch_tokens
-        budget_half = budget // 2
+        half, big = budget // 2, budget // 4
         requests: list[Request] = []
         chunks: list[SequenceChunk] = []
         decodes, shorts, longs = self._run_order(budget)
         num_first = len(decodes) + len(shorts)
         long_tokens = 0
-        big = self.config.max_batch_tokens // 4
         # Short prefills reach their first token in this step: a prompt's chunk larger than all of
         # them together would make them wait as long as it takes (say, a prefix group's followers
         # behind the next group's prompt). It runs in the next step instead, when the shorts are
@@ -357,7 +356,7 @@ class Scheduler:
                 if hold_big and short_tokens < min(request.num_uncomputed_tokens, budget) <= 2 * short_tokens:
                     held = True
                     continue
-                if long_tokens >= budget_half:
+                if long_tokens >= half:
                     continue  # one long prompt at a time: it reaches its first token a whole step sooner
             start = request.num_computed_tokens
             end = min(request.num_tokens, start + budget, len(request.block_table) * bs)

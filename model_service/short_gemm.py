@@ -112,6 +112,15 @@ def short_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out_t.t().contiguous().view(*x.shape[:-1], out_features)  # [..., out]
 
 
+def model_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 packed_weight: torch.Tensor | None) -> torch.Tensor:
+    """A model layer's product: through `packed_weight` (pack_weight of `weight`) for bf16
+    inputs when there is one, else `short_linear`."""
+    if packed_weight is not None and x.dtype == torch.bfloat16:
+        return packed_linear(x, packed_weight, bias)
+    return short_linear(x, weight, bias)
+
+
 class ShortInputLinear(nn.Linear):
     """`nn.Linear` whose forward uses `short_linear`, or for bf16 on CPU the oneDNN-packed copy
     of its weight (`packed_linear`); same parameters."""
@@ -119,9 +128,7 @@ class ShortInputLinear(nn.Linear):
     packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None and x.dtype == torch.bfloat16:
-            return packed_linear(x, self.packed_weight, self.bias)
-        return short_linear(x, self.weight, self.bias)
+        return model_linear(x, self.weight, self.bias, self.packed_weight)
 
 
 def use_short_input_gemm(model: nn.Module) -> int:

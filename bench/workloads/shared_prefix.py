@@ -61,9 +61,15 @@ def _radixkv(ctx: Context, label: str, prompts: list[list[int]], new_tokens: int
     with ctx.progress.run(label, len(prompts) * new_tokens) as tick:
         start = time.perf_counter()
         wall, results = stream_concurrent(ctx.addr, prompts, new_tokens, namespaces=namespaces, on_tokens=tick)
+    out = _side(start, wall, results)
+    out.update(metrics=metrics_delta(before, ctx.scrape()), ttft_samples_s=[r.ttft for r in results])
+    return out
+
+
+def _side(start: float, wall: float, results: list) -> Json:
+    """One radixkv side's stats from its streamed results (`_tokens`: for the agreement)."""
     out = stream_stats(start, results)
-    out.update(wall_s=wall, tok_s=out["completion_tokens"] / wall, split=time_split(start, start + wall, results),
-               metrics=metrics_delta(before, ctx.scrape()), ttft_samples_s=[r.ttft for r in results])
+    out.update(wall_s=wall, tok_s=out["completion_tokens"] / wall, split=time_split(start, start + wall, results))
     out["_tokens"] = [r.token_ids for r in results]
     return out
 
@@ -87,10 +93,7 @@ def _radixkv_bf16(ctx: Context, prompts: list[list[int]], new_tokens: int, warm:
         for pid in services.pids():
             ctx.extra_pids.discard(pid)
         services.stop()
-    out = stream_stats(start, results)
-    out.update(wall_s=wall, tok_s=out["completion_tokens"] / wall, split=time_split(start, start + wall, results))
-    out["_tokens"] = [r.token_ids for r in results]
-    return out
+    return _side(start, wall, results)
 
 
 def run(ctx: Context, deadline: float, large: bool) -> Json:

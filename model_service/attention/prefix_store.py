@@ -21,6 +21,7 @@ same bytes as the gather produces, so results are bitwise unchanged. Memory is b
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,10 @@ class PrefixCopy:
     k_cache: torch.Tensor
     v_cache: torch.Tensor
 
+    @property
+    def num_bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
 
 def _version(t: torch.Tensor) -> int | None:
     try:
@@ -56,7 +61,6 @@ class PrefixKVStore:
         self.max_bytes = max_bytes
         self._key: tuple | None = None
         self._layers: dict[tuple[int, int], PrefixCopy] = {}  # (k data_ptr, v data_ptr) -> copy
-        self.num_bytes = 0
         self.hits = 0  # layers served from a copy
         self.misses = 0  # layers gathered
 
@@ -75,10 +79,13 @@ class PrefixKVStore:
             self.clear()
             self._key = key
 
+    @property
+    def num_bytes(self) -> int:
+        return sum(copy.num_bytes for copy in self._layers.values())
+
     def clear(self) -> None:
         self._layers.clear()
         self._key = None
-        self.num_bytes = 0
 
     def lookup(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> PrefixCopy | None:
         """The layer's copy if still valid; call before this step writes the layer's cache."""
@@ -88,7 +95,6 @@ class PrefixKVStore:
             return None
         if copy.k_version != _version(k_cache) or copy.v_version != _version(v_cache):
             del self._layers[layer]
-            self.num_bytes -= 2 * copy.k.numel() * copy.k.element_size()
             return None
         return copy
 
@@ -98,11 +104,7 @@ class PrefixKVStore:
         None when the store is full or the cache's writes cannot be tracked."""
         if _version(k_cache) is None or _version(v_cache) is None:
             return None
-        numel = 1
-        for n in shape:
-            numel *= n
-        size = 2 * numel * k_cache.element_size()
-        if self.num_bytes + size > self.max_bytes:
+        if self.num_bytes + 2 * math.prod(shape) * k_cache.element_size() > self.max_bytes:
             return None
         return (torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device),
                 torch.empty(shape, dtype=v_cache.dtype, device=v_cache.device))
@@ -112,8 +114,4 @@ class PrefixKVStore:
         layer = (k_cache.data_ptr(), v_cache.data_ptr())
         k_version, v_version = _version(k_cache), _version(v_cache)
         assert k_version is not None and v_version is not None
-        old = self._layers.get(layer)
-        if old is not None:
-            self.num_bytes -= 2 * old.k.numel() * old.k.element_size()
-        self.num_bytes += 2 * k.numel() * k.element_size()
         self._layers[layer] = PrefixCopy(k, v, k_version, v_version, k_cache, v_cache)

@@ -157,9 +157,9 @@ class TorchAttentionBackend(AttentionBackend):
     `cascade`: "auto" (default) attends decode sequences sharing prefix blocks as a cascade
     when the cost model above says it is cheaper, "always" whenever such groups exist, "never"
     not at all. `prefix_store_bytes` bounds the copies of cascade prefixes kept across steps
-    (`PrefixKVStore`; 0 gathers them in every layer of every step). `decode_gather="blocks"` plans decode sequences like extend ones (block-by-block
-    gather, SDPA on a transposed view, no cascade), the path before the cascade, kept for
-    comparisons (bench/attention_bench.py).
+    (`PrefixKVStore`; 0 gathers them in every layer of every step). `decode_gather="blocks"`
+    plans decode sequences like extend ones (block-by-block gather, SDPA on a transposed view,
+    no cascade), the path before the cascade, kept for comparisons (bench/attention_bench.py).
     """
 
     name = "torch"
@@ -233,11 +233,11 @@ class TorchAttentionBackend(AttentionBackend):
         # from the start (run one after another, each consumed before the next one).
         need = [g.num_seqs * g.num_ctx_blocks * self.block_size * self.num_kv_heads * self.head_dim
                 for g in self._groups]
-        if self._decode is not None:
-            need.append(int(self._decode.gather_rows.shape[0]) * self.head_dim)
-        if self._decode is not None and self._decode.cascade is not None:
-            c = self._decode.cascade
-            need.append((int(self._decode.gather_rows.shape[0]) + c.prefix.num_rows) * self.head_dim)
+        c = self._decode.cascade if self._decode is not None else None
+        if self._decode is not None:  # the prefixes' rows after the others, for when they are not kept
+            rows = int(self._decode.gather_rows.shape[0]) + (c.prefix.num_rows if c is not None else 0)
+            need.append(rows * self.head_dim)
+        if c is not None:
             self.prefix_store.begin_step(c.prefix_key, c.prefix_blocks, self._slot_mapping, self.block_size)
         else:
             self.prefix_store.begin_step(None, None, self._slot_mapping, self.block_size)
@@ -335,14 +335,15 @@ class TorchAttentionBackend(AttentionBackend):
         # The prefixes' identity for the store: each group's shared blocks (what its rows read).
         prefix_tables = tables[members[first], :int(shared.max())]  # [G, max shared]
         has_block = torch.arange(prefix_tables.shape[1])[None, :] < shared[:, None]
-        prefix_key = (tuple(shared.tolist()), tuple(prefix_tables[has_block].tolist()))
+        prefix_blocks = prefix_tables[has_block]  # [sum(shared)]
+        prefix_key = (tuple(shared.tolist()), tuple(prefix_blocks.tolist()))
         cascade = _Cascade(
             members=_to(members, dev), num_groups=num_groups, max_members=gm,
             prefix_q_seq=_to(prefix_q_seq.reshape(num_groups, hkv, gm * r), dev),
             prefix_q_head=_to(prefix_q_head.reshape(1, hkv, gm * r), dev),
             pick_group=_to(member_group[:, None, None], dev), pick_head=_to(pick_head, dev),
             pick_slot=_to(pick_slot, dev), prefix=prefix, rest=parts[0], combined=combined,
-            prefix_key=prefix_key, prefix_blocks=_to(prefix_tables[has_block], dev))
+            prefix_key=prefix_key, prefix_blocks=_to(prefix_blocks, dev))
         return _Decode(num_seqs=n, rows=_to(rows, dev), gather_rows=torch.cat([p.rows for p in parts]),
                        plain=plain, plain_seqs=_to(plain_seqs, dev), cascade=cascade)
 

@@ -16,6 +16,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 
 from model_service.attention.base import AttentionBackend, BatchLayout
+from model_service.decoder_forward import DecoderForward, supports
 from model_service.fused_linear import fuse_sibling_projections
 from model_service.kv_cache import KVCache
 from model_service.short_gemm import single_token_step, use_short_input_gemm
@@ -76,6 +77,8 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self._context = _ForwardContext(backend, kv_cache)
+        # Llama-family models run on our own flat forward (bitwise the same, less overhead).
+        self.decoder = DecoderForward(model, backend, kv_cache) if supports(model) else None
 
     def build_layout(self, chunks: list[SequenceChunk]) -> tuple[BatchLayout, torch.Tensor]:
         """Index tensors for the step and the positions [num_tokens] of its tokens; vectorised over tokens."""
@@ -116,6 +119,9 @@ class ModelRunner:
         # One token on CPU: one intra-op thread, large matrix-vector products split across cores.
         single = layout.num_tokens == 1 and self.device.type == "cpu"
         with single_token_step() if single else contextlib.nullcontext():
+            if self.decoder is not None:
+                logits = self.decoder.forward(input_ids, positions.to(self.device), last_index[keep])
+                return logits.float()  # [num_logits, vocab]
             output = self.model(
                 input_ids=input_ids.unsqueeze(0),  # [1, num_tokens]
                 position_ids=positions.to(self.device).unsqueeze(0),  # [1, num_tokens]

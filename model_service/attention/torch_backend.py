@@ -555,6 +555,14 @@ class TorchAttentionBackend(AttentionBackend):
     def _attend_plain(self, g: _RowGather, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       scale: float) -> torch.Tensor:
         """One query per segment over its gathered context. q: [n, Hq, D] -> [n, Hq, D]."""
+        if q.dtype in (torch.bfloat16, torch.float16) and q.device.type == "cpu":
+            # The r query heads of each KV head as r query rows: torch's 16-bit CPU flash kernel
+            # packs K/V per (sequence, query head), so GQA's one row per head packs every KV head
+            # r times (16 x 70 keys, 2 EPYC cores: 997 -> 221 us; 32 x 1056: 34.6 -> 7.4 ms).
+            hkv, r = self.num_kv_heads, self.num_q_heads // self.num_kv_heads
+            out = F.scaled_dot_product_attention(q.reshape(-1, hkv, r, self.head_dim), keys, values,
+                                                 attn_mask=g.attn_mask, scale=scale)  # [n, Hkv, r, D]
+            return out.reshape(q.shape)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=g.attn_mask, scale=scale,
                                              enable_gqa=self._enable_gqa)  # [n, Hq, 1, D]
         return out.squeeze(2)

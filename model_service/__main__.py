@@ -26,6 +26,7 @@ from common.security import (
     server_tls_from_args,
 )
 from model_service.malloc_tuning import keep_freed_memory
+from model_service.packed_linear import FP32_GEMMS
 from model_service.server import DEFAULT_LOOKAHEAD_BLOCKS, DTYPES, ModelServiceConfig, serve
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
@@ -80,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                    help="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--fp32-gemm", choices=list(FP32_GEMMS), default="mkl",
+                   help="float32 linear layers on CPU: mkl (F.linear, greedy output bitwise transformers', the "
+                        "default) or onednn (weights packed for oneDNN once, 2-2.6x faster where MKL is slow, "
+                        "e.g. AMD; outputs differ from transformers' in the last bits; more weight memory)")
     p.add_argument("--attention", choices=["auto", "torch", "flashinfer"], default="auto",
                    help="attention backend (auto: flashinfer on CUDA when installed)")
     p.add_argument("--max-batch-tokens", type=positive_int, default=2048,
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     config = ModelServiceConfig(
         host=args.host, port=args.port, cache_addr=args.cache_addr, model=args.model, block_size=args.block_size,
         num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory, device=args.device, dtype=args.dtype,
-        attention=args.attention, max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
+        attention=args.attention, fp32_gemm=args.fp32_gemm, max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting, metrics_port=args.metrics_port, worker_id=args.worker_id,
         cache_timeout=args.cache_timeout, cache_pipeline=args.cache_pipeline == "on",
         lookahead_blocks=args.lookahead_blocks, advertise_addr=args.advertise_addr, tls=tls, tokens=tokens,

@@ -22,13 +22,13 @@ SIBLING_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class FusedGroup:
     """The concatenated weight of sibling projections and the last fused product."""
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+    def __init__(self, linears: list[nn.Linear], fp32_gemm: str = "mkl") -> None:
         self.weight = torch.cat([lin.weight.detach() for lin in linears])  # [sum(out), in]
         has_bias = [lin.bias is not None for lin in linears]
         self.bias = torch.cat([lin.bias.detach() for lin in linears]) if all(has_bias) else None
         self.sizes = [lin.out_features for lin in linears]
         self.offsets = [sum(self.sizes[:i]) for i in range(len(linears))]
-        self.packed_weight = pack_weight(self.weight)  # bf16 on CPU: oneDNN's layout, once
+        self.packed_weight = pack_weight(self.weight, fp32_gemm)  # oneDNN's layout, once (bf16 on CPU)
         self._input: torch.Tensor | None = None
         self._outputs: tuple[torch.Tensor, ...] = ()
 
@@ -61,8 +61,9 @@ class FusedSlice(nn.Module):
         return self.group.output(x, self.index)
 
 
-def fuse_sibling_projections(model: nn.Module) -> int:
-    """Fuses every q/k/v and gate/up group of plain `nn.Linear`s; returns how many groups."""
+def fuse_sibling_projections(model: nn.Module, fp32_gemm: str = "mkl") -> int:
+    """Fuses every q/k/v and gate/up group of plain `nn.Linear`s; returns how many groups.
+    fp32_gemm: "onednn" packs float32 fused weights for oneDNN too (see packed_linear)."""
     fused = 0
     for module in list(model.modules()):
         for names in SIBLING_GROUPS:
@@ -71,7 +72,7 @@ def fuse_sibling_projections(model: nn.Module) -> int:
                 continue
             if len({(lin.in_features, lin.weight.dtype, lin.weight.device) for lin in linears}) != 1:
                 continue
-            group = FusedGroup(linears)
+            group = FusedGroup(linears, fp32_gemm)
             for index, (name, lin) in enumerate(zip(names, linears, strict=True)):
                 setattr(module, name, FusedSlice(group, index, lin.in_features))
             fused += 1

@@ -19,6 +19,7 @@ from model_service.attention.base import AttentionBackend, BatchLayout
 from model_service.decoder_forward import DecoderForward, supports
 from model_service.fused_linear import fuse_sibling_projections
 from model_service.kv_cache import KVCache
+from model_service.packed_linear import FP32_GEMMS
 from model_service.short_gemm import single_token_step, use_short_input_gemm
 from model_service.short_gemm_tuning import choose_paths, linear_weights
 
@@ -66,11 +67,15 @@ class ModelRunner:
     """Executes one scheduler step: packs chunks, plans attention once, runs all layers."""
 
     def __init__(self, model: PreTrainedModel, kv_cache: KVCache, backend: AttentionBackend,
-                 device: torch.device) -> None:
+                 device: torch.device, fp32_gemm: str = "mkl") -> None:
+        """fp32_gemm: "mkl" (F.linear, float32 output bitwise transformers') or "onednn"
+        (weights packed for oneDNN: faster on some CPUs, not bitwise; see packed_linear)."""
+        if fp32_gemm not in FP32_GEMMS:
+            raise ValueError(f"fp32_gemm must be one of {', '.join(FP32_GEMMS)}, got {fp32_gemm!r}")
         self.model = model
         self.model.set_attn_implementation(ATTENTION_NAME)
-        fuse_sibling_projections(model)
-        use_short_input_gemm(model)
+        fuse_sibling_projections(model, fp32_gemm)
+        use_short_input_gemm(model, fp32_gemm)
         if device.type == "cpu":
             choose_paths(linear_weights(model))
         self.kv_cache = kv_cache

@@ -50,6 +50,9 @@ class ModelServiceConfig:
     device: str = "auto"
     dtype: str = "auto"
     attention: str = "auto"
+    # float32 products on CPU: "mkl" (F.linear, bitwise transformers) or "onednn" (packed, faster
+    # where MKL is slow, e.g. AMD; greedy output may part from transformers' at near ties).
+    fp32_gemm: str = "mkl"
     max_batch_tokens: int = 2048
     max_num_seqs: int = 64
     max_waiting: int = 1024
@@ -101,9 +104,10 @@ def build_engine(config: ModelServiceConfig, worker_id: str) -> tuple[Engine, Mo
     kv_cache = KVCache(spec, num_blocks, device)
     backend = create_attention_backend(config.attention, model_config.num_attention_heads,
                                        model_config.num_key_value_heads, head_dim, config.block_size, dtype, device)
-    log.info("model %s on %s (%s), attention %s, KV pool %d blocks x %d tokens (%.1f MiB)", loaded.name, device,
-             dtype, backend.name, num_blocks, config.block_size, kv_cache.num_bytes / 2**20)
-    runner = ModelRunner(loaded.model, kv_cache, backend, device)
+    log.info("model %s on %s (%s), attention %s, KV pool %d blocks x %d tokens (%.1f MiB)%s", loaded.name, device,
+             dtype, backend.name, num_blocks, config.block_size, kv_cache.num_bytes / 2**20,
+             ", float32 products through oneDNN" if config.fp32_gemm == "onednn" and dtype == torch.float32 else "")
+    runner = ModelRunner(loaded.model, kv_cache, backend, device, config.fp32_gemm)
     scheduler = Scheduler(SchedulerConfig(config.block_size, config.max_batch_tokens, config.max_num_seqs,
                                           config.max_waiting, lookahead_blocks=config.lookahead_blocks))
     cache = CacheClient(config.cache_addr, worker_id, num_blocks, config.block_size, loaded.fingerprint,

@@ -114,9 +114,9 @@ def short_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def model_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  packed_weight: torch.Tensor | None) -> torch.Tensor:
-    """A model layer's product: through `packed_weight` (pack_weight of `weight`) for bf16
-    inputs when there is one, else `short_linear`."""
-    if packed_weight is not None and x.dtype == torch.bfloat16:
+    """A model layer's product: through `packed_weight` (pack_weight of `weight`) when there is
+    one for x's dtype, else `short_linear`."""
+    if packed_weight is not None and x.dtype == packed_weight.dtype:
         return packed_linear(x, packed_weight, bias)
     return short_linear(x, weight, bias)
 
@@ -131,14 +131,15 @@ class ShortInputLinear(nn.Linear):
         return model_linear(x, self.weight, self.bias, self.packed_weight)
 
 
-def use_short_input_gemm(model: nn.Module) -> int:
+def use_short_input_gemm(model: nn.Module, fp32_gemm: str = "mkl") -> int:
     """Switches every plain `nn.Linear` of the model to `ShortInputLinear` in place (parameters
-    and weight tying untouched) and packs bf16 CPU weights; returns how many. Only CPU float32
-    and bfloat16 inputs take another path than `F.linear`."""
+    and weight tying untouched) and packs bf16 CPU weights (float32 ones too with
+    fp32_gemm="onednn", see packed_linear); returns how many. Only CPU float32 and bfloat16
+    inputs take another path than `F.linear`."""
     switched = 0
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = ShortInputLinear
-            module.packed_weight = pack_weight(module.weight)
+            module.packed_weight = pack_weight(module.weight, fp32_gemm)
             switched += 1
     return switched

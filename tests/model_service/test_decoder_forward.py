@@ -23,7 +23,8 @@ from model_service.model_runner import ModelRunner, SequenceChunk
 BLOCK = 16
 
 
-def make_runner(model: torch.nn.Module, dtype: torch.dtype, num_blocks: int = 256) -> ModelRunner:
+def make_runner(model: torch.nn.Module, dtype: torch.dtype, num_blocks: int = 256,
+                fp32_gemm: str = "mkl") -> ModelRunner:
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     device = torch.device("cpu")
@@ -31,7 +32,7 @@ def make_runner(model: torch.nn.Module, dtype: torch.dtype, num_blocks: int = 25
                  num_blocks, device)
     backend = create_attention_backend("torch", cfg.num_attention_heads, cfg.num_key_value_heads, head_dim,
                                        BLOCK, dtype, device)
-    return ModelRunner(model.to(dtype), kv, backend, device)
+    return ModelRunner(model.to(dtype), kv, backend, device, fp32_gemm)
 
 
 def steps(vocab: int) -> list[list[SequenceChunk]]:
@@ -109,3 +110,15 @@ def test_other_architectures_keep_transformers_forward():
     assert not supports(unfused)
     runner = make_runner(tiny_llama(), torch.float32)
     assert runner.decoder is not None and supports(runner.model)
+
+
+def test_fp32_gemm_choice_is_checked_and_onednn_stays_close():
+    with pytest.raises(ValueError, match="fp32_gemm"):
+        ModelRunner(tiny_llama(), None, None, torch.device("cpu"), "fast")  # type: ignore[arg-type]
+    exact = make_runner(tiny_llama(), torch.float32)
+    onednn = make_runner(tiny_llama(), torch.float32, fp32_gemm="onednn")
+    assert onednn.decoder is not None and onednn.decoder.layers[0].qkv.packed is not None
+    assert exact.decoder is not None and exact.decoder.layers[0].qkv.packed is None
+    for chunks in steps(512):
+        want, got = exact.execute(chunks), onednn.execute(chunks)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -18,6 +18,29 @@ def test_only_cpu_bfloat16_weights_are_packed():
     assert pack_weight(torch.randn(8, 4)) is None  # float32 keeps F.linear (bitwise = transformers)
     assert pack_weight(torch.randn(8, 4, dtype=torch.float16)) is None
     assert pack_weight(torch.randn(8, dtype=torch.bfloat16)) is None
+    assert pack_weight(torch.randn(8, 4, dtype=torch.float16), "onednn") is None
+
+
+needs_onednn = pytest.mark.skipif(not _available(torch.float32), reason="torch has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 5, 32, 300])
+@pytest.mark.parametrize("shape", [(960, 576), (64, 1536), (7, 3)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_packed_only_when_asked_and_close_to_f_linear(rows, shape, bias):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(shape, generator=gen)
+    b = torch.randn(shape[0], generator=gen) if bias else None
+    x = torch.randn(2, rows, shape[1], generator=gen)
+    assert pack_weight(weight) is None and pack_weight(weight, "mkl") is None
+    packed = pack_weight(weight, "onednn")
+    assert packed is not None and packed.dtype == torch.float32
+    got = packed_linear(x, packed, b)
+    want = F.linear(x, weight, b)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    # Another summation order, float32 accumulation: a few ulps of the sums apart.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * shape[1] ** 0.5)
 
 
 @needs_onednn_bf16
@@ -49,3 +72,22 @@ def test_the_model_layers_take_the_packed_path():
     assert layer["q_proj"].group.packed_weight is not None
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         torch.testing.assert_close(layer[name](x).float(), want[name].float(), rtol=2**-7, atol=1e-2)
+
+
+@needs_onednn
+def test_float32_layers_take_the_packed_path_only_with_onednn():
+    def layer() -> nn.ModuleDict:
+        torch.manual_seed(0)
+        return nn.ModuleDict({"gate_proj": nn.Linear(16, 32, bias=False), "up_proj": nn.Linear(16, 32, bias=False),
+                              "down_proj": nn.Linear(32, 16)})
+
+    x = torch.randn(4, 16)
+    default, onednn = layer(), layer()
+    want = {name: F.linear(x, m.weight, m.bias) for name, m in default.items() if name != "down_proj"}
+    fuse_sibling_projections(default), use_short_input_gemm(default)
+    assert default["gate_proj"].group.packed_weight is None and default["down_proj"].packed_weight is None
+    fuse_sibling_projections(onednn, "onednn"), use_short_input_gemm(onednn, "onednn")
+    assert onednn["gate_proj"].group.packed_weight is not None and onednn["down_proj"].packed_weight is not None
+    for name, expected in want.items():
+        assert torch.equal(default[name](x), expected)  # mkl: F.linear's bits
+        torch.testing.assert_close(onednn[name](x), expected, rtol=1e-5, atol=1e-5)

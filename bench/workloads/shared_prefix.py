@@ -7,6 +7,7 @@ Sides (one run each, in this order so that machine drift hits ours and theirs al
   radixkv, cache defeated            a distinct `namespace` per request: nothing can hit
   transformers continuous batching   the manager behind model.generate_batch(), block sharing on
   radixkv bf16, prefix cache on      (fp32 runs, 4x8 only) a second pair of services, --dtype bfloat16
+  radixkv fp32 oneDNN, cache on      (fp32 runs, 4x8 only) another pair, --fp32-gemm onednn (not bitwise HF)
   vLLM CPU (fp32, bf16)              when .venv-vllm has it: LLM.generate, prefix caching on
 The large variant (8 x 16) runs radixkv with the cache on and transformers static batching (capped:
 it stops after the groups that fit the cap) unless --all-baselines; vLLM runs there too.
@@ -50,8 +51,8 @@ def sizes(ctx: Context, large: bool) -> Json:
 
 def _runs(large: bool, ctx: Context) -> int:
     full = not large or ctx.all_baselines
-    bf16 = 2 if ctx.dtype == "float32" and not large else 0
-    return 3 + (2 if full else 0) + bf16 + (0 if peers.vllm_absent_reason() else len(peers.VLLM_DTYPES))
+    variants = 2 * len(VARIANTS) if ctx.dtype == "float32" and not large else 0
+    return 3 + (2 if full else 0) + variants + (0 if peers.vllm_absent_reason() else len(peers.VLLM_DTYPES))
 
 
 def _radixkv(ctx: Context, label: str, prompts: list[list[int]], new_tokens: int, defeat: bool) -> Json:
@@ -74,17 +75,26 @@ def _side(start: float, wall: float, results: list) -> Json:
     return out
 
 
-def _radixkv_bf16(ctx: Context, prompts: list[list[int]], new_tokens: int, warm: list[list[int]]) -> Json:
-    """radixkv with `--dtype bfloat16` on its own pair of services, so that an fp32 run also
-    has our bf16 side next to vLLM's bf16 (same prompts, same run)."""
-    services = Services(dtype="bfloat16", worker_id="model-bench-bf16")
+# Our other configurations, each on a pair of services of its own in fp32 runs (4x8), so that they
+# stand next to vLLM's in the same run: side key -> (label, dtype, extra model-service flags).
+VARIANTS = {
+    "radixkv_bf16": ("radixkv bf16", "bfloat16", ()),
+    "radixkv_onednn": ("radixkv fp32 oneDNN", "float32", ("--fp32-gemm", "onednn")),
+}
+
+
+def _radixkv_variant(ctx: Context, side: str, prompts: list[list[int]], new_tokens: int,
+                     warm: list[list[int]]) -> Json:
+    """radixkv in one of VARIANTS on its own pair of services (same prompts, same run)."""
+    label, dtype, extra = VARIANTS[side]
+    services = Services(dtype=dtype, worker_id=f"model-bench-{side}", extra_args=extra)
     try:
-        with ctx.progress.run("radixkv bf16: starting services", 0):
+        with ctx.progress.run(f"{label}: starting services", 0):
             services.start()
             addr = services.wait()
             ctx.extra_pids.update(services.pids())
             stream_concurrent(addr, warm, WARMUP_TOKENS)
-        with ctx.progress.run("radixkv bf16 cache on", len(prompts) * new_tokens) as tick:
+        with ctx.progress.run(f"{label} cache on", len(prompts) * new_tokens) as tick:
             start = time.perf_counter()
             wall, results = stream_concurrent(addr, prompts, new_tokens, on_tokens=tick)
     except Exception as error:  # recorded, not fatal
@@ -145,7 +155,8 @@ def run(ctx: Context, deadline: float, large: bool) -> Json:
                              "run with --all-baselines (together they add ~10 min on 2 cores)")
 
     if ctx.dtype == "float32" and not large:
-        detail["radixkv_bf16"] = _radixkv_bf16(ctx, prompts, new, warm)
+        for side in VARIANTS:
+            detail[side] = _radixkv_variant(ctx, side, prompts, new, warm)
     absent = peers.vllm_absent_reason()
     if absent:
         detail["vllm"] = {"absent": absent}
@@ -172,10 +183,11 @@ def run(ctx: Context, deadline: float, large: bool) -> Json:
             if dtype == "bfloat16" and "_tokens" in detail.get("radixkv_bf16", {}):
                 agreement["radixkv_bf16_vs_vllm_bf16"] = identical_fraction(detail["radixkv_bf16"]["_tokens"],
                                                                              tokens)
-    if "_tokens" in detail.get("radixkv_bf16", {}):
-        agreement["radixkv_bf16"] = identical_fraction(detail["radixkv_bf16"]["_tokens"][:ran], reference)
+    for side in VARIANTS:
+        if "_tokens" in detail.get(side, {}):
+            agreement[side] = identical_fraction(detail[side]["_tokens"][:ran], reference)
     detail["greedy_agreement"] = agreement
-    for side in ("radixkv", "radixkv_nocache", "radixkv_bf16"):
+    for side in ("radixkv", "radixkv_nocache", *VARIANTS):
         if side in detail:
             detail[side].pop("_tokens", None)
     return detail
@@ -203,6 +215,12 @@ def flat(detail: Json, prefix: str) -> Json:
                     f"{prefix}_bf16_hit_rate": bf16["hit_rate"], f"{prefix}_bf16_ttft_p50_s": bf16["ttft_s"]["p50"],
                     f"{prefix}_bf16_greedy_agreement_fp32": agree.get("radixkv_bf16"),
                     f"{prefix}_bf16_greedy_agreement_vllm_bf16": agree.get("radixkv_bf16_vs_vllm_bf16")})
+    onednn = detail.get("radixkv_onednn")
+    if onednn and "tok_s" in onednn:
+        out.update({f"{prefix}_onednn_tok_s": onednn["tok_s"], f"{prefix}_onednn_wall_s": onednn["wall_s"],
+                    f"{prefix}_onednn_hit_rate": onednn["hit_rate"],
+                    f"{prefix}_onednn_ttft_p50_s": onednn["ttft_s"]["p50"],
+                    f"{prefix}_onednn_greedy_agreement": agree.get("radixkv_onednn")})
     cb = detail.get("hf_cb")
     if cb is not None:
         out[f"hf_cb_{prefix}_tok_s"] = cb.get("tok_s")
@@ -249,6 +267,7 @@ def report(detail: Json) -> str:
         1.0)
     row("transformers continuous batching", detail.get("hf_cb"), agree.get("hf_cb"))
     row("radixkv bf16, prefix cache on (= HF fp32)", detail.get("radixkv_bf16"), agree.get("radixkv_bf16"))
+    row("radixkv fp32, oneDNN GEMMs, cache on", detail.get("radixkv_onednn"), agree.get("radixkv_onednn"))
     notes = []
     for dtype, v in (detail.get("vllm") or {}).items():
         if dtype == "absent":
@@ -259,8 +278,9 @@ def report(detail: Json) -> str:
             row(f"vLLM CPU {dtype}", v, v.get("greedy_agreement"))
     if "radixkv_bf16_vs_vllm_bf16" in agree:
         notes.append(f"radixkv bf16 greedy = vLLM bf16: {100 * agree['radixkv_bf16_vs_vllm_bf16']:.0f}% of sequences")
-    if "error" in (detail.get("radixkv_bf16") or {}):
-        notes.append(f"radixkv bf16 failed: {detail['radixkv_bf16']['error']}")
+    for side, (label, _, _) in VARIANTS.items():
+        if "error" in (detail.get(side) or {}):
+            notes.append(f"{label} failed: {detail[side]['error']}")
     cb = detail.get("hf_cb")
     if cb and "error" in cb:
         notes.append(f"transformers continuous batching failed: {cb['error']}")

@@ -29,6 +29,7 @@ import numpy as np
 
 from bench.grpc_echo import METHOD as ECHO_METHOD
 from bench.tree_trace import bench_tree_trace
+from cache_service.page_hash import encode_tokens
 from cache_service.pool import Pool
 from cache_service.pool_registry import PoolRegistry
 from cache_service.radix_tree import RadixTree
@@ -169,6 +170,8 @@ def step_workload(num_steps: int, batch: int, prompt_len: int) -> list[StepInput
 
 
 def to_proto(step: StepInput, pool_id: str, epoch: int) -> pb.StepRequest:
+    """The StepRequest the model service would send (model_service/cache_client.py): prompts as
+    packed_token_ids."""
     return pb.StepRequest(
         pool_id=pool_id,
         epoch=epoch,
@@ -179,7 +182,8 @@ def to_proto(step: StepInput, pool_id: str, epoch: int) -> pb.StepRequest:
         ],
         extends=[pb.Extend(request_id=e.request_id, num_tokens=e.num_tokens) for e in step.extends],
         admits=[
-            pb.Admit(request_id=a.request_id, token_ids=a.token_ids, num_lookahead_tokens=a.num_lookahead_tokens)
+            pb.Admit(request_id=a.request_id, packed_token_ids=encode_tokens(a.token_ids),
+                     num_lookahead_tokens=a.num_lookahead_tokens)
             for a in step.admits
         ],
     )

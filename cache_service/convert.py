@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from cache_service.errors import InvalidArgument
 from cache_service.events import AllCleared, BlockRemoved, BlockStored, CacheEvent
 from cache_service.miss_reasons import MissBreakdown
+from cache_service.page_hash import TOKEN_BYTES, unpack_tokens
 from cache_service.pool import Pool
 from cache_service.routing import RouteQuery, RouteResult, RouteWeights
 from cache_service.schema import (
@@ -19,6 +22,7 @@ from cache_service.schema import (
     StepInput,
     StepResult,
 )
+from common.limits import quote_id
 from protos import cache_pb2
 
 if TYPE_CHECKING:
@@ -39,14 +43,33 @@ def replica_load_proto(load: ReplicaLoad) -> cache_pb2.ReplicaLoad:
                                  num_running_requests=load.num_running_requests)
 
 
+def _admit_tokens(msg: cache_pb2.Admit) -> Sequence[int]:
+    """The prompt of an Admit: packed_token_ids as an array('I') (one copy), else token_ids as a
+    tuple. Raises InvalidArgument when both are set or the packed length is not whole ids."""
+    packed = msg.packed_token_ids
+    if not packed:
+        return tuple(msg.token_ids)
+    if msg.token_ids:
+        raise InvalidArgument(f"request {quote_id(msg.request_id)}: set token_ids or packed_token_ids, not both")
+    if len(packed) % TOKEN_BYTES:
+        raise InvalidArgument(
+            f"request {quote_id(msg.request_id)}: packed_token_ids has {len(packed)} bytes, not a multiple of "
+            f"{TOKEN_BYTES} (each token id is a little-endian uint32)"
+        )
+    return unpack_tokens(packed)
+
+
 def step_input(msg: cache_pb2.StepRequest) -> StepInput:
-    # Token lists become tuples once here: the core scans them several times (validation,
-    # matching, hashing), and native tuples are much faster to scan than repeated fields.
+    """The core's StepInput; raises InvalidArgument for an Admit with both prompt forms or a bad
+    packed length (see `_admit_tokens`)."""
+    # Token lists become tuples (or arrays) once here: the core scans them several times
+    # (validation, matching, hashing), and native sequences are much faster to scan than
+    # repeated fields.
     return StepInput(
         releases=[_finish(f) for f in msg.releases],
         finishes=[_finish(f) for f in msg.finishes],
         extends=[Extend(e.request_id, e.num_tokens, e.num_lookahead_tokens) for e in msg.extends],
-        admits=[Admit(a.request_id, tuple(a.token_ids), a.namespace, a.num_lookahead_tokens, a.resumed)
+        admits=[Admit(a.request_id, _admit_tokens(a), a.namespace, a.num_lookahead_tokens, a.resumed)
                 for a in msg.admits],
         commits=[Commit(c.request_id, c.num_computed_tokens, tuple(c.output_token_ids)) for c in msg.commits],
         load=replica_load(msg.load) if msg.HasField("load") else None,

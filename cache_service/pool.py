@@ -13,6 +13,7 @@ its duplicates are swapped for the tree's copies.
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from cache_service.errors import (
 )
 from cache_service.events import AllCleared, BlockRemoved, EventLog, stored_from_node
 from cache_service.miss_reasons import EvictedPages, classify_miss
-from cache_service.page_hash import TOKEN_BYTES, encode_tokens
+from cache_service.page_hash import TOKEN_BYTES, encode_tokens, max_token
 from cache_service.radix_tree import RadixTree, TreeNode
 from cache_service.routed import RoutedRequest, RoutedRequests
 from cache_service.schema import (
@@ -64,7 +65,8 @@ class RouteJournal(Protocol):
 class RequestState:
     request_id: str
     namespace: str
-    prompt: tuple[int, ...]  # the tokens sent at admission
+    # The tokens sent at admission: a tuple, or an array('I') for Admit.packed_token_ids.
+    prompt: Sequence[int]
     last_node: TreeNode | None  # deepest locked tree node (None or a root: nothing locked)
     num_cached_pages: int  # block_table[:num_cached_pages] is tree-owned, the rest private
     block_table: list[int]
@@ -88,7 +90,7 @@ class RequestState:
     def cached_key(self, block_size: int) -> tuple[int, ...]:
         """The tokens of the request's tree-owned pages."""
         n = self.num_cached_pages * block_size
-        return (self.prompt + self.cached_outputs)[:n] if n > len(self.prompt) else self.prompt[:n]
+        return (tuple(self.prompt) + self.cached_outputs)[:n] if n > len(self.prompt) else tuple(self.prompt[:n])
 
 
 class Pool:
@@ -257,12 +259,12 @@ class Pool:
     def _check_token_ids(self, token_ids: Sequence[int], request_id: str) -> None:
         if not token_ids:
             return
-        if min(token_ids) < 0:
+        if not isinstance(token_ids, array) and min(token_ids) < 0:  # array('I'): unsigned already
             raise InvalidArgument(f"request {quote_id(request_id)}: negative token id")
-        if self.vocab_size and max(token_ids) >= self.vocab_size:
-            raise InvalidArgument(
-                f"request {quote_id(request_id)}: token id {max(token_ids)} >= vocab_size {self.vocab_size}"
-            )
+        if self.vocab_size:
+            top = max_token(token_ids)
+            if top >= self.vocab_size:
+                raise InvalidArgument(f"request {quote_id(request_id)}: token id {top} >= vocab_size {self.vocab_size}")
 
     def _check_fits(self, request_id: str, num_tokens: int) -> None:
         pages = -(-num_tokens // self.block_size)
@@ -276,7 +278,7 @@ class Pool:
 
     def _admit(self, item: Admit) -> AdmitResult:
         bs = self.block_size
-        tokens = tuple(item.token_ids)
+        tokens = item.token_ids if isinstance(item.token_ids, array) else tuple(item.token_ids)
         max_cached = (len(tokens) - 1) // bs * bs  # at least one prompt token is computed
         key = encode_tokens(tokens)
         match = self.tree.match_prefix(key[: max_cached * TOKEN_BYTES], item.namespace)
@@ -334,11 +336,11 @@ class Pool:
         if full_pages <= cached:
             return CommitResult(item.request_id, cached * bs, req.block_table[:cached])
         n = full_pages * bs
-        prompt = req.prompt
-        tokens = prompt[:n] if n <= len(prompt) else prompt + tuple(item.output_token_ids[: n - len(prompt)])
+        num_prompt = len(req.prompt)
+        outputs = tuple(item.output_token_ids[: n - num_prompt]) if n > num_prompt else ()
         table = req.block_table
         key = req.encoded_prompt()
-        key = key[: n * TOKEN_BYTES] if n <= len(prompt) else key + encode_tokens(tokens[len(prompt):])
+        key = key[: n * TOKEN_BYTES] if n <= num_prompt else key + encode_tokens(outputs)
         result = self.tree.insert(key, table[:full_pages], req.namespace)
         existing = result.num_existing_pages
         if existing < cached:  # the request's own prefix is locked, so it must still be there
@@ -356,8 +358,8 @@ class Pool:
         req.last_node = result.last_node
         table[cached:full_pages] = shared
         req.num_cached_pages = full_pages
-        if n > len(req.prompt):
-            req.cached_outputs = tokens[len(req.prompt):]
+        if n > num_prompt:
+            req.cached_outputs = outputs
         self.num_private_blocks -= full_pages - cached
         log.debug("commit pool=%s request=%s cached_pages=%d -> %d (duplicates %d)",
                   self.pool_id, req.request_id, cached, full_pages, existing - cached)

@@ -48,7 +48,7 @@ def _request_row(request: RequestState) -> dict[str, Any]:
     for f in dataclasses.fields(request):
         if f.name not in _DERIVED_FIELDS:
             value = getattr(request, f.name)
-            row[f.name] = list(value) if isinstance(value, tuple | list) else value
+            row[f.name] = list(value) if isinstance(value, tuple | list | array) else value
     return row
 
 

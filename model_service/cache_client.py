@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import grpc
 
+from cache_service.page_hash import encode_tokens
 from common.auth import ClientToken
 from common.security import open_channel
 from model_service.reattach import HeldRequest
@@ -134,8 +135,10 @@ class CacheClient:
             finishes=[_finish_proto(r) for r in plan.finishes],
             extends=[cache_pb2.Extend(request_id=e.request.request_id, num_tokens=e.num_tokens,
                                       num_lookahead_tokens=e.num_lookahead_tokens) for e in plan.extends],
-            admits=[cache_pb2.Admit(request_id=r.request_id, token_ids=r.all_token_ids, namespace=r.namespace,
-                                    num_lookahead_tokens=1, resumed=r.was_admitted) for r in plan.admits],
+            # The prompt packed (4 bytes per id): the cache manager reads it without per-token work.
+            admits=[cache_pb2.Admit(request_id=r.request_id, packed_token_ids=encode_tokens(r.all_token_ids),
+                                    namespace=r.namespace, num_lookahead_tokens=1, resumed=r.was_admitted)
+                    for r in plan.admits],
             commits=[cache_pb2.Commit(request_id=c.request.request_id, num_computed_tokens=c.num_computed_tokens,
                                       output_token_ids=c.output_token_ids) for c in plan.commits],
             load=_load_proto(plan.load),

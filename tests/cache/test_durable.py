@@ -21,6 +21,7 @@ from cache_service import convert
 from cache_service.durable import DurableState, Kind
 from cache_service.errors import CacheError
 from cache_service.journal import HEADER, encode, read_records
+from cache_service.page_hash import encode_tokens
 from cache_service.pool_registry import PoolRegistry
 from cache_service.routing import RouteQuery
 from cache_service.snapshot import canonical, dump_pool, restore_pool
@@ -96,8 +97,11 @@ class Driver:
         for _ in range(rng.randint(0, 2)):
             rid = f"r{self.next_id}"
             self.next_id += 1
-            req.admits.add(request_id=rid, token_ids=self._prompt(), num_lookahead_tokens=1,
-                           namespace=rng.choice(("", "t")))
+            admit = req.admits.add(request_id=rid, num_lookahead_tokens=1, namespace=rng.choice(("", "t")))
+            if rng.random() < 0.5:  # both prompt forms go through the journal and snapshots
+                admit.packed_token_ids = encode_tokens(self._prompt())
+            else:
+                admit.token_ids.extend(self._prompt())
         return req
 
     def step(self, worker: str) -> None:

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from array import array
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
-from cache_service.page_hash import decode_tokens, encode_tokens, namespace_seed, page_hash, page_hashes
+from cache_service.page_hash import (
+    decode_tokens,
+    encode_tokens,
+    max_token,
+    namespace_seed,
+    page_hash,
+    page_hashes,
+    unpack_tokens,
+)
 from examples import kv_mirror
 
 token_lists = st.lists(st.integers(0, 2**32 - 1), max_size=80)
@@ -58,3 +69,22 @@ def test_encoding_round_trips(tokens: list[int]) -> None:
     raw = encode_tokens(tokens)
     assert len(raw) == 4 * len(tokens) and decode_tokens(raw) == tokens
     assert encode_tokens(tuple(tokens)) == raw and encode_tokens(raw) is raw
+
+
+@given(token_lists)
+def test_packed_tokens_unpack_to_the_same_ids(tokens: list[int]) -> None:
+    """Admit.packed_token_ids: little-endian uint32 per id, read into an array('I') that encodes
+    back to the same bytes and has the same largest id."""
+    raw = b"".join(t.to_bytes(4, "little") for t in tokens)  # the wire format, spelled out
+    assert encode_tokens(tokens) == raw
+    unpacked = unpack_tokens(raw)
+    assert isinstance(unpacked, array) and unpacked.tolist() == tokens
+    assert encode_tokens(unpacked) == raw and page_hashes(0, "", unpacked, 4) == page_hashes(0, "", tokens, 4)
+    if tokens:
+        assert max_token(unpacked) == max_token(tokens) == max(tokens)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 4099])
+def test_unpack_refuses_a_partial_token(size: int) -> None:
+    with pytest.raises(ValueError, match="not a whole number"):
+        unpack_tokens(bytes(size))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 import re
 import signal
 import subprocess
@@ -37,6 +38,11 @@ def admit(rid: str, tokens, namespace: str = "", lookahead: int = 0) -> pb.Admit
 
 def fin(rid: str, computed: int, output=(), table=()) -> pb.Finish:
     return pb.Finish(request_id=rid, output_token_ids=list(output), num_computed_tokens=computed, block_table=list(table))
+
+
+def packed(tokens) -> bytes:
+    """Admit.packed_token_ids of `tokens`, as the proto documents it (4 bytes little-endian each)."""
+    return b"".join(t.to_bytes(4, "little") for t in tokens)
 
 
 def test_health_serving(server) -> None:
@@ -252,6 +258,12 @@ BAD_CALLS = {
     "register zero blocks": (_register(worker_id="z", num_blocks=0, block_size=4), "INVALID_ARGUMENT"),
     "register zero block_size": (_register(worker_id="z", num_blocks=8, block_size=0), "INVALID_ARGUMENT"),
     "empty token list": (_step(admits=[admit("x", [])]), "INVALID_ARGUMENT"),
+    "both prompt forms": (_step(admits=[pb.Admit(request_id="x", token_ids=[1, 2], packed_token_ids=packed([1, 2]))]),
+                          "INVALID_ARGUMENT"),
+    "packed prompt of partial ids": (_step(admits=[pb.Admit(request_id="x", packed_token_ids=packed([1, 2])[:-1])]),
+                                     "INVALID_ARGUMENT"),
+    "packed token id out of vocab": (_step(admits=[pb.Admit(request_id="x", packed_token_ids=packed([1, 100]))]),
+                                     "INVALID_ARGUMENT"),
     "token id out of vocab": (_step(admits=[admit("x", [1, 100])]), "INVALID_ARGUMENT"),
     "duplicate ids in a step": (_step(admits=[admit("x", [1]), admit("x", [2])]), "INVALID_ARGUMENT"),
     "admit of a live id": (_step(admits=[admit("live", [1])]), "INVALID_ARGUMENT"),
@@ -297,6 +309,51 @@ def test_bad_input_gets_its_status_and_changes_nothing(server, name) -> None:
     assert after.num_free_blocks == before.num_free_blocks
     assert after.num_running_requests == before.num_running_requests == 1
     assert after.num_admitted == before.num_admitted
+
+
+@pytest.mark.parametrize(("admit_", "says"), [
+    (pb.Admit(request_id="x", token_ids=[1, 2], packed_token_ids=packed([1, 2])), "not both"),
+    (pb.Admit(request_id="x", packed_token_ids=bytes(7)), "7 bytes, not a multiple of 4"),
+])
+def test_bad_packed_prompt_says_what_is_wrong(server, admit_, says) -> None:
+    reg = register(server.stub, worker("packed-bad"), num_blocks=8, block_size=4)
+    with pytest.raises(grpc.RpcError) as info:
+        step(server.stub, reg, admits=[admit_])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "packed_token_ids" in info.value.details() and says in info.value.details()
+
+
+def test_packed_prompts_behave_exactly_as_token_ids(server) -> None:
+    """Two pools get the same traffic, one with prompts as token_ids, one as packed_token_ids:
+    every reply (cache hits, block tables, miss reasons, evictions) and the stats are equal."""
+    stub = server.stub
+    rng = random.Random(12)
+    stems = [[rng.randrange(50_000) for _ in range(rng.choice((3, 8, 13)))] for _ in range(3)]
+    # Models of their own: no other pool is a peer (other_replica_tokens would see the other form).
+    pools = {form: register(stub, worker(f"form-{form}"), num_blocks=24, block_size=4, vocab_size=50_000,
+                            fingerprint=worker(f"model-{form}")) for form in ("token_ids", "packed")}
+    running: list[tuple[str, int]] = []
+    for n in range(40):
+        finishes = [fin(rid, size) for rid, size in running if rng.random() < 0.5]
+        done = {f.request_id for f in finishes}
+        running = [r for r in running if r[0] not in done]
+        prompts = {f"r{n}-{i}": rng.choice(stems) + [rng.randrange(50_000) for _ in range(rng.randrange(1, 6))]
+                   for i in range(rng.randrange(0, 3))}
+        resumed = {rid: rng.random() < 0.1 for rid in prompts}
+        replies = {}
+        for form, reg in pools.items():
+            admits = [pb.Admit(request_id=rid, resumed=resumed[rid], num_lookahead_tokens=1,
+                               **({"token_ids": p} if form == "token_ids" else {"packed_token_ids": packed(p)}))
+                      for rid, p in prompts.items()]
+            replies[form] = step(stub, reg, finishes=finishes, admits=admits)
+        assert replies["token_ids"] == replies["packed"], n
+        running += [(a.request_id, len(prompts[a.request_id])) for a in replies["packed"].admits
+                    if a.status == ADMITTED]
+    stats = {form: assert_accounting(stub, reg.pool_id) for form, reg in pools.items()}
+    for field_ in ("num_cached_blocks", "num_free_blocks", "hit_tokens", "queried_tokens", "num_evicted_blocks",
+                   "num_admitted", "num_finished", "num_running_requests"):
+        assert getattr(stats["token_ids"], field_) == getattr(stats["packed"], field_), field_
+    assert stats["packed"].num_evicted_blocks > 0 and stats["packed"].hit_tokens > 0  # both paths were exercised
 
 
 def test_rejected_step_applies_nothing(server) -> None:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from cache_service.errors import FailedPrecondition, InvalidArgument, NotFound
+from cache_service.page_hash import encode_tokens, unpack_tokens
 from cache_service.pool import Pool
 from cache_service.pool_registry import PoolRegistry
 from cache_service.schema import Admit, Commit, Extend, Finish, StepInput
@@ -170,9 +171,11 @@ class CacheMachine(RuleBasedStateMachine):
         admits = []
         for _ in range(data.draw(st.integers(0, 3))):
             self.next_id += 1
+            tokens = data.draw(tokens_st)
+            if data.draw(st.booleans()):  # as convert.step_input hands Admit.packed_token_ids over
+                tokens = unpack_tokens(encode_tokens(tokens))
             admits.append(
-                Admit(f"r{self.next_id}", data.draw(tokens_st), data.draw(st.sampled_from(NAMESPACES)),
-                      data.draw(st.integers(0, 2)))
+                Admit(f"r{self.next_id}", tokens, data.draw(st.sampled_from(NAMESPACES)), data.draw(st.integers(0, 2)))
             )
         result = pool.step(StepInput(releases, finishes, extends, admits, commits))
 

@@ -3,6 +3,13 @@
 Routers mirror the trees from these (the vLLM / SGLang / Dynamo KV-event model). The log keeps
 a replay buffer bounded in events and in bytes (so the cache manager's memory stays proportional
 to its pools, not to its history); a consumer that lost its place rebuilds from a snapshot.
+
+Buffered events live long and are many (up to `capacity`), so the buffer holds each one as a
+flat tuple of atoms (`_flatten`: ints, strings, bytes, tuples of ints), which Python's cyclic
+garbage collector stops tracking after one collection; `replay` rebuilds the events. Buffered as
+objects, with lists of ids, they made every full collection walk each buffered event and id:
+tens of ms of pause in the middle of some `Step`. Pools publish ids as tuples and token ids as
+an array('I'), which the collector does not walk id by id either.
 """
 
 from __future__ import annotations
@@ -10,11 +17,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cache_service.errors import OutOfRange
+from cache_service.page_hash import encode_tokens, unpack_tokens
 from cache_service.radix_tree import RadixTree, TreeNode
 
 log = logging.getLogger(__name__)
@@ -22,18 +31,18 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class BlockStored:
-    block_hashes: list[int]
+    block_hashes: Sequence[int]
     parent_block_hash: int
-    token_ids: list[int]
+    token_ids: Sequence[int]
     block_size: int
     namespace: str
-    block_ids: list[int]
+    block_ids: Sequence[int]
 
 
 @dataclass(slots=True)
 class BlockRemoved:
-    block_hashes: list[int]
-    block_ids: list[int]
+    block_hashes: Sequence[int]
+    block_ids: Sequence[int]
     namespace: str = ""
 
 
@@ -58,21 +67,54 @@ class CacheEvent:
 
 Subscriber = Callable[[CacheEvent], None]
 
+_STORED, _REMOVED, _CLEARED = 0, 1, 2
+
+
+def _flatten(event: CacheEvent) -> tuple:
+    """The event as one tuple of atoms (see the module docstring); `_unflatten` inverts it."""
+    head = (event.sequence, event.pool_id, event.timestamp, event.is_snapshot, event.publisher_epoch)
+    p = event.payload
+    if isinstance(p, BlockStored):
+        return (*head, _STORED, tuple(p.block_hashes), p.parent_block_hash, encode_tokens(p.token_ids),
+                p.block_size, p.namespace, tuple(p.block_ids))
+    if isinstance(p, BlockRemoved):
+        return (*head, _REMOVED, tuple(p.block_hashes), tuple(p.block_ids), p.namespace)
+    return (*head, _CLEARED)
+
+
+def _unflatten(row: tuple) -> CacheEvent:
+    sequence, pool_id, timestamp, is_snapshot, publisher_epoch, kind, *rest = row
+    payload: EventPayload
+    if kind == _STORED:
+        hashes, parent_hash, tokens, block_size, namespace, block_ids = rest
+        payload = BlockStored(hashes, parent_hash, unpack_tokens(tokens), block_size, namespace, block_ids)
+    elif kind == _REMOVED:
+        payload = BlockRemoved(*rest)
+    else:
+        payload = AllCleared()
+    return CacheEvent(sequence, pool_id, timestamp, payload, is_snapshot, publisher_epoch)
+
 # Resident cost of a buffered event, on the safe side: a CacheEvent with its payload object;
-# per token id a list pointer plus its own int object (the tree's may be evicted meanwhile); per
-# block id a pointer (block ids are shared with the allocator); per page hash a pointer plus a
-# 64-bit int object.
+# per token id its 4 bytes in an array, or else a pointer plus its own int object (the tree's may
+# be evicted meanwhile); per block id a pointer (block ids are shared with the allocator); per
+# page hash a pointer plus a 64-bit int object.
 _EVENT_OVERHEAD_BYTES = 400
 _POINTER_BYTES = 8
 _TOKEN_BYTES = 8 + 28
 _HASH_BYTES = 8 + 36
 
 
+def _tokens_size(token_ids: Sequence[int]) -> int:
+    if isinstance(token_ids, array):
+        return token_ids.itemsize * len(token_ids)
+    return _TOKEN_BYTES * len(token_ids)
+
+
 def event_size(event: CacheEvent) -> int:
     """Approximate bytes an event keeps alive while it is buffered."""
     p = event.payload
     if isinstance(p, BlockStored):
-        return (_EVENT_OVERHEAD_BYTES + _TOKEN_BYTES * len(p.token_ids) + _POINTER_BYTES * len(p.block_ids)
+        return (_EVENT_OVERHEAD_BYTES + _tokens_size(p.token_ids) + _POINTER_BYTES * len(p.block_ids)
                 + _HASH_BYTES * len(p.block_hashes))
     if isinstance(p, BlockRemoved):
         return _EVENT_OVERHEAD_BYTES + _POINTER_BYTES * len(p.block_ids) + _HASH_BYTES * len(p.block_hashes)
@@ -80,15 +122,16 @@ def event_size(event: CacheEvent) -> int:
 
 
 def stored_from_node(node: TreeNode, block_size: int) -> BlockStored:
-    """The BlockStored event describing all pages of one tree node."""
+    """The BlockStored event describing all pages of one tree node (ids in untracked forms, see
+    the module docstring)."""
     parent = node.parent
     return BlockStored(
-        block_hashes=list(node.hashes),
+        block_hashes=tuple(node.hashes),
         parent_block_hash=parent.last_hash if parent is not None else 0,
-        token_ids=node.token_ids,
+        token_ids=unpack_tokens(node.key),
         block_size=block_size,
         namespace=node.namespace,
-        block_ids=list(node.value),
+        block_ids=tuple(node.value),
     )
 
 
@@ -136,7 +179,8 @@ class EventLog:
         self.max_bytes = max_bytes
         self.buffered_bytes = 0
         self.last_sequence = 0
-        self._buffer: deque[tuple[CacheEvent, int]] = deque()
+        self._buffer: deque[tuple] = deque()  # _flatten() of each buffered event
+        self._sizes: deque[int] = deque()  # event_size() of each
         self._subscribers: dict[int, Subscriber] = {}
         self._next_subscriber = 0
         self._clock = clock
@@ -153,10 +197,12 @@ class EventLog:
         self.last_sequence += 1
         event = CacheEvent(self.last_sequence, pool_id, self._clock(), payload, publisher_epoch=self.epoch)
         size = event_size(event)
-        self._buffer.append((event, size))
+        self._buffer.append(_flatten(event))
+        self._sizes.append(size)
         self.buffered_bytes += size
         while len(self._buffer) > self.capacity or (self.buffered_bytes > self.max_bytes and len(self._buffer) > 1):
-            self.buffered_bytes -= self._buffer.popleft()[1]
+            self._buffer.popleft()
+            self.buffered_bytes -= self._sizes.popleft()
         for key, callback in list(self._subscribers.items()):
             try:
                 callback(event)
@@ -168,7 +214,7 @@ class EventLog:
     @property
     def oldest_sequence(self) -> int:
         """Smallest sequence still replayable (last_sequence + 1 when the buffer is empty)."""
-        return self._buffer[0][0].sequence if self._buffer else self.last_sequence + 1
+        return self._buffer[0][0] if self._buffer else self.last_sequence + 1
 
     @property
     def num_buffered(self) -> int:
@@ -197,10 +243,8 @@ class EventLog:
                 "resubscribe with snapshot"
             )
         skip = start_sequence - self.oldest_sequence
-        events = [e for e, _ in itertools.islice(self._buffer, skip, None)]
-        if pool_id:
-            events = [e for e in events if e.pool_id == pool_id]
-        return events
+        rows = itertools.islice(self._buffer, skip, None)
+        return [_unflatten(row) for row in rows if not pool_id or row[1] == pool_id]
 
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Call `callback(event)` for every later event; returns the unsubscribe function."""

@@ -31,7 +31,7 @@ from cache_service.errors import (
 from cache_service.events import AllCleared, BlockRemoved, EventLog, stored_from_node
 from cache_service.miss_reasons import EvictedPages, classify_miss
 from cache_service.page_hash import TOKEN_BYTES, encode_tokens, max_token
-from cache_service.radix_tree import RadixTree, TreeNode
+from cache_service.radix_tree import EvictedNode, RadixTree, TreeNode
 from cache_service.routed import RoutedRequest, RoutedRequests
 from cache_service.schema import (
     Admit,
@@ -433,13 +433,13 @@ class Pool:
             if clearing and self.tree.total_size == 0:
                 self._events.publish(self.pool_id, AllCleared())
             else:  # one event per namespace of the batch (namespace-limited watchers filter by it)
-                by_namespace: dict[str, BlockRemoved] = {}
+                by_namespace: dict[str, list[EvictedNode]] = {}
                 for node in evicted:
-                    removed = by_namespace.setdefault(node.namespace, BlockRemoved([], [], node.namespace))
-                    removed.block_hashes.extend(node.hashes)
-                    removed.block_ids.extend(node.block_ids)
-                for removed in by_namespace.values():
-                    self._events.publish(self.pool_id, removed)
+                    by_namespace.setdefault(node.namespace, []).append(node)
+                for namespace, nodes in by_namespace.items():  # tuples: see events.py on the collector
+                    self._events.publish(self.pool_id, BlockRemoved(
+                        tuple(chain.from_iterable(n.hashes for n in nodes)),
+                        tuple(chain.from_iterable(n.block_ids for n in nodes)), namespace))
         log.debug("evict pool=%s blocks=%d", self.pool_id, len(blocks))
         return len(blocks)
 

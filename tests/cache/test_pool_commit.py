@@ -96,7 +96,7 @@ def test_commit_publishes_a_stored_event(make_pool) -> None:
     a = admit(pool, "a", PROMPT)
     commit(pool, "a", computed=12)
     assert [type(e.payload) for e in seen] == [BlockStored]
-    assert seen[0].payload.block_ids == a.block_table[:3] and seen[0].payload.token_ids == PROMPT[:12]
+    assert list(seen[0].payload.block_ids) == a.block_table[:3] and list(seen[0].payload.token_ids) == PROMPT[:12]
 
 
 def test_a_request_may_commit_and_extend_in_one_step(make_pool) -> None:

@@ -427,8 +427,7 @@ class Pool:
         blocks = [b for node in evicted for b in node.block_ids]
         self.allocator.free(blocks)
         self.num_evicted_blocks += len(blocks)
-        for node in evicted:
-            self.evicted_pages.add(node.hashes)
+        self.evicted_pages.add([h for node in evicted for h in node.hashes])
         if self._events is not None:
             if clearing and self.tree.total_size == 0:
                 self._events.publish(self.pool_id, AllCleared())

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from cache_service.errors import InvalidArgument
 from cache_service.events import AllCleared, BlockRemoved, BlockStored, CacheEvent
 from cache_service.miss_reasons import MissBreakdown
-from cache_service.page_hash import TOKEN_BYTES, unpack_tokens
+from cache_service.page_hash import unpack_tokens
 from cache_service.pool import Pool
 from cache_service.routing import RouteQuery, RouteResult, RouteWeights
 from cache_service.schema import (
@@ -51,12 +51,12 @@ def _admit_tokens(msg: cache_pb2.Admit) -> Sequence[int]:
         return tuple(msg.token_ids)
     if msg.token_ids:
         raise InvalidArgument(f"request {quote_id(msg.request_id)}: set token_ids or packed_token_ids, not both")
-    if len(packed) % TOKEN_BYTES:
+    try:
+        return unpack_tokens(packed)
+    except ValueError as err:
         raise InvalidArgument(
-            f"request {quote_id(msg.request_id)}: packed_token_ids has {len(packed)} bytes, not a multiple of "
-            f"{TOKEN_BYTES} (each token id is a little-endian uint32)"
-        )
-    return unpack_tokens(packed)
+            f"request {quote_id(msg.request_id)}: packed_token_ids: {err} (each a little-endian uint32)"
+        ) from None
 
 
 def step_input(msg: cache_pb2.StepRequest) -> StepInput:

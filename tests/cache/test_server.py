@@ -313,7 +313,7 @@ def test_bad_input_gets_its_status_and_changes_nothing(server, name) -> None:
 
 @pytest.mark.parametrize(("admit_", "says"), [
     (pb.Admit(request_id="x", token_ids=[1, 2], packed_token_ids=packed([1, 2])), "not both"),
-    (pb.Admit(request_id="x", packed_token_ids=bytes(7)), "7 bytes, not a multiple of 4"),
+    (pb.Admit(request_id="x", packed_token_ids=bytes(7)), "7 bytes is not a whole number of 4-byte token ids"),
 ])
 def test_bad_packed_prompt_says_what_is_wrong(server, admit_, says) -> None:
     reg = register(server.stub, worker("packed-bad"), num_blocks=8, block_size=4)

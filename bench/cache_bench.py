@@ -29,12 +29,12 @@ import numpy as np
 
 from bench.grpc_echo import METHOD as ECHO_METHOD
 from bench.tree_trace import bench_tree_trace
-from cache_service.page_hash import encode_tokens
 from cache_service.pool import Pool
 from cache_service.pool_registry import PoolRegistry
 from cache_service.radix_tree import RadixTree
 from cache_service.routing import RouteQuery
 from cache_service.schema import Admit, Extend, Finish, StepInput
+from common.token_bytes import encode_tokens
 from protos import cache_pb2 as pb
 from protos import cache_pb2_grpc
 

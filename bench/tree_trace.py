@@ -25,8 +25,8 @@ import numpy as np
 
 from bench import baseline_radix_tree
 from cache_service.block_allocator import BlockAllocator
-from cache_service.page_hash import TOKEN_BYTES, encode_tokens
 from cache_service.radix_tree import RadixTree
+from common.token_bytes import TOKEN_BYTES, encode_tokens
 
 VOCAB = 32000
 # SGLang 0.5.23's Rust-backed tree on this trace (issue 12, measured there, not here): req/s.

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 from cache_service.errors import InvalidArgument
 from cache_service.events import AllCleared, BlockRemoved, BlockStored, CacheEvent
 from cache_service.miss_reasons import MissBreakdown
-from cache_service.page_hash import unpack_tokens
 from cache_service.pool import Pool
 from cache_service.routing import RouteQuery, RouteResult, RouteWeights
 from cache_service.schema import (
@@ -23,6 +22,7 @@ from cache_service.schema import (
     StepResult,
 )
 from common.limits import quote_id
+from common.token_bytes import unpack_tokens
 from protos import cache_pb2
 
 if TYPE_CHECKING:

@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cache_service.errors import OutOfRange
-from cache_service.page_hash import encode_tokens, unpack_tokens
 from cache_service.radix_tree import RadixTree, TreeNode
+from common.token_bytes import encode_tokens, unpack_tokens
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from cache_service.page_hash import TOKEN_BYTES, encode_tokens, iter_page_hashes
+from cache_service.page_hash import iter_page_hashes
 from cache_service.radix_tree import RadixTree
+from common.token_bytes import TOKEN_BYTES, encode_tokens
 
 MAX_REMEMBERED_PAGES = 1 << 20
 

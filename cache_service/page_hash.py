@@ -1,10 +1,8 @@
 """Token encoding and the chained page hash shared by every pool (see protos/cache.proto).
 
-Tokens are stored and hashed as one contiguous buffer of little-endian uint32 (`encode_tokens`),
-so a page is a bytes slice: comparing pages is a memcmp and hashing a prompt walks one buffer.
-`Admit.packed_token_ids` (protos/cache.proto) carries a prompt in this very form; `unpack_tokens`
-reads it into an array('I'), which the core takes like any token sequence, and `encode_tokens`
-turns back into the buffer with one copy.
+Tokens are stored and hashed as one contiguous buffer of little-endian uint32
+(`common.token_bytes.encode_tokens`, the form `Admit.packed_token_ids` carries too), so a page
+is a bytes slice: comparing pages is a memcmp and hashing a prompt walks one buffer.
 
 The chain, per page i of a sequence in namespace `ns`:
 
@@ -16,57 +14,12 @@ with hash_{-1} = 0, so a page's hash depends only on the namespace and the whole
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Iterator, Sequence
 from functools import lru_cache
 
-import numpy as np
 from xxhash import xxh3_64_intdigest
 
-if array("I").itemsize != 4:  # pragma: no cover - every platform CPython supports today
-    raise ImportError("array('I') is not 4 bytes wide on this platform")
-
-TOKEN_BYTES = 4
-_BIG_ENDIAN = sys.byteorder == "big"
-
-
-def encode_tokens(tokens: Sequence[int] | bytes) -> bytes:
-    """`tokens` as little-endian uint32 bytes (bytes are returned as they are; an array('I'),
-    e.g. from `unpack_tokens`, is copied out whole)."""
-    if isinstance(tokens, bytes):
-        return tokens
-    if isinstance(tokens, array) and tokens.typecode == "I" and not _BIG_ENDIAN:
-        return tokens.tobytes()
-    data = array("I", tokens)
-    if _BIG_ENDIAN:  # pragma: no cover
-        data.byteswap()
-    return data.tobytes()
-
-
-def unpack_tokens(raw: bytes) -> array:
-    """Little-endian uint32 bytes (`encode_tokens`, `Admit.packed_token_ids`) as an array('I') of
-    the token ids: one copy, no int object per token. Raises ValueError when len(raw) is not a
-    multiple of TOKEN_BYTES."""
-    if len(raw) % TOKEN_BYTES:
-        raise ValueError(f"{len(raw)} bytes is not a whole number of {TOKEN_BYTES}-byte token ids")
-    data = array("I")
-    data.frombytes(raw)
-    if _BIG_ENDIAN:  # pragma: no cover
-        data.byteswap()
-    return data
-
-
-def decode_tokens(raw: bytes) -> list[int]:
-    """Inverse of `encode_tokens`."""
-    return unpack_tokens(raw).tolist()
-
-
-def max_token(tokens: Sequence[int]) -> int:
-    """The largest id of non-empty `tokens`; an array('I') is scanned by numpy, not id by id."""
-    if isinstance(tokens, array) and tokens.typecode == "I":
-        return int(np.frombuffer(tokens, dtype=np.uint32).max())
-    return max(tokens)
+from common.token_bytes import TOKEN_BYTES, encode_tokens
 
 
 @lru_cache(maxsize=4096)

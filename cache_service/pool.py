@@ -30,7 +30,6 @@ from cache_service.errors import (
 )
 from cache_service.events import AllCleared, BlockRemoved, EventLog, stored_from_node
 from cache_service.miss_reasons import EvictedPages, classify_miss
-from cache_service.page_hash import TOKEN_BYTES, encode_tokens, max_token
 from cache_service.radix_tree import EvictedNode, RadixTree, TreeNode
 from cache_service.routed import RoutedRequest, RoutedRequests
 from cache_service.schema import (
@@ -49,6 +48,7 @@ from cache_service.schema import (
     StepResult,
 )
 from common.limits import quote_id
+from common.token_bytes import TOKEN_BYTES, encode_tokens, max_token
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class RequestState:
         return max(0, len(self.block_table) - needed)
 
     def encoded_prompt(self) -> bytes:
-        """`prompt` encoded for the tree (page_hash.encode_tokens), once per request."""
+        """`prompt` encoded for the tree (common.token_bytes.encode_tokens), once per request."""
         if self.prompt_bytes is None:
             self.prompt_bytes = encode_tokens(self.prompt)
         return self.prompt_bytes

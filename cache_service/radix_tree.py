@@ -2,7 +2,7 @@
 
 One root per namespace (tenant / cache salt), so prefixes never match across namespaces.
 Edges hold whole pages: a node's key is the `page_size * k` tokens encoded as little-endian
-uint32 bytes (`page_hash.encode_tokens`) and its value the k block ids. Children are keyed by
+uint32 bytes (`common.token_bytes.encode_tokens`) and its value the k block ids. Children are keyed by
 their first page's bytes, so walking compares bytes (memcmp) and never builds tuples of ints.
 
 Page hashes (`page_hash`) are computed lazily: a node's `hashes` on first use (events, Route by
@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from cache_service.errors import IntegrityError
-from cache_service.page_hash import TOKEN_BYTES, decode_tokens, encode_tokens, page_hashes
+from cache_service.page_hash import page_hashes
+from common.token_bytes import TOKEN_BYTES, decode_tokens, encode_tokens
 
 
 @dataclass(slots=True, eq=False)

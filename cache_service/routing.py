@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from cache_service.errors import InvalidArgument
-from cache_service.page_hash import TOKEN_BYTES, encode_tokens, page_hashes
+from cache_service.page_hash import page_hashes
 from cache_service.pool import Pool
 from cache_service.routed import DEFAULT_ROUTED_TTL_SECONDS, RoutedRequest
 from cache_service.schema import ReplicaLoad
+from common.token_bytes import TOKEN_BYTES, encode_tokens
 
 POOL_FULL_PENALTY = 1e9
 MAX_RESERVE_MS = 60_000

@@ -14,9 +14,9 @@ from typing import NamedTuple
 
 import grpc
 
-from cache_service.page_hash import encode_tokens
 from common.auth import ClientToken
 from common.security import open_channel
+from common.token_bytes import encode_tokens
 from model_service.reattach import HeldRequest
 from model_service.request import MissBreakdown
 from model_service.scheduler import (

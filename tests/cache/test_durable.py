@@ -21,10 +21,10 @@ from cache_service import convert
 from cache_service.durable import DurableState, Kind
 from cache_service.errors import CacheError
 from cache_service.journal import HEADER, encode, read_records
-from cache_service.page_hash import encode_tokens
 from cache_service.pool_registry import PoolRegistry
 from cache_service.routing import RouteQuery
 from cache_service.snapshot import canonical, dump_pool, restore_pool
+from common.token_bytes import encode_tokens
 from protos import cache_pb2
 
 BS = 2

@@ -9,15 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
-from cache_service.page_hash import (
-    decode_tokens,
-    encode_tokens,
-    max_token,
-    namespace_seed,
-    page_hash,
-    page_hashes,
-    unpack_tokens,
-)
+from cache_service.page_hash import namespace_seed, page_hash, page_hashes
+from common.token_bytes import decode_tokens, encode_tokens, max_token, unpack_tokens
 from examples import kv_mirror
 
 token_lists = st.lists(st.integers(0, 2**32 - 1), max_size=80)

@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from cache_service.errors import FailedPrecondition, InvalidArgument, NotFound
-from cache_service.page_hash import encode_tokens, unpack_tokens
 from cache_service.pool import Pool
 from cache_service.pool_registry import PoolRegistry
 from cache_service.schema import Admit, Commit, Extend, Finish, StepInput
+from common.token_bytes import encode_tokens, unpack_tokens
 
 BS = 2
 NUM_BLOCKS = 12

@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench import baseline_radix_tree as old_tree
-from cache_service.page_hash import encode_tokens, page_hashes
+from cache_service.page_hash import page_hashes
 from cache_service.radix_tree import RadixTree, TreeNode
+from common.token_bytes import encode_tokens
 
 NAMESPACES = ["", "b"]
 

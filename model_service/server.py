@@ -16,7 +16,8 @@ from common.auth import ClientToken, TokenStore, reload_on_sighup, server_interc
 from common.grpc_server import add_health_and_reflection, add_servicer, format_address, new_server, set_health
 from common.limits import RequestLimits, ServerLimits, id_error
 from common.security import ClientTLS, ServerTLS, add_port
-from model_service.attention import create_attention_backend
+from model_service import native
+from model_service.attention import AttentionBackend, TorchAttentionBackend, create_attention_backend
 from model_service.cache_client import CacheClient
 from model_service.engine import Engine, EngineConfig
 from model_service.kv_cache import KVCache, KVCacheSpec
@@ -50,6 +51,7 @@ class ModelServiceConfig:
     device: str = "auto"
     dtype: str = "auto"
     attention: str = "auto"
+    attention_kernels: str = "auto"  # the torch backend's kernels: "auto" (native where built) or "torch"
     # float32 products on CPU: "mkl" (F.linear, bitwise transformers) or "onednn" (packed, faster
     # where MKL is slow, e.g. AMD; greedy output may part from transformers' at near ties).
     fp32_gemm: str = "mkl"
@@ -91,6 +93,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def _kernels_note(backend: AttentionBackend, kernels: str) -> str:
+    """What the start-up log says of the torch backend's kernels."""
+    if not isinstance(backend, TorchAttentionBackend) or backend.device.type != "cpu":
+        return ""
+    if backend.native:
+        return " (radixkv AVX-512 kernels)"
+    if kernels == "torch":
+        return " (torch kernels: --attention-kernels torch)"
+    return f" (torch kernels: native ones {native.unavailable_reason() or 'do not take this model or dtype'})"
+
+
 def build_engine(config: ModelServiceConfig, worker_id: str) -> tuple[Engine, ModelServicer]:
     """Loads the model and wires every part of the service (slow: loads weights)."""
     device = resolve_device(config.device)
@@ -103,9 +116,10 @@ def build_engine(config: ModelServiceConfig, worker_id: str) -> tuple[Engine, Mo
     num_blocks = config.num_blocks or spec.num_blocks_for_memory(config.kv_cache_memory)
     kv_cache = KVCache(spec, num_blocks, device)
     backend = create_attention_backend(config.attention, model_config.num_attention_heads,
-                                       model_config.num_key_value_heads, head_dim, config.block_size, dtype, device)
-    log.info("model %s on %s (%s), attention %s, KV pool %d blocks x %d tokens (%.1f MiB)%s", loaded.name, device,
-             dtype, backend.name, num_blocks, config.block_size, kv_cache.num_bytes / 2**20,
+                                       model_config.num_key_value_heads, head_dim, config.block_size, dtype, device,
+                                       kernels=config.attention_kernels)
+    log.info("model %s on %s (%s), attention %s%s, KV pool %d blocks x %d tokens (%.1f MiB)%s", loaded.name, device,
+             dtype, backend.name, _kernels_note(backend, config.attention_kernels), num_blocks, config.block_size, kv_cache.num_bytes / 2**20,
              ", float32 products through oneDNN" if config.fp32_gemm == "onednn" and dtype == torch.float32 else "")
     runner = ModelRunner(loaded.model, kv_cache, backend, device, config.fp32_gemm)
     scheduler = Scheduler(SchedulerConfig(config.block_size, config.max_batch_tokens, config.max_num_seqs,

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from model_service import native
 from model_service.attention.base import AttentionBackend, BatchLayout
 from model_service.attention.indexing import segments, shared_prefix_groups
 from model_service.attention.merge_state import attention_with_lse, merge_states
@@ -65,6 +66,7 @@ CASCADE_MIN_SHARED_BLOCKS = 1
 CASCADE_FIXED_TOKENS = 1024
 SPLIT_FIXED_TOKENS = 512
 CASCADE_MODES = ("auto", "always", "never")
+KERNEL_MODES = ("auto", "torch")
 # An extend chunk of at least this many tokens is attended in an SDPA call of its own: padded
 # into one call with the others, every short chunk (a cache hit's few tokens) would be padded
 # to its length, and a step with a prompt and a few hits would attend as if all were prompts.
@@ -94,6 +96,10 @@ class _Group:
     # gather: masked keys still enter the matmuls, and 0 * NaN from a stale slot is NaN.
     pad_rows: torch.Tensor | None  # [num_padded] int64 rows of the [num_seqs * span] buffer
     is_causal: bool
+    # The same masks for the native kernel (host int64): context length of each sequence, and
+    # for several new tokens the cached prefix before them (query j sees keys < prefix + j + 1).
+    kv_lens: torch.Tensor | None = None  # [num_seqs]
+    causal_offsets: torch.Tensor | None = None  # [num_seqs]; None: one new token each
 
 
 @dataclass(slots=True)
@@ -106,6 +112,7 @@ class _RowGather:
     num_segs: int
     kv_len: int
     attn_mask: torch.Tensor | None  # [num_segs, 1, 1, kv_len] additive; None: all segments full
+    lengths: torch.Tensor  # [num_segs] int64 on the host: each segment's tokens (the native kernel's mask)
     offset: int = 0  # first row of this gather in the step's decode gather
 
     @property
@@ -160,6 +167,13 @@ class TorchAttentionBackend(AttentionBackend):
     (`PrefixKVStore`; 0 gathers them in every layer of every step). `decode_gather="blocks"`
     plans decode sequences like extend ones (block-by-block gather, SDPA on a transposed view,
     no cascade), the path before the cascade, kept for comparisons (bench/attention_bench.py).
+
+    `kernels`: "auto" (default) attends with model_service/native's kernel where it is built and
+    runs (AVX-512 CPUs; `native.unavailable_reason()`): cascade prefixes and suffixes, extend
+    chunks, and in 16-bit dtypes single prompts too. float32 single prompts without cached prefix
+    keep torch's call (bitwise dense attention, as transformers makes it), and decodes without
+    cascade keep SDPA (one query row per KV head, where the native kernel is slower).
+    "torch" never uses it.
     """
 
     name = "torch"
@@ -167,7 +181,7 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, *, cascade: str = "auto",
                  min_shared_blocks: int = CASCADE_MIN_SHARED_BLOCKS, decode_gather: str = "rows",
-                 prefix_store_bytes: int = PREFIX_STORE_MAX_BYTES) -> None:
+                 prefix_store_bytes: int = PREFIX_STORE_MAX_BYTES, kernels: str = "auto") -> None:
         super().__init__(num_q_heads, num_kv_heads, head_dim, block_size, dtype, device)
         if num_q_heads % num_kv_heads != 0:
             raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
@@ -175,7 +189,10 @@ class TorchAttentionBackend(AttentionBackend):
             raise ValueError(f"decode_gather must be 'rows' or 'blocks', got {decode_gather!r}")
         if cascade not in CASCADE_MODES:
             raise ValueError(f"cascade must be one of {', '.join(CASCADE_MODES)}, got {cascade!r}")
+        if kernels not in KERNEL_MODES:
+            raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {kernels!r}")
         self._enable_gqa = num_q_heads != num_kv_heads
+        self.native = kernels == "auto" and native.supports(dtype, num_q_heads, num_kv_heads, head_dim, device)
         self.cascade = cascade if decode_gather == "rows" else "never"
         self.min_shared_blocks = max(1, min_shared_blocks)
         self.decode_gather = decode_gather
@@ -388,7 +405,7 @@ class TorchAttentionBackend(AttentionBackend):
             rows = torch.where(valid[:, None, :], rows, last_row[:, :, None] + torch.arange(hkv)[None, :, None])
             attn_mask = self._additive(valid)[:, None, None, :]  # [m, 1, 1, span]
         return _RowGather(rows=rows.reshape(-1).to(self.device, non_blocking=True), num_segs=m, kv_len=span,
-                          attn_mask=_to(attn_mask, self.device))
+                          attn_mask=_to(attn_mask, self.device), lengths=length.contiguous())
 
     def _plan_group(self, layout: BatchLayout, seq_idx: torch.Tensor | None, qlens: torch.Tensor,
                     slens: torch.Tensor, rows: torch.Tensor | None = None) -> _Group:
@@ -403,7 +420,8 @@ class TorchAttentionBackend(AttentionBackend):
         if n == 1 and int(prefix[0]) == 0:
             return _Group(num_seqs=1, max_query_len=max_q, rows=_to(rows, dev), q_pad_index=None,
                           out_index=None, block_ids=None, num_ctx_blocks=0, kv_len=kv_len,
-                          attn_mask=None, pad_rows=None, is_causal=max_q > 1)
+                          attn_mask=None, pad_rows=None, is_causal=max_q > 1, kv_lens=slens.contiguous(),
+                          causal_offsets=prefix.contiguous() if max_q > 1 else None)
 
         nb = -(-kv_len // self.block_size)
         tables = layout.block_tables
@@ -441,6 +459,7 @@ class TorchAttentionBackend(AttentionBackend):
             num_seqs=n, max_query_len=max_q, rows=_to(rows, dev), q_pad_index=_to(q_pad_index, dev),
             out_index=_to(out_index, dev), block_ids=block_ids, num_ctx_blocks=nb, kv_len=kv_len,
             attn_mask=_to(attn_mask, dev), pad_rows=_to(pad_rows, dev), is_causal=False,
+            kv_lens=slens.contiguous(), causal_offsets=prefix.contiguous() if max_q > 1 else None,
         )
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
@@ -509,18 +528,18 @@ class TorchAttentionBackend(AttentionBackend):
         prefix_k, prefix_v = self._prefix_kv(c.prefix, k_cache, v_cache, stored)  # [G, Hkv, len, D] each
         # Prefix: the r heads of every member of group g that read KV head h form one query block.
         qg = q[c.prefix_q_seq, c.prefix_q_head]  # [G, Hkv, max_members * r, D]
-        o_pre, lse_pre = attention_with_lse(qg, prefix_k, prefix_v, c.prefix.attn_mask, scale)  # [G, Hkv, gm*r, (D)]
+        o_pre, lse_pre = self._attend_lse(qg, prefix_k, prefix_v, c.prefix, scale)  # [G, Hkv, gm*r, (D)]
         o_pre = o_pre[c.pick_group, c.pick_head, c.pick_slot]  # [members, Hkv, r, D]
         lse_pre = lse_pre[c.pick_group, c.pick_head, c.pick_slot]  # [members, Hkv, r]
         # The rest: members over their own blocks after the shared ones (query head h * r + j
         # reads KV head h), in the combined call ungrouped sequences over their whole context.
         if c.combined:
-            o_rest, lse_rest = attention_with_lse(q.reshape(-1, hkv, r, hd), *kv(c.rest), c.rest.attn_mask, scale)
+            o_rest, lse_rest = self._attend_lse(q.reshape(-1, hkv, r, hd), *kv(c.rest), c.rest, scale)
             out = o_rest.reshape(d.num_seqs, self.num_q_heads, hd)  # ungrouped rows are final
             o_suf, lse_suf = o_rest.index_select(0, c.members), lse_rest.index_select(0, c.members)
         else:
             q_suf = q.index_select(0, c.members).view(-1, hkv, r, hd)  # [members, Hkv, r, D]
-            o_suf, lse_suf = attention_with_lse(q_suf, *kv(c.rest), c.rest.attn_mask, scale)
+            o_suf, lse_suf = self._attend_lse(q_suf, *kv(c.rest), c.rest, scale)
             out = q.new_empty(d.num_seqs, self.num_q_heads, hd)
             if d.plain is not None:
                 assert d.plain_seqs is not None
@@ -528,6 +547,13 @@ class TorchAttentionBackend(AttentionBackend):
                 out.index_copy_(0, d.plain_seqs, self._attend_plain(d.plain, plain_q, *kv(d.plain), scale))
         merged = merge_states(o_pre, lse_pre, o_suf, lse_suf)  # [members, Hkv, r, D]
         return out.index_copy_(0, c.members, merged.view(-1, self.num_q_heads, hd))
+
+    def _attend_lse(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, g: _RowGather,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention with log-sum-exp of q [num_segs, Hkv, rows, D] over the gathered segments of `g`."""
+        if self.native:
+            return native.attend(q, keys, values, g.lengths, None, scale)
+        return attention_with_lse(q, keys, values, g.attn_mask, scale)
 
     def _prefix_kv(self, g: _RowGather, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    stored: PrefixCopy | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -584,7 +610,7 @@ class TorchAttentionBackend(AttentionBackend):
             v_buf = self._v_scratch[:numel].view(shape)
             torch.index_select(k_cache, 0, g.block_ids, out=k_buf)
             torch.index_select(v_cache, 0, g.block_ids, out=v_buf)
-            if g.pad_rows is not None:
+            if g.pad_rows is not None and not self.native:  # the native kernel reads no padding
                 k_buf.view(-1, self.num_kv_heads, self.head_dim).index_fill_(0, g.pad_rows, 0.0)
                 v_buf.view(-1, self.num_kv_heads, self.head_dim).index_fill_(0, g.pad_rows, 0.0)
             keys = k_buf.view(n, span, self.num_kv_heads, self.head_dim)[:, :g.kv_len].transpose(1, 2)
@@ -597,8 +623,13 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             queries = q.index_select(0, g.q_pad_index).view(n, max_q, self.num_q_heads, self.head_dim)
             queries = queries.transpose(1, 2)  # [n, Hq, max_q, D]
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.attn_mask,
-                                             is_causal=g.is_causal, scale=scale, enable_gqa=self._enable_gqa)
+        # float32 single prompts keep torch's call: bitwise what dense attention computes.
+        if self.native and not (g.block_ids is None and q.dtype == torch.float32):
+            assert g.kv_lens is not None
+            out, _ = native.attend(queries, keys, values, g.kv_lens, g.causal_offsets, scale)
+        else:
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.attn_mask,
+                                                 is_causal=g.is_causal, scale=scale, enable_gqa=self._enable_gqa)
         # out: [n, Hq, max_q, D] -> [n * max_q, Hq, D]
         out = out.transpose(1, 2).reshape(n * max_q, self.num_q_heads, self.head_dim)
         if g.out_index is not None:

@@ -64,7 +64,8 @@ def random_groups(rng: random.Random, block_size: int, max_groups: int = 4) -> l
 @pytest.mark.parametrize("heads", [SMOLLM2, dict(num_q_heads=4, num_kv_heads=4, head_dim=32),
                                    dict(num_q_heads=8, num_kv_heads=1, head_dim=16)])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_shared_prefixes_match_reference(seed, heads):
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_random_shared_prefixes_match_reference(seed, heads, kernels):
     """Random groups sharing prefixes of random lengths, ragged suffixes, groups of one,
     unshared decodes and prefills in the same step, over shuffled blocks."""
     rng = random.Random(seed)
@@ -74,12 +75,12 @@ def test_random_shared_prefixes_match_reference(seed, heads):
     prefill = [(p + ql, ql) for p, ql in ((rng.randint(0, 40), rng.randint(2, 20)) for _ in range(rng.randint(0, 2)))]
     case = shared_case(groups, block_size=block_size, unshared=unshared, prefill=prefill, seed=seed, heads=heads)
     scale = 1.0 / math.sqrt(heads["head_dim"])
-    backend = backend_for(heads, block_size, cascade="always")
+    backend = backend_for(heads, block_size, cascade="always", kernels=kernels)
     out = run(backend, case, scale)
     check_against_reference(case, out, scale)
     if any(len(lens) >= 2 for _, lens in groups):
         assert backend._decode.cascade is not None
-    plain = run(backend_for(heads, block_size, cascade="never"), case, scale)
+    plain = run(backend_for(heads, block_size, cascade="never", kernels=kernels), case, scale)
     torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-6)
 
 
@@ -263,9 +264,9 @@ def test_matmul_lse_in_the_backend_matches(monkeypatch):
     import model_service.attention.merge_state as tb
 
     case = shared_case([(3, [60, 50, 70]), (2, [40, 33])], block_size=16, unshared=[20], seed=7)
-    fused = run(backend_for(SMOLLM2, 16, cascade="always"), case, 0.125)
+    fused = run(backend_for(SMOLLM2, 16, cascade="always", kernels="torch"), case, 0.125)
     monkeypatch.setattr(tb, "_FLASH_CPU", None)
-    backend = backend_for(SMOLLM2, 16, cascade="always")
+    backend = backend_for(SMOLLM2, 16, cascade="always", kernels="torch")
     out = run(backend, case, 0.125)
     assert backend._decode.cascade is not None
     torch.testing.assert_close(out, fused, rtol=1e-5, atol=1e-6)
@@ -279,9 +280,10 @@ def test_cascade_in_16_bit(dtype, monkeypatch):
     case = shared_case([(3, [60, 50, 70]), (2, [40, 33])], block_size=16, unshared=[20], prefill=[(30, 5)],
                        seed=8, dtype=dtype)
     ref = reference_attention(case, 0.125)
-    for flash in (tb._FLASH_CPU, None):  # CPU flash kernel, and the matmul path CUDA takes
+    # torch's CPU flash kernel, the matmul path CUDA takes, and the native kernels (bf16, where built)
+    for flash, kernels in ((tb._FLASH_CPU, "torch"), (None, "torch"), (tb._FLASH_CPU, "auto")):
         monkeypatch.setattr(tb, "_FLASH_CPU", flash)
-        backend = TorchAttentionBackend(9, 3, 64, 16, dtype, torch.device("cpu"), cascade="always")
+        backend = TorchAttentionBackend(9, 3, 64, 16, dtype, torch.device("cpu"), cascade="always", kernels=kernels)
         out = run(backend, case, 0.125)
         assert backend._decode.cascade is not None and out.dtype == dtype
         torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)

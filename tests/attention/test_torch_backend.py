@@ -16,21 +16,22 @@ from tests.attention.paged_case import make_case, reference_attention
 SMOLLM2 = dict(num_q_heads=9, num_kv_heads=3, head_dim=64)
 
 
-def run_backend(case, *, num_q_heads, num_kv_heads, head_dim, block_size, scale):
+def run_backend(case, *, num_q_heads, num_kv_heads, head_dim, block_size, scale, kernels="auto"):
     backend = TorchAttentionBackend(num_q_heads, num_kv_heads, head_dim, block_size,
-                                    torch.float32, torch.device("cpu"))
+                                    torch.float32, torch.device("cpu"), kernels=kernels)
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
     backend.plan(case.layout)
     out = backend.forward(case.q, case.k, case.v, k_cache, v_cache, scale)
     return backend, out, k_cache, v_cache
 
 
-def check_case(seq_lens, query_lens, *, block_size, num_q_heads, num_kv_heads, head_dim, seed=0):
+def check_case(seq_lens, query_lens, *, block_size, num_q_heads, num_kv_heads, head_dim, seed=0, kernels="auto"):
     case = make_case(seq_lens, query_lens, block_size=block_size, num_q_heads=num_q_heads,
                      num_kv_heads=num_kv_heads, head_dim=head_dim, seed=seed)
     scale = 1.0 / math.sqrt(head_dim)
     backend, out, k_cache, v_cache = run_backend(case, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                                                 head_dim=head_dim, block_size=block_size, scale=scale)
+                                                 head_dim=head_dim, block_size=block_size, scale=scale,
+                                                 kernels=kernels)
     assert out.shape == (sum(query_lens), num_q_heads, head_dim)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, reference_attention(case, scale).float(), rtol=1e-5, atol=2e-6)
@@ -59,9 +60,10 @@ SCENARIOS = {
 
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_matches_dense_reference_gqa(name, block_size):
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_matches_dense_reference_gqa(name, block_size, kernels):
     seq_lens, query_lens = SCENARIOS[name]
-    check_case(seq_lens, query_lens, block_size=block_size, **SMOLLM2)
+    check_case(seq_lens, query_lens, block_size=block_size, kernels=kernels, **SMOLLM2)
 
 
 @pytest.mark.parametrize("heads", [(4, 4, 32), (8, 1, 16)])
@@ -77,14 +79,15 @@ def test_matches_dense_reference_mha_and_mqa(heads):
     heads=st.sampled_from([(9, 3, 64), (4, 2, 8), (2, 2, 16)]),
     decode_only=st.booleans(),
     seed=st.integers(0, 2**16),
+    kernels=st.sampled_from(["auto", "torch"]),
 )
-def test_random_batches_property(seqs, block_size, heads, decode_only, seed):
+def test_random_batches_property(seqs, block_size, heads, decode_only, seed, kernels):
     """Any mix of cached prefix (0..40, unaligned) and new tokens matches the reference."""
     query_lens = [1 if decode_only else ql for _, ql in seqs]
     seq_lens = [prefix + ql for (prefix, _), ql in zip(seqs, query_lens, strict=True)]
     hq, hkv, d = heads
     check_case(seq_lens, query_lens, block_size=block_size, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-               seed=seed)
+               seed=seed, kernels=kernels)
 
 
 def test_single_sequence_matches_dense_sdpa_bitwise():
@@ -186,7 +189,8 @@ def test_non_contiguous_inputs():
 
 @pytest.mark.parametrize("name", ["decode_batch_ragged", "prefill_batch_ragged_prefixes",
                                   "mixed_prefill_and_decode", "prefill_single_unaligned_prefix"])
-def test_stale_non_finite_slots_do_not_leak(name):
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_stale_non_finite_slots_do_not_leak(name, kernels):
     """Slots past a sequence's end (stale data of a block's previous owner, padding blocks)
     are never attended to, even when they hold NaN."""
     seq_lens, query_lens = SCENARIOS[name]
@@ -194,7 +198,7 @@ def test_stale_non_finite_slots_do_not_leak(name):
     case = make_case(seq_lens, query_lens, block_size=bs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                      garbage=float("nan"))
     _, out, k_cache, v_cache = run_backend(case, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
-                                           scale=0.125)
+                                           scale=0.125, kernels=kernels)
     assert not out.isnan().any()
     torch.testing.assert_close(out, reference_attention(case, 0.125).float(), rtol=1e-5, atol=2e-6)
     k_exp, v_exp = case.expected_caches()

@@ -1,0 +1,58 @@
+"""Native CPU kernels (C++, AVX-512) the torch attention backend uses where they run.
+
+`attend` is softmax attention with its log-sum-exp over K/V with per-sequence key lengths and
+optional causal offsets (attention.cpp says how it works). The library is built by `make install`
+(`python -m model_service.native.build`) and loaded here on first use when the CPU has AVX-512
+(torch's "AVX512" capability); `unavailable_reason()` says why not otherwise, and callers keep
+torch's kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# head_dim must be a multiple of this and at most MAX_HEAD_DIM; at most MAX_GROUP query heads per KV head.
+HEAD_DIM_MULTIPLE = 16
+MAX_HEAD_DIM = 256
+MAX_GROUP = 64
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """None when the kernels are loaded, else why they are not."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX512", "AMX"):
+        return f"this CPU has no AVX-512 (torch reports {capability})"
+    from model_service.native.build import library_path  # importing build here would shadow `-m ...build`
+
+    path = library_path()
+    if not path.exists():
+        return f"not built ({path.name} missing: run `make install` or `python -m model_service.native.build`)"
+    try:
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError) as error:
+        return f"could not load {path.name}: {error}"
+    return None
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def supports(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> bool:
+    """Whether `attend` takes this model's attention shapes (and the library is loaded)."""
+    return (device.type == "cpu" and dtype in DTYPES and head_dim % HEAD_DIM_MULTIPLE == 0
+            and head_dim <= MAX_HEAD_DIM and num_q_heads % num_kv_heads == 0
+            and num_q_heads // num_kv_heads <= MAX_GROUP and available())
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor,
+           causal_offsets: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with log-sum-exp. q [B, Hq, M, D]; k, v [B, Hkv, L, D] (last dim contiguous);
+    kv_lens int64 [B] in [1, L]; causal_offsets int64 [B] or None: query i of sequence b sees keys
+    j < min(kv_lens[b], causal_offsets[b] + i + 1), else the first kv_lens[b]. Query head h reads KV
+    head h // (Hq / Hkv). Returns o [B, Hq, M, D] in q's dtype and lse [B, Hq, M] float32."""
+    return torch.ops.radixkv.attend(q, k, v, kv_lens, causal_offsets, scale)

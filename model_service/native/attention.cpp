@@ -1,0 +1,339 @@
+// radixkv native CPU attention: softmax attention with its log-sum-exp over strided K/V with
+// per-sequence key lengths and optional causal offsets, AVX-512 float32 arithmetic for float32 and
+// bfloat16 inputs. Registered as torch.ops.radixkv.attend (model_service/native/__init__.py).
+//
+// Why: torch's CPU flash-attention kernel runs its products through cpublas (MKL), which on CPUs it
+// does not recognise takes a generic path (about 45 GFLOPS a core for both dtypes on an AMD EPYC),
+// and packs K/V per (sequence, query head). Here the r query heads of a KV head and a block of
+// queries form the rows of one work item, so every K/V row is read once per item; rows sit in the
+// vector lanes: Q is transposed once per item ([D][rows]) and every key of K is broadcast, so K and
+// V are read in place, row-major (bfloat16 rows are widened to float32 per chunk of keys).
+//
+// Per item, keys in chunks of KC (flash-style online softmax):
+//   S^T[key][row] = scale * sum_d K[key][d] * Qt[d][row]                  (masked: -inf)
+//   m' = max(m, max_key S^T);  P = exp(S^T - m');  l = l * exp(m - m') + sum_key P
+//   Ot[d][row] = Ot[d][row] * exp(m - m') + sum_key V[key][d] * P[key][row]
+// then o = Ot / l and lse = m + log(l). Products and sums in float32 (bfloat16 values are exact in
+// float32), so bfloat16 inputs are attended at least as precisely as torch's kernel does.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int KC = 64;         // keys per chunk
+constexpr int LANES = 16;      // float32 lanes of a 512-bit vector
+constexpr int MAX_ROWS = 64;   // query rows of a work item (4 vectors)
+constexpr int MAX_D = 256;     // head_dim limit (a multiple of 16)
+
+// exp(x) for float32 lanes (Cephes expf polynomial, about 1 ulp); -inf and very negative x give 0.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+  p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// rows [0, n) of a [n, D] block (row stride `stride` elements) widened to float32 [n, D].
+template <typename T>
+inline void widen_rows(const T* src, int64_t stride, int n, int D, float* dst) {
+  for (int j = 0; j < n; ++j) {
+    const T* s = src + j * stride;
+    float* o = dst + j * D;
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(o, s, sizeof(float) * D);
+    } else {
+      for (int d = 0; d < D; d += LANES) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + d));
+        _mm512_storeu_ps(o + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+      }
+    }
+  }
+}
+
+// st[t][:] = scale * sum_d k[t][d] * qt[d][:] for T keys (k rows `ks` apart), RV row vectors.
+template <int RV, int T>
+inline void qk_tile(const float* qt, int D, const float* k, int64_t ks, float* st, float scale) {
+  __m512 acc[T][RV];
+  for (int t = 0; t < T; ++t)
+    for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    __m512 q[RV];
+    for (int v = 0; v < RV; ++v) q[v] = _mm512_loadu_ps(qt + d * RV * LANES + v * LANES);
+    for (int t = 0; t < T; ++t) {
+      const __m512 kb = _mm512_set1_ps(k[t * ks + d]);
+      for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_fmadd_ps(kb, q[v], acc[t][v]);
+    }
+  }
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int t = 0; t < T; ++t)
+    for (int v = 0; v < RV; ++v) _mm512_storeu_ps(st + t * RV * LANES + v * LANES, _mm512_mul_ps(acc[t][v], s));
+}
+
+// ot[d0 + t][:] += sum_j vrows[j][d0 + t] * p[j][:] for T columns of V, n keys (V rows `vs` apart).
+template <int RV, int T>
+inline void pv_tile(const float* p, int n, const float* vrows, int64_t vs, int d0, float* ot) {
+  __m512 acc[T][RV];
+  for (int t = 0; t < T; ++t)
+    for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_loadu_ps(ot + (d0 + t) * RV * LANES + v * LANES);
+  for (int j = 0; j < n; ++j) {
+    __m512 pj[RV];
+    for (int v = 0; v < RV; ++v) pj[v] = _mm512_loadu_ps(p + j * RV * LANES + v * LANES);
+    const float* vr = vrows + j * vs + d0;
+    for (int t = 0; t < T; ++t) {
+      const __m512 vb = _mm512_set1_ps(vr[t]);
+      for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_fmadd_ps(vb, pj[v], acc[t][v]);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int v = 0; v < RV; ++v) _mm512_storeu_ps(ot + (d0 + t) * RV * LANES + v * LANES, acc[t][v]);
+}
+
+struct Problem {
+  int64_t B, Hq, Hkv, M, L, D, r;
+  int64_t qb, nqb;  // queries per work item, work items per (sequence, KV head)
+  int64_t qs[3], ks[3], vs[3];  // strides (elements) of the first three dims of q, k, v
+  const int64_t* kv_lens;
+  const int64_t* offsets;  // nullptr: not causal
+  float scale;
+};
+
+struct Scratch {
+  std::vector<float> qt, st, ot, kf, vf;
+  explicit Scratch(int64_t D) : qt(D * MAX_ROWS), st(KC * MAX_ROWS), ot(D * MAX_ROWS), kf(KC * D), vf(KC * D) {}
+};
+
+// One work item: sequence b, KV head h, queries [i0, i0 + nq) of the r query heads h*r .. h*r+r-1.
+// Row j * nq + ii is query head h*r + j, query i0 + ii.
+template <typename T, int RV>
+void attend_item(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse, int64_t b, int64_t h,
+                 int64_t i0, int64_t nq, Scratch& s) {
+  constexpr int W = RV * LANES;
+  const int D = static_cast<int>(P.D);
+  const int rows = static_cast<int>(P.r * nq);
+  const int64_t kv_len = P.kv_lens[b];
+  alignas(64) int32_t limit[W];
+  int32_t max_limit = 0, min_limit = std::numeric_limits<int32_t>::max();
+  for (int row = 0; row < W; ++row) {
+    int64_t lim = kv_len;
+    if (row < rows && P.offsets != nullptr) lim = std::min<int64_t>(kv_len, P.offsets[b] + i0 + row % nq + 1);
+    limit[row] = static_cast<int32_t>(lim);
+    if (row < rows) {  // padding rows (zero queries, never written) read whatever the others read
+      max_limit = std::max<int32_t>(max_limit, limit[row]);
+      min_limit = std::min<int32_t>(min_limit, limit[row]);
+    }
+  }
+  // Qt[d][row] in float32, rows past `rows` zero.
+  float* qt = s.qt.data();
+  std::fill(qt, qt + D * W, 0.0f);
+  for (int row = 0; row < rows; ++row) {
+    const int64_t hq = h * P.r + row / nq, i = i0 + row % nq;
+    const T* qrow = q + b * P.qs[0] + hq * P.qs[1] + i * P.qs[2];
+    for (int d = 0; d < D; ++d) qt[d * W + row] = static_cast<float>(qrow[d]);
+  }
+  float* ot = s.ot.data();
+  std::fill(ot, ot + D * W, 0.0f);
+  float* st = s.st.data();
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 m[RV], l[RV];
+  __m512i lim_v[RV];
+  for (int vv = 0; vv < RV; ++vv) {
+    m[vv] = neg_inf;
+    l[vv] = _mm512_setzero_ps();
+    lim_v[vv] = _mm512_load_si512(limit + vv * LANES);
+  }
+  const T* kbase = k + b * P.ks[0] + h * P.ks[1];
+  const T* vbase = v + b * P.vs[0] + h * P.vs[1];
+  constexpr int TQ = RV == 4 ? 6 : 8;
+  constexpr int TV = RV == 4 ? 4 : 8;
+  for (int c0 = 0; c0 < max_limit; c0 += KC) {
+    const int n = std::min<int>(KC, max_limit - c0);
+    const float* kc;
+    const float* vc;
+    int64_t kstride, vstride;
+    if constexpr (std::is_same_v<T, float>) {
+      kc = kbase + c0 * P.ks[2];
+      vc = vbase + c0 * P.vs[2];
+      kstride = P.ks[2];
+      vstride = P.vs[2];
+    } else {
+      widen_rows(kbase + c0 * P.ks[2], P.ks[2], n, D, s.kf.data());
+      widen_rows(vbase + c0 * P.vs[2], P.vs[2], n, D, s.vf.data());
+      kc = s.kf.data();
+      vc = s.vf.data();
+      kstride = vstride = D;
+    }
+    int j = 0;
+    for (; j + TQ <= n; j += TQ) qk_tile<RV, TQ>(qt, D, kc + j * kstride, kstride, st + j * W, P.scale);
+    for (; j < n; ++j) qk_tile<RV, 1>(qt, D, kc + j * kstride, kstride, st + j * W, P.scale);
+    if (c0 + n > min_limit) {  // some row's keys end inside this chunk
+      for (j = 0; j < n; ++j) {
+        const __m512i pos = _mm512_set1_epi32(c0 + j);
+        for (int vv = 0; vv < RV; ++vv) {
+          const __mmask16 past = _mm512_cmpge_epi32_mask(pos, lim_v[vv]);
+          float* sj = st + j * W + vv * LANES;
+          _mm512_storeu_ps(sj, _mm512_mask_blend_ps(past, _mm512_loadu_ps(sj), neg_inf));
+        }
+      }
+    }
+    bool rescale = false;
+    __m512 alpha[RV];
+    for (int vv = 0; vv < RV; ++vv) {
+      __m512 mc = m[vv];
+      for (j = 0; j < n; ++j) mc = _mm512_max_ps(mc, _mm512_loadu_ps(st + j * W + vv * LANES));
+      // Rows that saw no key yet keep -inf: subtract 0 there (exp(-inf) = 0, never NaN).
+      const __m512 safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mc, neg_inf, _CMP_EQ_OQ), mc, _mm512_setzero_ps());
+      alpha[vv] = exp_ps(_mm512_sub_ps(m[vv], safe));
+      rescale |= _mm512_cmp_ps_mask(mc, m[vv], _CMP_NEQ_UQ) != 0;
+      __m512 sum = _mm512_setzero_ps();
+      for (j = 0; j < n; ++j) {
+        float* sj = st + j * W + vv * LANES;
+        const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sj), safe));
+        _mm512_storeu_ps(sj, p);
+        sum = _mm512_add_ps(sum, p);
+      }
+      l[vv] = _mm512_fmadd_ps(l[vv], alpha[vv], sum);
+      m[vv] = mc;
+    }
+    if (rescale && c0 > 0) {
+      for (int d = 0; d < D; ++d)
+        for (int vv = 0; vv < RV; ++vv) {
+          float* od = ot + d * W + vv * LANES;
+          _mm512_storeu_ps(od, _mm512_mul_ps(_mm512_loadu_ps(od), alpha[vv]));
+        }
+    }
+    for (int d0 = 0; d0 < D; d0 += TV) pv_tile<RV, TV>(st, n, vc, vstride, d0, ot);
+  }
+  alignas(64) float mv[W], lv[W];
+  for (int vv = 0; vv < RV; ++vv) {
+    _mm512_store_ps(mv + vv * LANES, m[vv]);
+    _mm512_store_ps(lv + vv * LANES, l[vv]);
+  }
+  for (int row = 0; row < rows; ++row) {
+    const int64_t hq = h * P.r + row / nq, i = i0 + row % nq;
+    const float inv = 1.0f / lv[row];
+    T* orow = o + ((b * P.Hq + hq) * P.M + i) * P.D;
+    for (int d = 0; d < D; ++d) orow[d] = static_cast<T>(ot[d * W + row] * inv);
+    lse[(b * P.Hq + hq) * P.M + i] = mv[row] + std::log(lv[row]);
+  }
+}
+
+template <typename T>
+void run(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse) {
+  const int64_t per_seq = P.Hkv * P.nqb;
+  const int64_t items = P.B * per_seq;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(P.D);
+    for (int64_t w = begin; w < end; ++w) {
+      for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
+        // Latest query blocks first (under a causal mask they read the most keys).
+        const int64_t blk = P.nqb - 1 - idx / (P.B * P.Hkv);
+        const int64_t b = (idx % (P.B * P.Hkv)) / P.Hkv, h = idx % P.Hkv;
+        const int64_t i0 = blk * P.qb, nq = std::min<int64_t>(P.qb, P.M - i0);
+        const int64_t rows = P.r * nq;
+        if (rows <= 16) attend_item<T, 1>(P, q, k, v, o, lse, b, h, i0, nq, scratch);
+        else if (rows <= 32) attend_item<T, 2>(P, q, k, v, o, lse, b, h, i0, nq, scratch);
+        else if (rows <= 48) attend_item<T, 3>(P, q, k, v, o, lse, b, h, i0, nq, scratch);
+        else attend_item<T, 4>(P, q, k, v, o, lse, b, h, i0, nq, scratch);
+      }
+    }
+  });
+}
+
+void check_layout(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 4, name, " must be 4-D [batch, heads, len, head_dim], got ", t.dim(), "-D");
+  TORCH_CHECK(t.stride(3) == 1, name, "'s last dimension must be contiguous");
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+}
+
+// q [B, Hq, M, D]; k, v [B, Hkv, L, D] (last dim contiguous, other strides free); kv_lens int64 [B]
+// in [1, L]; causal_offsets int64 [B] >= 0 or None: query i of sequence b sees keys
+// j < min(kv_lens[b], causal_offsets[b] + i + 1). Returns o [B, Hq, M, D] (q's dtype, contiguous)
+// and lse [B, Hq, M] float32 (natural log of the sum of exp of the scaled scores).
+std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                          const at::Tensor& kv_lens, const std::optional<at::Tensor>& causal_offsets,
+                                          double scale) {
+  check_layout(q, "q");
+  check_layout(k, "k");
+  check_layout(v, "v");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "q, k, v dtypes differ");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "dtype must be float32 or bfloat16");
+  TORCH_CHECK(k.sizes() == v.sizes(), "k and v shapes differ");
+  Problem P{};
+  P.B = q.size(0);
+  P.Hq = q.size(1);
+  P.M = q.size(2);
+  P.D = q.size(3);
+  P.Hkv = k.size(1);
+  P.L = k.size(2);
+  TORCH_CHECK(k.size(0) == P.B && k.size(3) == P.D, "k must be [", P.B, ", Hkv, L, ", P.D, "]");
+  TORCH_CHECK(P.Hkv > 0 && P.Hq % P.Hkv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(P.D % LANES == 0 && P.D <= MAX_D, "head_dim must be a multiple of 16, at most ", MAX_D);
+  P.r = P.Hq / P.Hkv;
+  TORCH_CHECK(P.r <= MAX_ROWS, "at most ", MAX_ROWS, " query heads per KV head");
+  TORCH_CHECK(kv_lens.scalar_type() == at::kLong && kv_lens.is_contiguous() && kv_lens.numel() == P.B,
+              "kv_lens must be contiguous int64 [batch]");
+  P.kv_lens = kv_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < P.B; ++b)
+    TORCH_CHECK(P.kv_lens[b] >= 1 && P.kv_lens[b] <= P.L, "kv_lens[", b, "]=", P.kv_lens[b], " not in [1, ", P.L, "]");
+  P.offsets = nullptr;
+  if (causal_offsets.has_value()) {
+    const at::Tensor& off = *causal_offsets;
+    TORCH_CHECK(off.scalar_type() == at::kLong && off.is_contiguous() && off.numel() == P.B,
+                "causal_offsets must be contiguous int64 [batch]");
+    P.offsets = off.data_ptr<int64_t>();
+    for (int64_t b = 0; b < P.B; ++b) TORCH_CHECK(P.offsets[b] >= 0, "causal_offsets must be >= 0");
+  }
+  P.qb = std::max<int64_t>(1, std::min<int64_t>(P.M, MAX_ROWS / P.r));
+  P.nqb = (P.M + P.qb - 1) / P.qb;
+  for (int i = 0; i < 3; ++i) {
+    P.qs[i] = q.stride(i);
+    P.ks[i] = k.stride(i);
+    P.vs[i] = v.stride(i);
+  }
+  P.scale = static_cast<float>(scale);
+  at::Tensor o = at::empty({P.B, P.Hq, P.M, P.D}, q.options());
+  at::Tensor lse = at::empty({P.B, P.Hq, P.M}, q.options().dtype(at::kFloat));
+  if (o.numel() == 0) return {o, lse};
+  if (q.scalar_type() == at::kFloat) {
+    run<float>(P, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), o.data_ptr<float>(),
+               lse.data_ptr<float>());
+  } else {
+    using BF = c10::BFloat16;
+    run<BF>(P, q.data_ptr<BF>(), k.data_ptr<BF>(), v.data_ptr<BF>(), o.data_ptr<BF>(), lse.data_ptr<float>());
+  }
+  return {o, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(radixkv, m) {
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor kv_lens, Tensor? causal_offsets, float scale) -> (Tensor, Tensor)");
+  m.impl("attend", c10::DispatchKey::CPU, TORCH_FN(attend));
+}

@@ -115,7 +115,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[SequenceChunk]) -> torch.Tensor:
-        """Runs the model; returns float32 logits [num chunks needing logits, vocab] in chunk order."""
+        """Runs the model; returns logits [num chunks needing logits, vocab] in chunk order, in the
+        model's dtype (the sampler upcasts the rows it samples; greedy argmax needs no copy)."""
         layout, positions = self.build_layout(chunks)
         self.backend.plan(layout)
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self.device)
@@ -125,8 +126,7 @@ class ModelRunner:
         single = layout.num_tokens == 1 and self.device.type == "cpu"
         with single_token_step() if single else contextlib.nullcontext():
             if self.decoder is not None:
-                logits = self.decoder.forward(input_ids, positions.to(self.device), last_index[keep])
-                return logits.float()  # [num_logits, vocab]
+                return self.decoder.forward(input_ids, positions.to(self.device), last_index[keep])  # [num_logits, vocab]
             output = self.model(
                 input_ids=input_ids.unsqueeze(0),  # [1, num_tokens]
                 position_ids=positions.to(self.device).unsqueeze(0),  # [1, num_tokens]
@@ -134,4 +134,4 @@ class ModelRunner:
                 logits_to_keep=last_index[keep],
                 **{_CONTEXT_KWARG: self._context},
             )
-        return output.logits[0].float()  # [num_logits, vocab]
+        return output.logits[0]  # [num_logits, vocab]

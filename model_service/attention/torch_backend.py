@@ -170,10 +170,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     `kernels`: "auto" (default) attends with model_service/native's kernel where it is built and
     runs (AVX-512 CPUs; `native.unavailable_reason()`): cascade prefixes and suffixes, extend
-    chunks, and in 16-bit dtypes single prompts too. float32 single prompts without cached prefix
-    keep torch's call (bitwise dense attention, as transformers makes it), and decodes without
-    cascade keep SDPA (one query row per KV head, where the native kernel is slower).
-    "torch" never uses it.
+    chunks, decodes, and in 16-bit dtypes single sequences too. In float32 a step of one
+    sequence (a prompt without cached prefix, or one decode) keeps torch's call: bitwise dense
+    attention, as transformers computes it. "torch" never uses the native kernels.
     """
 
     name = "torch"
@@ -581,12 +580,16 @@ class TorchAttentionBackend(AttentionBackend):
     def _attend_plain(self, g: _RowGather, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       scale: float) -> torch.Tensor:
         """One query per segment over its gathered context. q: [n, Hq, D] -> [n, Hq, D]."""
+        hkv, r = self.num_kv_heads, self.num_q_heads // self.num_kv_heads
+        # float32 single decodes keep torch's call: bitwise what dense attention computes.
+        if self.native and not (g.num_segs == 1 and q.dtype == torch.float32):
+            out, _ = native.attend(q.reshape(-1, hkv, r, self.head_dim), keys, values, g.lengths, None, scale)
+            return out.view(q.shape)  # [n, Hkv, r, D] -> [n, Hq, D]
         if q.dtype in (torch.bfloat16, torch.float16) and q.device.type == "cpu":
             # The r query heads of each KV head as r query rows: torch's 16-bit CPU flash kernel
             # packs K/V per (sequence, query head), so GQA's one row per head packs every KV head
             # r times (16 x 70 keys, 2 EPYC cores: 997 -> 221 us; 32 x 1056: 34.6 -> 7.4 ms).
             # float32 keeps the GQA call below: for one sequence it is the call dense attention makes.
-            hkv, r = self.num_kv_heads, self.num_q_heads // self.num_kv_heads
             out = F.scaled_dot_product_attention(q.reshape(-1, hkv, r, self.head_dim), keys, values,
                                                  attn_mask=g.attn_mask, scale=scale)  # [n, Hkv, r, D]
             return out.reshape(q.shape)

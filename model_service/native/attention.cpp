@@ -14,7 +14,8 @@
 //   m' = max(m, max_key S^T);  P = exp(S^T - m');  l = l * exp(m - m') + sum_key P
 //   Ot[d][row] = Ot[d][row] * exp(m - m') + sum_key V[key][d] * P[key][row]
 // then o = Ot / l and lse = m + log(l). Products and sums in float32 (bfloat16 values are exact in
-// float32), so bfloat16 inputs are attended at least as precisely as torch's kernel does.
+// float32); for bfloat16 inputs P is rounded to bfloat16 before P·V, as in torch's flash kernel,
+// so that results stay as close as they can to transformers' bfloat16 attention.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -38,6 +39,7 @@ constexpr int KC = 64;         // keys per chunk
 constexpr int LANES = 16;      // float32 lanes of a 512-bit vector
 constexpr int MAX_ROWS = 64;   // query rows of a work item (4 vectors)
 constexpr int MAX_D = 256;     // head_dim limit (a multiple of 16)
+constexpr int SMALL_ROWS = 8;  // work items of at most this many rows take the keys-in-lanes kernel
 
 // exp(x) for float32 lanes (Cephes expf polynomial, about 1 ulp); -inf and very negative x give 0.
 inline __m512 exp_ps(__m512 x) {
@@ -56,6 +58,22 @@ inline __m512 exp_ps(__m512 x) {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
   p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+
+// x rounded to bfloat16 precision (to nearest even), kept in float32 lanes.
+inline __m512 round_to_bf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// The probabilities P·V multiplies: for bfloat16 inputs rounded to bfloat16, as torch's flash
+// kernel (and so transformers' sdpa attention) does; their sum stays unrounded in both.
+template <typename T>
+inline __m512 pv_weight(__m512 p) {
+  if constexpr (std::is_same_v<T, float>) return p;
+  else return round_to_bf16(p);
 }
 
 // rows [0, n) of a [n, D] block (row stride `stride` elements) widened to float32 [n, D].
@@ -113,6 +131,22 @@ inline void pv_tile(const float* p, int n, const float* vrows, int64_t vs, int d
     for (int v = 0; v < RV; ++v) _mm512_storeu_ps(ot + (d0 + t) * RV * LANES + v * LANES, acc[t][v]);
 }
 
+// Sums of 16 vectors: lane j of the result = the sum of v[j]'s lanes (a transposing add tree).
+inline __m512 sum16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 y2 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y1, y2, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(y1, y2, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 struct Problem {
   int64_t B, Hq, Hkv, M, L, D, r;
   int64_t qb, nqb;  // queries per work item, work items per (sequence, KV head)
@@ -120,6 +154,7 @@ struct Problem {
   const int64_t* kv_lens;
   const int64_t* offsets;  // nullptr: not causal
   float scale;
+  bool small;  // rows per item <= SMALL_ROWS: attend_item_small
 };
 
 struct Scratch {
@@ -213,7 +248,7 @@ void attend_item(const Problem& P, const T* q, const T* k, const T* v, T* o, flo
       for (j = 0; j < n; ++j) {
         float* sj = st + j * W + vv * LANES;
         const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sj), safe));
-        _mm512_storeu_ps(sj, p);
+        _mm512_storeu_ps(sj, pv_weight<T>(p));
         sum = _mm512_add_ps(sum, p);
       }
       l[vv] = _mm512_fmadd_ps(l[vv], alpha[vv], sum);
@@ -242,6 +277,140 @@ void attend_item(const Problem& P, const T* q, const T* k, const T* v, T* o, flo
   }
 }
 
+// A work item of R <= 8 rows (a decode: the r query heads of a KV head), keys in the vector lanes:
+// a score is a dot product along D (16 keys' partial sums added up by sum16), and P·V broadcasts
+// each key's probability over its V row. With few rows this reads K/V once and wastes no lanes.
+template <typename T, int R>
+void attend_item_small(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse, int64_t b,
+                       int64_t h, int64_t i0, int64_t nq, Scratch& s) {
+  constexpr int DB = R <= 4 ? 4 : 2;  // output vectors per row and d-block in registers
+  const int D = static_cast<int>(P.D);
+  const int64_t kv_len = P.kv_lens[b];
+  int32_t limit[R];
+  int32_t max_limit = 0, min_limit = std::numeric_limits<int32_t>::max();
+  float* qf = s.qt.data();  // [R][D]
+  for (int row = 0; row < R; ++row) {
+    const int64_t hq = h * P.r + row / nq, i = i0 + row % nq;
+    int64_t lim = kv_len;
+    if (P.offsets != nullptr) lim = std::min<int64_t>(kv_len, P.offsets[b] + i + 1);
+    limit[row] = static_cast<int32_t>(lim);
+    max_limit = std::max<int32_t>(max_limit, limit[row]);
+    min_limit = std::min<int32_t>(min_limit, limit[row]);
+    const T* qrow = q + b * P.qs[0] + hq * P.qs[1] + i * P.qs[2];
+    for (int d = 0; d < D; ++d) qf[row * D + d] = static_cast<float>(qrow[d]);
+  }
+  float* ot = s.ot.data();  // [R][D]
+  std::fill(ot, ot + R * D, 0.0f);
+  float* sc = s.st.data();  // [R][KC] scores, then probabilities
+  float m[R], l[R];
+  for (int row = 0; row < R; ++row) {
+    m[row] = -std::numeric_limits<float>::infinity();
+    l[row] = 0.0f;
+  }
+  const T* kbase = k + b * P.ks[0] + h * P.ks[1];
+  const T* vbase = v + b * P.vs[0] + h * P.vs[1];
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int c0 = 0; c0 < max_limit; c0 += KC) {
+    const int n = std::min<int>(KC, max_limit - c0);
+    const float* kc;
+    const float* vc;
+    int64_t kstride, vstride;
+    if constexpr (std::is_same_v<T, float>) {
+      kc = kbase + c0 * P.ks[2];
+      vc = vbase + c0 * P.vs[2];
+      kstride = P.ks[2];
+      vstride = P.vs[2];
+    } else {
+      widen_rows(kbase + c0 * P.ks[2], P.ks[2], n, D, s.kf.data());
+      widen_rows(vbase + c0 * P.vs[2], P.vs[2], n, D, s.vf.data());
+      kc = s.kf.data();
+      vc = s.vf.data();
+      kstride = vstride = D;
+    }
+    const int groups = (n + LANES - 1) / LANES;
+    const __m512 scale = _mm512_set1_ps(P.scale);
+    for (int row = 0; row < R; ++row) {
+      const float* qr = qf + row * D;
+      for (int g = 0; g < groups; ++g) {
+        __m512 acc[LANES];
+        for (int j = 0; j < LANES; ++j) {
+          const int key = g * LANES + j;
+          acc[j] = _mm512_setzero_ps();
+          if (key < n) {
+            const float* kr = kc + key * kstride;
+            for (int d = 0; d < D; d += LANES)
+              acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(kr + d), acc[j]);
+          }
+        }
+        __m512 sv = _mm512_mul_ps(sum16(acc), scale);
+        const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32(c0 + g * LANES), iota);
+        const __mmask16 past = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(std::min(limit[row], c0 + n)));
+        _mm512_storeu_ps(sc + row * KC + g * LANES, _mm512_mask_blend_ps(past, sv, neg_inf));
+      }
+      __m512 mx = neg_inf;
+      for (int g = 0; g < groups; ++g) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + row * KC + g * LANES));
+      const float mc = std::max(m[row], _mm512_reduce_max_ps(mx));
+      const float safe = std::isinf(mc) ? 0.0f : mc;  // a row with no key yet: exp(-inf) = 0
+      const float alpha = std::exp(m[row] - safe);
+      const __m512 sv = _mm512_set1_ps(safe);
+      __m512 sum = _mm512_setzero_ps();
+      for (int g = 0; g < groups; ++g) {
+        float* sg = sc + row * KC + g * LANES;
+        const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg), sv));
+        _mm512_storeu_ps(sg, pv_weight<T>(p));
+        sum = _mm512_add_ps(sum, p);
+      }
+      l[row] = l[row] * alpha + _mm512_reduce_add_ps(sum);
+      if (mc != m[row] && c0 > 0) {
+        const __m512 a = _mm512_set1_ps(alpha);
+        for (int d = 0; d < D; d += LANES) _mm512_storeu_ps(ot + row * D + d, _mm512_mul_ps(_mm512_loadu_ps(ot + row * D + d), a));
+      }
+      m[row] = mc;
+    }
+    for (int d0 = 0; d0 < D; d0 += DB * LANES) {
+      const int nb = std::min<int>(DB, (D - d0) / LANES);
+      __m512 acc[R][DB];
+      for (int row = 0; row < R; ++row)
+        for (int t = 0; t < DB; ++t)
+          acc[row][t] = t < nb ? _mm512_loadu_ps(ot + row * D + d0 + t * LANES) : _mm512_setzero_ps();
+      for (int j = 0; j < n; ++j) {
+        const float* vr = vc + j * vstride + d0;
+        __m512 vv[DB];
+        for (int t = 0; t < DB; ++t) vv[t] = t < nb ? _mm512_loadu_ps(vr + t * LANES) : _mm512_setzero_ps();
+        for (int row = 0; row < R; ++row) {
+          const __m512 pb = _mm512_set1_ps(sc[row * KC + j]);
+          for (int t = 0; t < DB; ++t) acc[row][t] = _mm512_fmadd_ps(pb, vv[t], acc[row][t]);
+        }
+      }
+      for (int row = 0; row < R; ++row)
+        for (int t = 0; t < nb; ++t) _mm512_storeu_ps(ot + row * D + d0 + t * LANES, acc[row][t]);
+    }
+  }
+  for (int row = 0; row < R; ++row) {
+    const int64_t hq = h * P.r + row / nq, i = i0 + row % nq;
+    const float inv = 1.0f / l[row];
+    T* orow = o + ((b * P.Hq + hq) * P.M + i) * P.D;
+    for (int d = 0; d < D; ++d) orow[d] = static_cast<T>(ot[row * D + d] * inv);
+    lse[(b * P.Hq + hq) * P.M + i] = m[row] + std::log(l[row]);
+  }
+}
+
+template <typename T>
+void attend_small(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse, int64_t b, int64_t h,
+                  int64_t i0, int64_t nq, Scratch& s) {
+  switch (P.r * nq) {
+    case 1: return attend_item_small<T, 1>(P, q, k, v, o, lse, b, h, i0, nq, s);
+    case 2: return attend_item_small<T, 2>(P, q, k, v, o, lse, b, h, i0, nq, s);
+    case 3: return attend_item_small<T, 3>(P, q, k, v, o, lse, b, h, i0, nq, s);
+    case 4: return attend_item_small<T, 4>(P, q, k, v, o, lse, b, h, i0, nq, s);
+    case 5: return attend_item_small<T, 5>(P, q, k, v, o, lse, b, h, i0, nq, s);
+    case 6: return attend_item_small<T, 6>(P, q, k, v, o, lse, b, h, i0, nq, s);
+    case 7: return attend_item_small<T, 7>(P, q, k, v, o, lse, b, h, i0, nq, s);
+    default: return attend_item_small<T, 8>(P, q, k, v, o, lse, b, h, i0, nq, s);
+  }
+}
+
 template <typename T>
 void run(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse) {
   const int64_t per_seq = P.Hkv * P.nqb;
@@ -257,7 +426,8 @@ void run(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse)
         const int64_t b = (idx % (P.B * P.Hkv)) / P.Hkv, h = idx % P.Hkv;
         const int64_t i0 = blk * P.qb, nq = std::min<int64_t>(P.qb, P.M - i0);
         const int64_t rows = P.r * nq;
-        if (rows <= 16) attend_item<T, 1>(P, q, k, v, o, lse, b, h, i0, nq, scratch);
+        if (P.small) attend_small<T>(P, q, k, v, o, lse, b, h, i0, nq, scratch);
+        else if (rows <= 16) attend_item<T, 1>(P, q, k, v, o, lse, b, h, i0, nq, scratch);
         else if (rows <= 32) attend_item<T, 2>(P, q, k, v, o, lse, b, h, i0, nq, scratch);
         else if (rows <= 48) attend_item<T, 3>(P, q, k, v, o, lse, b, h, i0, nq, scratch);
         else attend_item<T, 4>(P, q, k, v, o, lse, b, h, i0, nq, scratch);
@@ -310,7 +480,9 @@ std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor&
     P.offsets = off.data_ptr<int64_t>();
     for (int64_t b = 0; b < P.B; ++b) TORCH_CHECK(P.offsets[b] >= 0, "causal_offsets must be >= 0");
   }
-  P.qb = std::max<int64_t>(1, std::min<int64_t>(P.M, MAX_ROWS / P.r));
+  // Items of at most SMALL_ROWS rows (decodes) put keys in the lanes, larger ones query rows.
+  P.small = P.r * P.M <= SMALL_ROWS;
+  P.qb = P.small ? P.M : std::max<int64_t>(1, std::min<int64_t>(P.M, MAX_ROWS / P.r));
   P.nqb = (P.M + P.qb - 1) / P.qb;
   for (int i = 0; i < 3; ++i) {
     P.qs[i] = q.stride(i);

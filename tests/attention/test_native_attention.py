@@ -83,14 +83,14 @@ def test_matches_float64_reference(batch, heads, head_dim, num_queries, num_keys
 
 def test_keys_past_the_lengths_are_never_read():
     """K/V past kv_lens (stale slots) may hold NaN: masked keys must not enter any product."""
-    q = torch.randn(3, 9, 5, 64)
     k, v = torch.randn(3, 3, 150, 64), torch.randn(3, 3, 150, 64)
     kv_lens = torch.tensor([150, 70, 1])
     for b, n in enumerate(kv_lens.tolist()):
         k[b, :, n:] = float("nan")
         v[b, :, n:] = float("nan")
-    for offsets in (None, kv_lens - 5):
-        offsets = None if offsets is None else offsets.clamp(min=0)
+    # 1 query x 3 heads: keys in the lanes (decode items); 5 x 3: query rows in the lanes.
+    for q, offsets in ((torch.randn(3, 9, 1, 64), None), (torch.randn(3, 9, 5, 64), None),
+                       (torch.randn(3, 9, 5, 64), (kv_lens - 5).clamp(min=0))):
         out, lse = native.attend(q, k, v, kv_lens, offsets, 0.125)
         assert not out.isnan().any() and not lse.isnan().any()
         ref_out, _ = reference(q, k.nan_to_num(), v.nan_to_num(), kv_lens, offsets, 0.125)

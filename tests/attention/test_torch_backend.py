@@ -208,13 +208,15 @@ def test_stale_non_finite_slots_do_not_leak(name, kernels):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 1, 16)])
-def test_16_bit_decode_attends_query_heads_as_rows(dtype, heads):
+@pytest.mark.parametrize("kernels", ["torch", "auto"])
+def test_16_bit_decode_attends_query_heads_as_rows(dtype, heads, kernels):
     """In 16 bits on CPU ungrouped decodes run the r query heads of a KV head as r query rows
-    (the flash kernel's fast form): still the dense reference, ragged lengths and masks included."""
+    (torch: the flash kernel's fast form; auto: the native kernel's rows, where it runs): still
+    the dense reference, ragged lengths and masks included."""
     hq, hkv, d = heads
     case = make_case([1, 16, 17, 64, 33, 70], [1, 1, 1, 1, 1, 1], block_size=16, num_q_heads=hq,
                      num_kv_heads=hkv, head_dim=d, seed=3, dtype=dtype)
-    backend = TorchAttentionBackend(hq, hkv, d, 16, dtype, torch.device("cpu"), cascade="never")
+    backend = TorchAttentionBackend(hq, hkv, d, 16, dtype, torch.device("cpu"), cascade="never", kernels=kernels)
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
     backend.plan(case.layout)
     out = backend.forward(case.q, case.k, case.v, k_cache, v_cache, d ** -0.5)

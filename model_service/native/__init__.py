@@ -9,7 +9,9 @@ torch's kernels.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 
@@ -56,3 +58,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Ten
     j < min(kv_lens[b], causal_offsets[b] + i + 1), else the first kv_lens[b]. Query head h reads KV
     head h // (Hq / Hkv). Returns o [B, Hq, M, D] in q's dtype and lse [B, Hq, M] float32."""
     return torch.ops.radixkv.attend(q, k, v, kv_lens, causal_offsets, scale)
+
+
+def has_bf16_dot_products() -> bool:
+    """Whether bfloat16 attention runs on AVX512-BF16 dot products here (else float32 FMAs)."""
+    return bool(torch.ops.radixkv.has_bf16_dot_products())
+
+
+@contextlib.contextmanager
+def without_bf16_dot_products() -> Iterator[None]:
+    """Within: bfloat16 inputs take the float32-FMA path even where AVX512-BF16 runs (tests)."""
+    previous = torch.ops.radixkv.set_bf16_dot_products(False)
+    try:
+        yield
+    finally:
+        torch.ops.radixkv.set_bf16_dot_products(previous)

@@ -147,6 +147,99 @@ inline __m512 sum16(const __m512* v) {
                        _mm512_shuffle_f32x4(y1, y2, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// bfloat16 pairs: a 32-bit word holds two bfloat16 values (low half first), the operand layout of
+// AVX512-BF16's dot product (lane i: a.lo*b.lo + a.hi*b.hi, products exact, sums in float32).
+inline uint32_t load_pair(const c10::BFloat16* p) {
+  uint32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return word;
+}
+
+// st[t][:] = scale * sum_d k[t][d] * q[:][d] for T bfloat16 keys (rows `ks` apart); qtp[d/2][row]
+// holds the pairs (q[row][d], q[row][d+1]).
+template <int RV, int T>
+inline void qk_tile_dp(const uint32_t* qtp, int D, const c10::BFloat16* k, int64_t ks, float* st, float scale) {
+  __m512 acc[T][RV];
+  for (int t = 0; t < T; ++t)
+    for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_setzero_ps();
+  for (int dp = 0; dp < D / 2; ++dp) {
+    __m512bh q[RV];
+    for (int v = 0; v < RV; ++v) q[v] = (__m512bh)_mm512_loadu_si512(qtp + dp * RV * LANES + v * LANES);
+    for (int t = 0; t < T; ++t) {
+      const __m512bh kb = (__m512bh)_mm512_set1_epi32(static_cast<int>(load_pair(k + t * ks + 2 * dp)));
+      for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], q[v], kb);
+    }
+  }
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int t = 0; t < T; ++t)
+    for (int v = 0; v < RV; ++v) _mm512_storeu_ps(st + t * RV * LANES + v * LANES, _mm512_mul_ps(acc[t][v], s));
+}
+
+// ot[d0 + t][:] += sum_j V[j][d0 + t] * P[j][:] over key pairs: pp[j/2][row] = (P[j][row],
+// P[j+1][row]), vp[j/2][d] = (V[j][d], V[j+1][d]).
+template <int RV, int T>
+inline void pv_tile_dp(const uint32_t* pp, int npairs, const uint32_t* vp, int D, int d0, float* ot) {
+  __m512 acc[T][RV];
+  for (int t = 0; t < T; ++t)
+    for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_loadu_ps(ot + (d0 + t) * RV * LANES + v * LANES);
+  for (int jp = 0; jp < npairs; ++jp) {
+    __m512bh pj[RV];
+    for (int v = 0; v < RV; ++v) pj[v] = (__m512bh)_mm512_loadu_si512(pp + jp * RV * LANES + v * LANES);
+    const uint32_t* vr = vp + jp * D + d0;
+    for (int t = 0; t < T; ++t) {
+      const __m512bh vb = (__m512bh)_mm512_set1_epi32(static_cast<int>(vr[t]));
+      for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], pj[v], vb);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int v = 0; v < RV; ++v) _mm512_storeu_ps(ot + (d0 + t) * RV * LANES + v * LANES, acc[t][v]);
+}
+
+// vp[j/2][d] = (V[j][d], V[j+1][d]) for rows [0, n) of V (rows `vs` apart; an odd n pairs the last
+// row with zeros).
+inline void pair_rows(const c10::BFloat16* v, int64_t vs, int n, int D, uint32_t* vp) {
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  for (int j = 0; j < n; j += 2) {
+    const c10::BFloat16* a = v + j * vs;
+    const c10::BFloat16* b = a + vs;
+    uint32_t* out = vp + (j / 2) * D;
+    for (int d = 0; d < D; d += 2 * LANES) {
+      const __mmask32 valid = D - d >= 2 * LANES ? ~__mmask32(0) : __mmask32((1u << (D - d)) - 1);
+      const __m512i ra = _mm512_maskz_loadu_epi16(valid, a + d);
+      const __m512i rb = j + 1 < n ? _mm512_maskz_loadu_epi16(valid, b + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + d, _mm512_permutex2var_epi16(ra, lo, rb));
+      if (D - d > LANES) _mm512_storeu_si512(out + d + LANES, _mm512_permutex2var_epi16(ra, hi, rb));
+    }
+  }
+}
+
+// pp[j/2][row] = (P[j][row], P[j+1][row]) as bfloat16 (to nearest even) for keys [0, n) of a
+// [n][W] float32 block (an odd n pairs the last key with zeros).
+template <int RV>
+inline void pair_probabilities(const float* st, int n, uint32_t* pp) {
+  alignas(64) static const uint16_t idx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                               8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(idx);
+  constexpr int W = RV * LANES;
+  for (int j = 0; j < n; j += 2)
+    for (int v = 0; v < RV; ++v) {
+      const __m512 a = _mm512_loadu_ps(st + j * W + v * LANES);
+      const __m512 b = j + 1 < n ? _mm512_loadu_ps(st + (j + 1) * W + v * LANES) : _mm512_setzero_ps();
+      const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // [a as bf16 x16, b as bf16 x16]
+      _mm512_storeu_si512(pp + (j / 2) * W + v * LANES, _mm512_permutexvar_epi16(interleave, ab));
+    }
+}
+
+bool has_bf16_dot_products() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+std::atomic<bool> allow_bf16_dot_products{true};
+
 struct Problem {
   int64_t B, Hq, Hkv, M, L, D, r;
   int64_t qb, nqb;  // queries per work item, work items per (sequence, KV head)
@@ -155,16 +248,21 @@ struct Problem {
   const int64_t* offsets;  // nullptr: not causal
   float scale;
   bool small;  // rows per item <= SMALL_ROWS: attend_item_small
+  bool dot_products;  // bfloat16 and AVX512-BF16: attend_item<..., DP = true>
 };
 
 struct Scratch {
   std::vector<float> qt, st, ot, kf, vf;
-  explicit Scratch(int64_t D) : qt(D * MAX_ROWS), st(KC * MAX_ROWS), ot(D * MAX_ROWS), kf(KC * D), vf(KC * D) {}
+  std::vector<uint32_t> pairs;  // bfloat16 probability pairs (dot-product path)
+  explicit Scratch(int64_t D)
+      : qt(D * MAX_ROWS), st(KC * MAX_ROWS), ot(D * MAX_ROWS), kf(KC * D), vf(KC * D), pairs(KC / 2 * MAX_ROWS) {}
 };
 
 // One work item: sequence b, KV head h, queries [i0, i0 + nq) of the r query heads h*r .. h*r+r-1.
 // Row j * nq + ii is query head h*r + j, query i0 + ii.
-template <typename T, int RV>
+// DP: bfloat16 inputs on a CPU with AVX512-BF16: products as bfloat16 dot products on pairs (K and
+// Q pairs along D, P and V pairs along the keys), K read in place; else float32 FMAs.
+template <typename T, int RV, bool DP>
 void attend_item(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse, int64_t b, int64_t h,
                  int64_t i0, int64_t nq, Scratch& s) {
   constexpr int W = RV * LANES;
@@ -182,13 +280,18 @@ void attend_item(const Problem& P, const T* q, const T* k, const T* v, T* o, flo
       min_limit = std::min<int32_t>(min_limit, limit[row]);
     }
   }
-  // Qt[d][row] in float32, rows past `rows` zero.
+  // Qt[d][row] in float32 (DP: Qt[d/2][row] bfloat16 pairs), rows past `rows` zero.
   float* qt = s.qt.data();
+  uint32_t* qtp = reinterpret_cast<uint32_t*>(qt);
   std::fill(qt, qt + D * W, 0.0f);
   for (int row = 0; row < rows; ++row) {
     const int64_t hq = h * P.r + row / nq, i = i0 + row % nq;
     const T* qrow = q + b * P.qs[0] + hq * P.qs[1] + i * P.qs[2];
-    for (int d = 0; d < D; ++d) qt[d * W + row] = static_cast<float>(qrow[d]);
+    if constexpr (DP) {
+      for (int d = 0; d < D; d += 2) qtp[(d / 2) * W + row] = load_pair(qrow + d);
+    } else {
+      for (int d = 0; d < D; ++d) qt[d * W + row] = static_cast<float>(qrow[d]);
+    }
   }
   float* ot = s.ot.data();
   std::fill(ot, ot + D * W, 0.0f);
@@ -209,22 +312,30 @@ void attend_item(const Problem& P, const T* q, const T* k, const T* v, T* o, flo
     const int n = std::min<int>(KC, max_limit - c0);
     const float* kc;
     const float* vc;
-    int64_t kstride, vstride;
-    if constexpr (std::is_same_v<T, float>) {
-      kc = kbase + c0 * P.ks[2];
-      vc = vbase + c0 * P.vs[2];
-      kstride = P.ks[2];
-      vstride = P.vs[2];
-    } else {
-      widen_rows(kbase + c0 * P.ks[2], P.ks[2], n, D, s.kf.data());
-      widen_rows(vbase + c0 * P.vs[2], P.vs[2], n, D, s.vf.data());
-      kc = s.kf.data();
-      vc = s.vf.data();
-      kstride = vstride = D;
-    }
+    int64_t kstride = 0, vstride = 0;
     int j = 0;
-    for (; j + TQ <= n; j += TQ) qk_tile<RV, TQ>(qt, D, kc + j * kstride, kstride, st + j * W, P.scale);
-    for (; j < n; ++j) qk_tile<RV, 1>(qt, D, kc + j * kstride, kstride, st + j * W, P.scale);
+    if constexpr (DP) {
+      const T* kr = kbase + c0 * P.ks[2];
+      for (; j + TQ <= n; j += TQ) qk_tile_dp<RV, TQ>(qtp, D, kr + j * P.ks[2], P.ks[2], st + j * W, P.scale);
+      for (; j < n; ++j) qk_tile_dp<RV, 1>(qtp, D, kr + j * P.ks[2], P.ks[2], st + j * W, P.scale);
+      pair_rows(vbase + c0 * P.vs[2], P.vs[2], n, D, reinterpret_cast<uint32_t*>(s.vf.data()));
+      kc = vc = nullptr;
+    } else {
+      if constexpr (std::is_same_v<T, float>) {
+        kc = kbase + c0 * P.ks[2];
+        vc = vbase + c0 * P.vs[2];
+        kstride = P.ks[2];
+        vstride = P.vs[2];
+      } else {
+        widen_rows(kbase + c0 * P.ks[2], P.ks[2], n, D, s.kf.data());
+        widen_rows(vbase + c0 * P.vs[2], P.vs[2], n, D, s.vf.data());
+        kc = s.kf.data();
+        vc = s.vf.data();
+        kstride = vstride = D;
+      }
+      for (; j + TQ <= n; j += TQ) qk_tile<RV, TQ>(qt, D, kc + j * kstride, kstride, st + j * W, P.scale);
+      for (; j < n; ++j) qk_tile<RV, 1>(qt, D, kc + j * kstride, kstride, st + j * W, P.scale);
+    }
     if (c0 + n > min_limit) {  // some row's keys end inside this chunk
       for (j = 0; j < n; ++j) {
         const __m512i pos = _mm512_set1_epi32(c0 + j);
@@ -261,7 +372,14 @@ void attend_item(const Problem& P, const T* q, const T* k, const T* v, T* o, flo
           _mm512_storeu_ps(od, _mm512_mul_ps(_mm512_loadu_ps(od), alpha[vv]));
         }
     }
-    for (int d0 = 0; d0 < D; d0 += TV) pv_tile<RV, TV>(st, n, vc, vstride, d0, ot);
+    if constexpr (DP) {
+      uint32_t* pp = s.pairs.data();
+      pair_probabilities<RV>(st, n, pp);
+      const uint32_t* vp = reinterpret_cast<const uint32_t*>(s.vf.data());
+      for (int d0 = 0; d0 < D; d0 += TV) pv_tile_dp<RV, TV>(pp, (n + 1) / 2, vp, D, d0, ot);
+    } else {
+      for (int d0 = 0; d0 < D; d0 += TV) pv_tile<RV, TV>(st, n, vc, vstride, d0, ot);
+    }
   }
   alignas(64) float mv[W], lv[W];
   for (int vv = 0; vv < RV; ++vv) {
@@ -411,6 +529,15 @@ void attend_small(const Problem& P, const T* q, const T* k, const T* v, T* o, fl
   }
 }
 
+template <typename T, bool DP>
+void attend_rows(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse, int64_t b, int64_t h,
+                 int64_t i0, int64_t nq, int64_t rows, Scratch& s) {
+  if (rows <= 16) attend_item<T, 1, DP>(P, q, k, v, o, lse, b, h, i0, nq, s);
+  else if (rows <= 32) attend_item<T, 2, DP>(P, q, k, v, o, lse, b, h, i0, nq, s);
+  else if (rows <= 48) attend_item<T, 3, DP>(P, q, k, v, o, lse, b, h, i0, nq, s);
+  else attend_item<T, 4, DP>(P, q, k, v, o, lse, b, h, i0, nq, s);
+}
+
 template <typename T>
 void run(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse) {
   const int64_t per_seq = P.Hkv * P.nqb;
@@ -427,10 +554,12 @@ void run(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse)
         const int64_t i0 = blk * P.qb, nq = std::min<int64_t>(P.qb, P.M - i0);
         const int64_t rows = P.r * nq;
         if (P.small) attend_small<T>(P, q, k, v, o, lse, b, h, i0, nq, scratch);
-        else if (rows <= 16) attend_item<T, 1>(P, q, k, v, o, lse, b, h, i0, nq, scratch);
-        else if (rows <= 32) attend_item<T, 2>(P, q, k, v, o, lse, b, h, i0, nq, scratch);
-        else if (rows <= 48) attend_item<T, 3>(P, q, k, v, o, lse, b, h, i0, nq, scratch);
-        else attend_item<T, 4>(P, q, k, v, o, lse, b, h, i0, nq, scratch);
+        else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (P.dot_products) attend_rows<T, true>(P, q, k, v, o, lse, b, h, i0, nq, rows, scratch);
+          else attend_rows<T, false>(P, q, k, v, o, lse, b, h, i0, nq, rows, scratch);
+        } else {
+          attend_rows<T, false>(P, q, k, v, o, lse, b, h, i0, nq, rows, scratch);
+        }
       }
     }
   });
@@ -490,6 +619,7 @@ std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor&
     P.vs[i] = v.stride(i);
   }
   P.scale = static_cast<float>(scale);
+  P.dot_products = q.scalar_type() == at::kBFloat16 && has_bf16_dot_products() && allow_bf16_dot_products.load();
   at::Tensor o = at::empty({P.B, P.Hq, P.M, P.D}, q.options());
   at::Tensor lse = at::empty({P.B, P.Hq, P.M}, q.options().dtype(at::kFloat));
   if (o.numel() == 0) return {o, lse};
@@ -503,9 +633,15 @@ std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor&
   return {o, lse};
 }
 
+// Whether bfloat16 inputs may take the AVX512-BF16 path (tests turn it off to check the other one);
+// returns the previous setting.
+bool set_bf16_dot_products(bool enabled) { return allow_bf16_dot_products.exchange(enabled); }
+
 }  // namespace
 
 TORCH_LIBRARY(radixkv, m) {
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor kv_lens, Tensor? causal_offsets, float scale) -> (Tensor, Tensor)");
   m.impl("attend", c10::DispatchKey::CPU, TORCH_FN(attend));
+  m.def("set_bf16_dot_products(bool enabled) -> bool", set_bf16_dot_products);
+  m.def("has_bf16_dot_products() -> bool", has_bf16_dot_products);
 }

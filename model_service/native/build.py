@@ -22,8 +22,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 SOURCES = [HERE / "attention.cpp"]
 # The kernels use AVX-512 F/BW/VL/DQ (the set torch calls "AVX512"); the library is only loaded
-# where torch reports that capability.
-ISA_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mbmi2"]
+# where torch reports that capability. AVX512-BF16 instructions run only where the CPU has them
+# (checked at run time, attention.cpp).
+ISA_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mbmi2"]
 CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wno-c++20-extensions",
              "-DNDEBUG", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}", *ISA_FLAGS]
 

@@ -6,6 +6,7 @@ Skipped only on CPUs without AVX-512; on one with it, a missing or broken build 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -23,6 +24,13 @@ pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in (
 
 def test_library_is_built_and_loads():
     assert native.unavailable_reason() is None
+    native.has_bf16_dot_products()  # answers either way
+
+
+def test_bf16_dot_product_switch_restores_the_setting():
+    with native.without_bf16_dot_products():
+        assert not torch.ops.radixkv.set_bf16_dot_products(False)
+    assert torch.ops.radixkv.set_bf16_dot_products(True)  # back on after the block
 
 
 def reference(q, k, v, kv_lens, offsets, scale):
@@ -70,15 +78,21 @@ def test_matches_float64_reference(batch, heads, head_dim, num_queries, num_keys
     if causal:  # the queries are the last ones of the visible keys, or earlier (a padded query block)
         offsets = (kv_lens - num_queries + torch.randint(-3, 1, (batch,), generator=gen)).clamp(min=0)
     scale = 1.0 / math.sqrt(head_dim)
-    out, lse = native.attend(q, k, v, kv_lens, offsets, scale)
     ref_out, ref_lse = reference(q, k, v, kv_lens, offsets, scale)
-    assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
-    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
-    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
-    if dtype == torch.float32:
-        torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=2e-6)
-    else:  # float32 arithmetic, the result rounded to bfloat16 once
-        torch.testing.assert_close(out.double(), ref_out, rtol=2 ** -7, atol=2 ** -9)
+    # bfloat16: AVX512-BF16 dot products where the CPU has them, and the float32-FMA path always
+    paths = [contextlib.nullcontext()]
+    if dtype == torch.bfloat16:
+        paths.append(native.without_bf16_dot_products())
+    for path in paths:
+        with path:
+            out, lse = native.attend(q, k, v, kv_lens, offsets, scale)
+        assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
+        assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+        torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=2e-6)
+        else:  # float32 sums (P rounded to bfloat16 before P.V, as torch does), the result rounded once
+            torch.testing.assert_close(out.double(), ref_out, rtol=2 ** -7, atol=2 ** -8)
 
 
 def test_keys_past_the_lengths_are_never_read():

@@ -76,6 +76,18 @@ inline __m512 pv_weight(__m512 p) {
   else return round_to_bf16(p);
 }
 
+// Asks for rows [0, n) of a [n, D] block (rows `stride` elements apart) to be brought into the
+// cache: the next chunk's K and V while this one is computed (the kernels are otherwise bound by
+// memory latency, not bandwidth, on K/V read once per step).
+template <typename T>
+inline void prefetch_rows(const T* src, int64_t stride, int n, int D) {
+  const int bytes = D * static_cast<int>(sizeof(T));
+  for (int j = 0; j < n; ++j) {
+    const char* row = reinterpret_cast<const char*>(src + j * stride);
+    for (int off = 0; off < bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T1);
+  }
+}
+
 // rows [0, n) of a [n, D] block (row stride `stride` elements) widened to float32 [n, D].
 template <typename T>
 inline void widen_rows(const T* src, int64_t stride, int n, int D, float* dst) {
@@ -310,6 +322,11 @@ void attend_item(const Problem& P, const T* q, const T* k, const T* v, T* o, flo
   constexpr int TV = RV == 4 ? 4 : 8;
   for (int c0 = 0; c0 < max_limit; c0 += KC) {
     const int n = std::min<int>(KC, max_limit - c0);
+    if (c0 + KC < max_limit) {
+      const int next = std::min<int>(KC, max_limit - c0 - KC);
+      prefetch_rows(kbase + (c0 + KC) * P.ks[2], P.ks[2], next, D);
+      prefetch_rows(vbase + (c0 + KC) * P.vs[2], P.vs[2], next, D);
+    }
     const float* kc;
     const float* vc;
     int64_t kstride = 0, vstride = 0;
@@ -431,6 +448,11 @@ void attend_item_small(const Problem& P, const T* q, const T* k, const T* v, T* 
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int c0 = 0; c0 < max_limit; c0 += KC) {
     const int n = std::min<int>(KC, max_limit - c0);
+    if (c0 + KC < max_limit) {
+      const int next = std::min<int>(KC, max_limit - c0 - KC);
+      prefetch_rows(kbase + (c0 + KC) * P.ks[2], P.ks[2], next, D);
+      prefetch_rows(vbase + (c0 + KC) * P.vs[2], P.vs[2], next, D);
+    }
     const float* kc;
     const float* vc;
     int64_t kstride, vstride;

@@ -41,6 +41,18 @@ def test_greedy_ties_pick_first_index_like_torch_argmax(sampler: Sampler) -> Non
     assert out.tolist() == [2, 0, 0] == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_greedy_on_16_bit_logits_is_their_argmax(sampler: Sampler, dtype: torch.dtype) -> None:
+    """The model service hands over logits in the model's dtype: same picks, ties included."""
+    logits = random_logits(16).to(dtype)
+    logits[3, [10, 20]] = logits[3].max() + 1  # a tie: the first index wins
+    options = [SamplingOptions(temperature=0.0)] * 16
+    out = sampler.sample(logits, options, [None] * 16)
+    assert torch.equal(out, logits.argmax(dim=-1)) and int(out[3]) == 10
+    mixed = sampler.sample(logits, options[:8] + [SamplingOptions(temperature=0.7, seed=1)] * 8, [None] * 16)
+    assert torch.equal(mixed[:8], logits[:8].argmax(dim=-1))
+
+
 def test_all_greedy_batch_is_one_argmax_without_sorting_or_random_draws(
         sampler: Sampler, monkeypatch: pytest.MonkeyPatch) -> None:
     def forbidden(*args, **kwargs):

@@ -62,3 +62,26 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     rows = x.reshape(-1, x.shape[-1])  # [rows, in]
     out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [None], "")  # [rows, out]
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def warm_up(model: torch.nn.Module, max_rows: int) -> int:
+    """Runs every distinct packed weight shape of `model` once for each row count 1..max_rows.
+
+    oneDNN builds (JIT-compiles) its kernel on the first call of a new (rows, weight) shape, 1-3 ms
+    each (2 EPYC cores): without this, the first steps that meet each decode batch size pay it,
+    about 0.3-0.5 s over the first shared-prefix workload after start. Returns the calls made.
+    """
+    shapes: dict[tuple, tuple[torch.Tensor, int]] = {}
+    for module in model.modules():
+        for holder in (module, getattr(module, "group", None)):  # fused projections keep theirs in a group
+            packed = getattr(holder, "packed_weight", None)
+            weight = getattr(holder, "weight", None)
+            if isinstance(packed, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+                shapes.setdefault((tuple(weight.shape), weight.dtype), (packed, weight.shape[1]))
+    calls = 0
+    with torch.inference_mode():
+        for (_, dtype), (packed, in_features) in shapes.items():
+            for rows in range(1, max_rows + 1):
+                packed_linear(torch.zeros(rows, in_features, dtype=dtype), packed, None)
+                calls += 1
+    return calls

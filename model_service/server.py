@@ -8,6 +8,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,7 @@ from model_service.kv_cache import KVCache, KVCacheSpec
 from model_service.metrics import ModelMetrics
 from model_service.model_loader import load_model
 from model_service.model_runner import ModelRunner
+from model_service.packed_linear import warm_up
 from model_service.sampler import Sampler
 from model_service.scheduler import Scheduler, SchedulerConfig
 from model_service.servicer import METHOD_ROLES, ModelServicer, ServingInfo
@@ -122,6 +124,11 @@ def build_engine(config: ModelServiceConfig, worker_id: str) -> tuple[Engine, Mo
              dtype, backend.name, _kernels_note(backend, config.attention_kernels), num_blocks, config.block_size, kv_cache.num_bytes / 2**20,
              ", float32 products through oneDNN" if config.fp32_gemm == "onednn" and dtype == torch.float32 else "")
     runner = ModelRunner(loaded.model, kv_cache, backend, device, config.fp32_gemm)
+    if device.type == "cpu":
+        started = time.perf_counter()
+        calls = warm_up(loaded.model, config.max_num_seqs)
+        if calls:
+            log.info("oneDNN kernels for 1-%d rows built in %.1f s", config.max_num_seqs, time.perf_counter() - started)
     scheduler = Scheduler(SchedulerConfig(config.block_size, config.max_batch_tokens, config.max_num_seqs,
                                           config.max_waiting, lookahead_blocks=config.lookahead_blocks))
     cache = CacheClient(config.cache_addr, worker_id, num_blocks, config.block_size, loaded.fingerprint,

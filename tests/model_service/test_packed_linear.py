@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_service.fused_linear import fuse_sibling_projections
-from model_service.packed_linear import _available, pack_weight, packed_linear
+from model_service.packed_linear import _available, pack_weight, packed_linear, warm_up
 from model_service.short_gemm import ShortInputLinear, use_short_input_gemm
 
 needs_onednn_bf16 = pytest.mark.skipif(not _available(), reason="torch has no oneDNN bf16 on this CPU")
@@ -91,3 +91,20 @@ def test_float32_layers_take_the_packed_path_only_with_onednn():
     for name, expected in want.items():
         assert torch.equal(default[name](x), expected)  # mkl: F.linear's bits
         torch.testing.assert_close(onednn[name](x), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn_bf16
+def test_warm_up_runs_each_packed_shape_for_every_batch_size():
+    layer = nn.ModuleDict({"q_proj": nn.Linear(16, 16, bias=False), "k_proj": nn.Linear(16, 8, bias=False),
+                           "v_proj": nn.Linear(16, 8, bias=False), "o_proj": nn.Linear(16, 16),
+                           "out": nn.Linear(16, 16)}).bfloat16()
+    fuse_sibling_projections(layer), use_short_input_gemm(layer)
+    x = torch.randn(5, 16).bfloat16()
+    before = {name: m(x) for name, m in layer.items()}
+    # Two packed shapes: the fused q/k/v [32, 16] and o_proj/out [16, 16] (one shape, counted once).
+    assert warm_up(layer, 7) == 2 * 7
+    for name, m in layer.items():
+        assert torch.equal(m(x), before[name])  # nothing changed
+    unpacked = nn.ModuleDict({"o_proj": nn.Linear(16, 16)})
+    use_short_input_gemm(unpacked)  # float32, mkl: nothing packed, nothing to warm
+    assert warm_up(unpacked, 7) == 0

@@ -116,7 +116,8 @@ def ttft_hit_vs_miss(results: Json, out: Path) -> Path | None:
 def _split_rows(d: Json) -> list[tuple[str, float, float]]:
     rows = []
     for key, label in (("radixkv", "radixkv cache on"), ("radixkv_nocache", "radixkv cache defeated"),
-                       ("hf_static", "transformers static"), ("hf_cb", "transformers continuous")):
+                       ("hf_static", "transformers static"), ("hf_cb", "transformers continuous"),
+                       ("radixkv_onednn", "radixkv fp32 oneDNN GEMMs"), ("radixkv_bf16", "radixkv bfloat16")):
         v = d.get(key)
         if not v or "error" in v:
             continue

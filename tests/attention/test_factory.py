@@ -24,6 +24,17 @@ def test_torch_by_name_accepts_device_string():
     assert backend.device == torch.device("cpu")
 
 
+def test_kernels_choice_reaches_the_torch_backend():
+    from model_service import native
+
+    for name in ("auto", "torch"):
+        auto = create_attention_backend(name, **ARGS, dtype=torch.float32, device="cpu")
+        forced = create_attention_backend(name, **ARGS, dtype=torch.float32, device="cpu", kernels="torch")
+        assert auto.native == native.available() and not forced.native
+    with pytest.raises(ValueError, match="kernels"):
+        create_attention_backend("auto", **ARGS, dtype=torch.float32, device="cpu", kernels="fastest")
+
+
 def test_flashinfer_on_cpu_raises_value_error():
     with pytest.raises(ValueError, match="CUDA"):
         create_attention_backend("flashinfer", **ARGS, dtype=torch.float16, device=torch.device("cpu"))

@@ -547,6 +547,11 @@ class TorchAttentionBackend(AttentionBackend):
         merged = merge_states(o_pre, lse_pre, o_suf, lse_suf)  # [members, Hkv, r, D]
         return out.index_copy_(0, c.members, merged.view(-1, self.num_q_heads, hd))
 
+    def _use_native(self, one_sequence: bool, dtype: torch.dtype) -> bool:
+        """Whether a call goes to the native kernel: not in float32 when it attends one sequence over
+        its whole context (torch's call is then bitwise the dense attention transformers computes)."""
+        return self.native and not (one_sequence and dtype == torch.float32)
+
     def _attend_lse(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, g: _RowGather,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention with log-sum-exp of q [num_segs, Hkv, rows, D] over the gathered segments of `g`."""
@@ -581,8 +586,7 @@ class TorchAttentionBackend(AttentionBackend):
                       scale: float) -> torch.Tensor:
         """One query per segment over its gathered context. q: [n, Hq, D] -> [n, Hq, D]."""
         hkv, r = self.num_kv_heads, self.num_q_heads // self.num_kv_heads
-        # float32 single decodes keep torch's call: bitwise what dense attention computes.
-        if self.native and not (g.num_segs == 1 and q.dtype == torch.float32):
+        if self._use_native(g.num_segs == 1, q.dtype):
             out, _ = native.attend(q.reshape(-1, hkv, r, self.head_dim), keys, values, g.lengths, None, scale)
             return out.view(q.shape)  # [n, Hkv, r, D] -> [n, Hq, D]
         if q.dtype in (torch.bfloat16, torch.float16) and q.device.type == "cpu":
@@ -626,8 +630,7 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             queries = q.index_select(0, g.q_pad_index).view(n, max_q, self.num_q_heads, self.head_dim)
             queries = queries.transpose(1, 2)  # [n, Hq, max_q, D]
-        # float32 single prompts keep torch's call: bitwise what dense attention computes.
-        if self.native and not (g.block_ids is None and q.dtype == torch.float32):
+        if self._use_native(g.block_ids is None, q.dtype):
             assert g.kv_lens is not None
             out, _ = native.attend(queries, keys, values, g.kv_lens, g.causal_offsets, scale)
         else:

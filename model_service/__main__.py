@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-kernels", choices=list(KERNEL_MODES), default="auto",
                    help="torch backend on CPU: auto (radixkv's AVX-512 kernels where built and supported, "
                         "model_service/native) or torch (torch's kernels only)")
+    p.add_argument("--linear-kernels", choices=list(KERNEL_MODES), default="auto",
+                   help="float32 linear layers on CPU with --fp32-gemm mkl: auto (radixkv's AVX-512 kernel for "
+                        "inputs of 16+ rows where a probe at start shows it bitwise F.linear; more weight memory) "
+                        "or torch (F.linear only)")
     p.add_argument("--max-batch-tokens", type=positive_int, default=2048,
                    help="token budget per scheduler step (longer prompts are prefilled in chunks)")
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="most requests running at once")
@@ -137,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     config = ModelServiceConfig(
         host=args.host, port=args.port, cache_addr=args.cache_addr, model=args.model, block_size=args.block_size,
         num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory, device=args.device, dtype=args.dtype,
-        attention=args.attention, attention_kernels=args.attention_kernels, fp32_gemm=args.fp32_gemm, max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
+        attention=args.attention, attention_kernels=args.attention_kernels, fp32_gemm=args.fp32_gemm,
+        linear_kernels=args.linear_kernels, max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting, metrics_port=args.metrics_port, worker_id=args.worker_id,
         cache_timeout=args.cache_timeout, cache_pipeline=args.cache_pipeline == "on",
         lookahead_blocks=args.lookahead_blocks, advertise_addr=args.advertise_addr, tls=tls, tokens=tokens,

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_service.attention.base import AttentionBackend
+from model_service.blocked_linear import BlockedWeight
 from model_service.fused_linear import FusedSlice
 from model_service.kv_cache import KVCache
 from model_service.short_gemm import model_linear
@@ -42,14 +43,16 @@ _RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 
 @dataclass(slots=True)
 class _Linear:
-    """One product of a layer: weight [out, in], optional bias, optional packed bf16 copy."""
+    """One product of a layer: weight [out, in], optional bias, optional packed copies (oneDNN's,
+    the blocked float32 kernel's)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     packed: torch.Tensor | None
+    blocked: BlockedWeight | None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return model_linear(x, self.weight, self.bias, self.packed)
+        return model_linear(x, self.weight, self.bias, self.packed, self.blocked)
 
 
 @dataclass(slots=True)
@@ -69,11 +72,11 @@ class _Layer:
 def _linear(module: nn.Module) -> _Linear:
     if isinstance(module, FusedSlice):
         group = module.group
-        return _Linear(group.weight, group.bias, group.packed_weight)
+        return _Linear(group.weight, group.bias, group.packed_weight, group.blocked_weight)
     if not isinstance(module, nn.Linear):
         raise TypeError(f"expected a linear layer, got {type(module).__name__}")
     return _Linear(module.weight.detach(), None if module.bias is None else module.bias.detach(),
-                   getattr(module, "packed_weight", None))
+                   getattr(module, "packed_weight", None), getattr(module, "blocked_weight", None))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model_service.packed_linear import pack_weight
-from model_service.short_gemm import model_linear, short_linear
+from model_service.short_gemm import model_linear, pack_for_cpu, short_linear
 
 SIBLING_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -22,20 +21,21 @@ SIBLING_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class FusedGroup:
     """The concatenated weight of sibling projections and the last fused product."""
 
-    def __init__(self, linears: list[nn.Linear], fp32_gemm: str = "mkl") -> None:
+    def __init__(self, linears: list[nn.Linear], fp32_gemm: str = "mkl", linear_kernels: str = "auto") -> None:
         self.weight = torch.cat([lin.weight.detach() for lin in linears])  # [sum(out), in]
         has_bias = [lin.bias is not None for lin in linears]
         self.bias = torch.cat([lin.bias.detach() for lin in linears]) if all(has_bias) else None
         self.sizes = [lin.out_features for lin in linears]
         self.offsets = [sum(self.sizes[:i]) for i in range(len(linears))]
-        self.packed_weight = pack_weight(self.weight, fp32_gemm)  # oneDNN's layout, once (bf16 on CPU)
+        # oneDNN's layout (bf16 on CPU) or the blocked kernel's (float32), once
+        self.packed_weight, self.blocked_weight = pack_for_cpu(self.weight, self.bias, fp32_gemm, linear_kernels)
         self._input: torch.Tensor | None = None
         self._outputs: tuple[torch.Tensor, ...] = ()
 
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
         if index == 0:
             self._input = x
-            fused = model_linear(x, self.weight, self.bias, self.packed_weight)
+            fused = model_linear(x, self.weight, self.bias, self.packed_weight, self.blocked_weight)
             self._outputs = torch.split(fused, self.sizes, dim=-1)
         elif x is not self._input:
             start, size = self.offsets[index], self.sizes[index]
@@ -61,9 +61,9 @@ class FusedSlice(nn.Module):
         return self.group.output(x, self.index)
 
 
-def fuse_sibling_projections(model: nn.Module, fp32_gemm: str = "mkl") -> int:
+def fuse_sibling_projections(model: nn.Module, fp32_gemm: str = "mkl", linear_kernels: str = "auto") -> int:
     """Fuses every q/k/v and gate/up group of plain `nn.Linear`s; returns how many groups.
-    fp32_gemm: "onednn" packs float32 fused weights for oneDNN too (see packed_linear)."""
+    fp32_gemm, linear_kernels: how the fused weights are packed (short_gemm.pack_for_cpu)."""
     fused = 0
     for module in list(model.modules()):
         for names in SIBLING_GROUPS:
@@ -72,7 +72,7 @@ def fuse_sibling_projections(model: nn.Module, fp32_gemm: str = "mkl") -> int:
                 continue
             if len({(lin.in_features, lin.weight.dtype, lin.weight.device) for lin in linears}) != 1:
                 continue
-            group = FusedGroup(linears, fp32_gemm)
+            group = FusedGroup(linears, fp32_gemm, linear_kernels)
             for index, (name, lin) in enumerate(zip(names, linears, strict=True)):
                 setattr(module, name, FusedSlice(group, index, lin.in_features))
             fused += 1

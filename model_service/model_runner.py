@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
+from model_service.attention import KERNEL_MODES
 from model_service.attention.base import AttentionBackend, BatchLayout
 from model_service.decoder_forward import DecoderForward, supports
 from model_service.fused_linear import fuse_sibling_projections
@@ -67,15 +68,19 @@ class ModelRunner:
     """Executes one scheduler step: packs chunks, plans attention once, runs all layers."""
 
     def __init__(self, model: PreTrainedModel, kv_cache: KVCache, backend: AttentionBackend,
-                 device: torch.device, fp32_gemm: str = "mkl") -> None:
+                 device: torch.device, fp32_gemm: str = "mkl", linear_kernels: str = "auto") -> None:
         """fp32_gemm: "mkl" (F.linear, float32 output bitwise transformers') or "onednn"
-        (weights packed for oneDNN: faster on some CPUs, not bitwise; see packed_linear)."""
+        (weights packed for oneDNN: faster on some CPUs, not bitwise; see packed_linear).
+        linear_kernels: with "mkl", "auto" computes float32 products of 16+ rows with radixkv's
+        AVX-512 kernel where it is bitwise F.linear (blocked_linear), "torch" never."""
         if fp32_gemm not in FP32_GEMMS:
             raise ValueError(f"fp32_gemm must be one of {', '.join(FP32_GEMMS)}, got {fp32_gemm!r}")
         self.model = model
         self.model.set_attn_implementation(ATTENTION_NAME)
-        fuse_sibling_projections(model, fp32_gemm)
-        use_short_input_gemm(model, fp32_gemm)
+        if linear_kernels not in KERNEL_MODES:
+            raise ValueError(f"linear_kernels must be one of {', '.join(KERNEL_MODES)}, got {linear_kernels!r}")
+        fuse_sibling_projections(model, fp32_gemm, linear_kernels)
+        use_short_input_gemm(model, fp32_gemm, linear_kernels)
         if device.type == "cpu":
             choose_paths(linear_weights(model))
         self.kv_cache = kv_cache

@@ -19,6 +19,7 @@ from common.limits import RequestLimits, ServerLimits, id_error
 from common.security import ClientTLS, ServerTLS, add_port
 from model_service import native
 from model_service.attention import AttentionBackend, TorchAttentionBackend, create_attention_backend
+from model_service.blocked_linear import MIN_ROWS
 from model_service.cache_client import CacheClient
 from model_service.engine import Engine, EngineConfig
 from model_service.kv_cache import KVCache, KVCacheSpec
@@ -29,6 +30,7 @@ from model_service.packed_linear import warm_up
 from model_service.sampler import Sampler
 from model_service.scheduler import Scheduler, SchedulerConfig
 from model_service.servicer import METHOD_ROLES, ModelServicer, ServingInfo
+from model_service.short_gemm_tuning import linear_holders
 from model_service.torch_threads import run_in_passing_thread
 from protos import model_pb2
 
@@ -54,6 +56,7 @@ class ModelServiceConfig:
     dtype: str = "auto"
     attention: str = "auto"
     attention_kernels: str = "auto"  # the torch backend's kernels: "auto" (native where built) or "torch"
+    linear_kernels: str = "auto"  # float32 products: "auto" (native where bitwise F.linear) or "torch"
     # float32 products on CPU: "mkl" (F.linear, bitwise transformers) or "onednn" (packed, faster
     # where MKL is slow, e.g. AMD; greedy output may part from transformers' at near ties).
     fp32_gemm: str = "mkl"
@@ -106,6 +109,17 @@ def _kernels_note(backend: AttentionBackend, kernels: str) -> str:
     return f" (torch kernels: native ones {native.unavailable_reason() or 'do not take this model or dtype'})"
 
 
+def _linear_kernels_note(model: torch.nn.Module, kernels: str) -> str:
+    if kernels == "torch":
+        return "F.linear (--linear-kernels torch)"
+    holders = linear_holders(model)
+    blocked = sum(getattr(holder, "blocked_weight", None) is not None for holder in holders)
+    if blocked:
+        rest = "" if blocked == len(holders) else ", the rest F.linear"
+        return f"radixkv AVX-512 kernel, bitwise F.linear ({blocked} of {len(holders)} weights{rest})"
+    return f"F.linear (native kernel: {native.unavailable_reason() or 'no shape summed by MKL in an order it reproduces'})"
+
+
 def build_engine(config: ModelServiceConfig, worker_id: str) -> tuple[Engine, ModelServicer]:
     """Loads the model and wires every part of the service (slow: loads weights)."""
     device = resolve_device(config.device)
@@ -123,7 +137,9 @@ def build_engine(config: ModelServiceConfig, worker_id: str) -> tuple[Engine, Mo
     log.info("model %s on %s (%s), attention %s%s, KV pool %d blocks x %d tokens (%.1f MiB)%s", loaded.name, device,
              dtype, backend.name, _kernels_note(backend, config.attention_kernels), num_blocks, config.block_size, kv_cache.num_bytes / 2**20,
              ", float32 products through oneDNN" if config.fp32_gemm == "onednn" and dtype == torch.float32 else "")
-    runner = ModelRunner(loaded.model, kv_cache, backend, device, config.fp32_gemm)
+    runner = ModelRunner(loaded.model, kv_cache, backend, device, config.fp32_gemm, config.linear_kernels)
+    if device.type == "cpu" and dtype == torch.float32 and config.fp32_gemm == "mkl":
+        log.info("float32 products of %d+ rows: %s", MIN_ROWS, _linear_kernels_note(loaded.model, config.linear_kernels))
     if device.type == "cpu":
         started = time.perf_counter()
         calls = warm_up(loaded.model, config.max_num_seqs)

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_service import blocked_linear
+from model_service.blocked_linear import BlockedWeight
 from model_service.packed_linear import pack_weight, packed_linear
 
 MIN_ROWS = 16  # below this, only very wide layers switch (results may differ in the last bit)
@@ -113,33 +115,52 @@ def short_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def model_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 packed_weight: torch.Tensor | None) -> torch.Tensor:
-    """A model layer's product: through `packed_weight` (pack_weight of `weight`) when there is
-    one for x's dtype, else `short_linear`."""
+                 packed_weight: torch.Tensor | None, blocked_weight: BlockedWeight | None = None) -> torch.Tensor:
+    """A model layer's product: through `packed_weight` (packed_linear.pack_weight of `weight`)
+    when there is one for x's dtype; float32 inputs of blocked_linear.MIN_ROWS rows or more through
+    `blocked_weight` (blocked_linear.pack of `weight`, bitwise F.linear) when there is one; else
+    `short_linear`."""
     if packed_weight is not None and x.dtype == packed_weight.dtype:
         return packed_linear(x, packed_weight, bias)
+    if (blocked_weight is not None and bias is None and x.dtype == torch.float32 and x.device.type == "cpu"
+            and x.numel() >= blocked_linear.MIN_ROWS * x.shape[-1]):
+        return blocked_linear.blocked_linear(x, blocked_weight)
     return short_linear(x, weight, bias)
 
 
 class ShortInputLinear(nn.Linear):
-    """`nn.Linear` whose forward uses `short_linear`, or for bf16 on CPU the oneDNN-packed copy
-    of its weight (`packed_linear`); same parameters."""
+    """`nn.Linear` whose forward is `model_linear`: `short_linear`, the bitwise AVX-512 kernel for
+    float32 inputs of many rows, or for bf16 on CPU the oneDNN-packed copy of its weight; same
+    parameters."""
 
     packed_weight: torch.Tensor | None = None
+    blocked_weight: BlockedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return model_linear(x, self.weight, self.bias, self.packed_weight)
+        return model_linear(x, self.weight, self.bias, self.packed_weight, self.blocked_weight)
 
 
-def use_short_input_gemm(model: nn.Module, fp32_gemm: str = "mkl") -> int:
+def pack_for_cpu(weight: torch.Tensor, bias: torch.Tensor | None, fp32_gemm: str,
+                 linear_kernels: str) -> tuple[torch.Tensor | None, BlockedWeight | None]:
+    """The packed copies `model_linear` takes for this weight: oneDNN's (bf16; float32 with
+    fp32_gemm="onednn") and the blocked kernel's (float32 with fp32_gemm="mkl" and
+    linear_kernels="auto", where it is bitwise F.linear)."""
+    packed = pack_weight(weight, fp32_gemm)
+    blocked = None
+    if packed is None and bias is None and fp32_gemm == "mkl" and linear_kernels == "auto":
+        blocked = blocked_linear.pack(weight)
+    return packed, blocked
+
+
+def use_short_input_gemm(model: nn.Module, fp32_gemm: str = "mkl", linear_kernels: str = "auto") -> int:
     """Switches every plain `nn.Linear` of the model to `ShortInputLinear` in place (parameters
-    and weight tying untouched) and packs bf16 CPU weights (float32 ones too with
-    fp32_gemm="onednn", see packed_linear); returns how many. Only CPU float32 and bfloat16
-    inputs take another path than `F.linear`."""
+    and weight tying untouched) and packs CPU weights for it (`pack_for_cpu`); returns how many.
+    Only CPU float32 and bfloat16 inputs take another path than `F.linear`."""
     switched = 0
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = ShortInputLinear
-            module.packed_weight = pack_weight(module.weight, fp32_gemm)
+            module.packed_weight, module.blocked_weight = pack_for_cpu(module.weight, module.bias, fp32_gemm,
+                                                                       linear_kernels)
             switched += 1
     return switched

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from model_service import short_gemm
-from model_service.fused_linear import FusedSlice
+from model_service.fused_linear import FusedGroup, FusedSlice
 from model_service.short_gemm import ShortInputLinear, ShortInputPaths, short_linear, single_token_step
 
 log = logging.getLogger(__name__)
@@ -50,16 +50,21 @@ def _pass_s(weights: list[torch.Tensor], rows: int,
     return statistics.median(times)
 
 
-def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The weight of every product the model's linear layers compute (a fused group's once)."""
-    weights, groups = [], set()
+def linear_holders(model: torch.nn.Module) -> list[ShortInputLinear | FusedGroup]:
+    """What holds each product the model's linear layers compute: a layer, or a fused group once."""
+    holders, groups = [], set()
     for module in model.modules():
         if isinstance(module, ShortInputLinear):
-            weights.append(module.weight)
+            holders.append(module)
         elif isinstance(module, FusedSlice) and id(module.group) not in groups:
             groups.add(id(module.group))
-            weights.append(module.group.weight)
-    return weights
+            holders.append(module.group)
+    return holders
+
+
+def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The weight of every product the model's linear layers compute (a fused group's once)."""
+    return [holder.weight for holder in linear_holders(model)]
 
 
 def choose_paths(weights: Iterable[torch.Tensor], repeats: int = REPEATS) -> ShortInputPaths:

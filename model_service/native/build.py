@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-SOURCES = [HERE / "attention.cpp"]
+SOURCES = [HERE / "attention.cpp", HERE / "linear.cpp"]
 # The kernels use AVX-512 F/BW/VL/DQ (the set torch calls "AVX512"); the library is only loaded
 # where torch reports that capability. AVX512-BF16 instructions run only where the CPU has them
 # (checked at run time, attention.cpp).

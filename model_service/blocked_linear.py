@@ -1,0 +1,116 @@
+"""float32 linear layers on CPU through radixkv's AVX-512 kernel, bitwise what `F.linear` gives.
+
+Greedy output must equal transformers' token for token, and transformers' float32 products are
+`F.linear`, i.e. MKL's sgemm. On AMD CPUs MKL takes a generic code path (it dispatches by vendor,
+not by instruction set): ~100 GFLOPS on 2 EPYC cores, where AVX-512 FMAs reach ~400. Measured on
+those cores (torch 2.13), MKL sums every output of 4 or more rows in one fixed order: FMA chains
+over blocks of 192 consecutive k, the block sums added left to right. `radixkv::blocked_linear`
+(native/linear.cpp) computes exactly that order with AVX-512, so its results are F.linear's bit
+for bit, 2.4-3.5x faster (SmolLM2-135M products, 16-1056 rows).
+
+That MKL's order is an observation, not a contract: another CPU, MKL version or thread count may
+sum differently (with 2 threads MKL splits 5-15 rows into per-thread parts of under 4 rows, which
+take another kernel). So at load `pack` probes each weight: the kernel must equal F.linear bit for
+bit on random inputs of many row counts from MIN_ROWS up, with one of BLOCK_CANDIDATES as the block;
+a weight that fails keeps F.linear. The order depends on the shape, not on the values, so each
+distinct shape is probed once per process (about a second in all for SmolLM2-135M). Inputs of fewer than MIN_ROWS rows always keep the existing
+paths (short_gemm.py). The packed copy costs as much memory as the float32 weight itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from model_service import native
+
+log = logging.getLogger(__name__)
+
+LANES = 16  # output features per packed stripe
+MIN_ROWS = 16  # fewer rows keep F.linear / short_gemm's paths (MKL sums 2-15 rows in other orders)
+BLOCK_CANDIDATES = (192, 256, 128, 384, 512, 96, 64)  # k per block; 192 is MKL's on AMD EPYC (torch 2.13)
+# Row counts the probe checks, most telling first: every decode batch size from 16 to 64, then prefill chunks.
+PROBE_ROWS = (16, 17, 31, 32, 33, 47, 64, *range(18, 31), *range(34, 47), *range(48, 64), 96, 257, 1056, 2048)
+PROBE_FLOPS = 1e10  # per weight shape: rows are probed while their products stay under this many flops
+
+
+class BlockedWeight(NamedTuple):
+    """A float32 weight [out, in] packed for `blocked_linear`, with the block that matches F.linear."""
+
+    packed: torch.Tensor  # [ceil(out / 16), in, 16], zero padded
+    out_features: int
+    block: int
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] -> [ceil(out / 16), in, 16]: stripes of 16 output features, k-major."""
+    out_features, in_features = weight.shape
+    stripes = -(-out_features // LANES)
+    padded = F.pad(weight.detach().float(), (0, 0, 0, stripes * LANES - out_features))  # [stripes * 16, in]
+    return padded.view(stripes, LANES, in_features).transpose(1, 2).contiguous()
+
+
+def blocked_linear(x: torch.Tensor, weight: BlockedWeight) -> torch.Tensor:
+    """`F.linear(x, W)` for `weight = pack(W)`. x: [..., in] float32 on CPU -> [..., out]."""
+    rows = x.reshape(-1, x.shape[-1])  # [rows, in]
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.ops.radixkv.blocked_linear(rows, weight.packed, weight.out_features, weight.block)  # [rows, out]
+    return out.view(*x.shape[:-1], weight.out_features)
+
+
+def _probe_rows(weight: torch.Tensor) -> list[int]:
+    flops_per_row = 2 * weight.shape[0] * weight.shape[1]
+    rows, spent = [], 0.0
+    for r in PROBE_ROWS:
+        if spent + r * flops_per_row > PROBE_FLOPS and rows:
+            continue
+        rows.append(r)
+        spent += r * flops_per_row
+    return rows
+
+
+def find_block(weight: torch.Tensor, packed: torch.Tensor, generator: torch.Generator) -> int | None:
+    """The block size with which `blocked_linear` equals F.linear bit for bit on every probed row
+    count, or None."""
+    weight = weight.detach()
+    candidates = [b for b in BLOCK_CANDIDATES if b < weight.shape[1]] + [weight.shape[1]]
+    rows_list = _probe_rows(weight)
+    inputs = {r: torch.randn(r, weight.shape[1], generator=generator) for r in rows_list}  # [rows, in]
+    wants = {}
+    for block in dict.fromkeys(candidates):
+        candidate = BlockedWeight(packed, weight.shape[0], block)
+        for rows in rows_list:
+            if rows not in wants:
+                wants[rows] = F.linear(inputs[rows], weight)
+            if not torch.equal(blocked_linear(inputs[rows], candidate), wants[rows]):
+                break
+        else:
+            return block
+        if len(wants) > 1:  # it matched some row counts and not others: no block will match them all
+            return None
+    return None
+
+
+_blocks: dict[tuple[int, int, int], int | None] = {}  # (out, in, threads) -> find_block's answer
+
+
+def pack(weight: torch.Tensor) -> BlockedWeight | None:
+    """`weight` packed for `blocked_linear` if the kernel runs here and reproduces F.linear on its
+    shape bit for bit (probed once per shape and thread count), else None."""
+    if (weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu"
+            or min(weight.shape) == 0 or not native.available()):
+        return None
+    packed = pack_weight(weight)
+    key = (*weight.shape, torch.get_num_threads())
+    if key not in _blocks:
+        with torch.inference_mode():
+            _blocks[key] = find_block(weight, packed, torch.Generator().manual_seed(0))
+        if _blocks[key] is None:
+            log.info("float32 %s products: MKL sums in an order not reproduced here; they keep F.linear",
+                     tuple(weight.shape))
+    block = _blocks[key]
+    return None if block is None else BlockedWeight(packed, weight.shape[0], block)

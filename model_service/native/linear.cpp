@@ -29,11 +29,12 @@ namespace {
 constexpr int64_t LANES = 16;  // output features per stripe (one zmm of float32)
 constexpr int MAX_MR = 8;      // rows per micro-kernel
 constexpr int MAX_NS = 3;      // stripes per micro-kernel (and per work item)
+constexpr int64_t PREFETCH_K = 32;  // the first rows of a tile prefetch the weight this many k ahead
 constexpr int64_t ROW_TILE = 64;  // rows per work item: its C tile (64 x 48 floats) stays in L1
 
 // C[0:MR, 0:16*NS] (+)= x[0:MR, k0:k1] . W[k0:k1, stripes]: FMA chains from 0 over k in order, then
 // stored (first block) or added to C. `last_mask`: the valid lanes of the last stripe.
-template <int MR, int NS>
+template <int MR, int NS, bool PREFETCH>
 inline void micro(const float* x, int64_t ldx, const float* w, int64_t stripe_stride, int64_t k0, int64_t k1,
                   float* c, int64_t ldc, bool first, __mmask16 last_mask) {
   __m512 acc[MR][NS];
@@ -44,7 +45,10 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t stripe_st
   for (int64_t k = k0; k < k1; ++k) {
     __m512 wv[NS];
 #pragma GCC unroll 3
-    for (int s = 0; s < NS; ++s) wv[s] = _mm512_loadu_ps(w + s * stripe_stride + k * LANES);
+    for (int s = 0; s < NS; ++s) {
+      wv[s] = _mm512_loadu_ps(w + s * stripe_stride + k * LANES);
+      if constexpr (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(w + s * stripe_stride + (k + PREFETCH_K) * LANES), _MM_HINT_T0);
+    }
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
@@ -67,27 +71,30 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t stripe_st
 using Micro = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t, bool,
                        __mmask16);
 
-template <int MR>
+template <int MR, bool PF>
 Micro pick_ns(int ns) {
   switch (ns) {
-    case 1: return micro<MR, 1>;
-    case 2: return micro<MR, 2>;
-    default: return micro<MR, 3>;
+    case 1: return micro<MR, 1, PF>;
+    case 2: return micro<MR, 2, PF>;
+    default: return micro<MR, 3, PF>;
   }
 }
 
-Micro pick(int mr, int ns) {
+template <bool PF>
+Micro pick_mr(int mr, int ns) {
   switch (mr) {
-    case 1: return pick_ns<1>(ns);
-    case 2: return pick_ns<2>(ns);
-    case 3: return pick_ns<3>(ns);
-    case 4: return pick_ns<4>(ns);
-    case 5: return pick_ns<5>(ns);
-    case 6: return pick_ns<6>(ns);
-    case 7: return pick_ns<7>(ns);
-    default: return pick_ns<8>(ns);
+    case 1: return pick_ns<1, PF>(ns);
+    case 2: return pick_ns<2, PF>(ns);
+    case 3: return pick_ns<3, PF>(ns);
+    case 4: return pick_ns<4, PF>(ns);
+    case 5: return pick_ns<5, PF>(ns);
+    case 6: return pick_ns<6, PF>(ns);
+    case 7: return pick_ns<7, PF>(ns);
+    default: return pick_ns<8, PF>(ns);
   }
 }
+
+Micro pick(int mr, int ns, bool prefetch) { return prefetch ? pick_mr<true>(mr, ns) : pick_mr<false>(mr, ns); }
 
 // x [M, K] (last dim contiguous); packed [ceil(N/16), K, 16] contiguous float32 (pack_linear_weight
 // in model_service/blocked_linear.py); block: k per block (>= 1). Returns x @ W.T as [M, N].
@@ -126,7 +133,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
           const int64_t k1 = std::min(K, k0 + block);
           for (int64_t m0 = m_begin; m0 < m_end; m0 += MAX_MR) {
             const int mr = static_cast<int>(std::min<int64_t>(MAX_MR, m_end - m0));
-            pick(mr, static_cast<int>(ns))(xp + m0 * ldx, ldx, w, stripe_stride, k0, k1, cp + m0 * N + s0 * LANES, N,
+            pick(mr, static_cast<int>(ns), m0 == m_begin)(xp + m0 * ldx, ldx, w, stripe_stride, k0, k1, cp + m0 * N + s0 * LANES, N,
                                            k0 == 0, last_mask);
           }
         }

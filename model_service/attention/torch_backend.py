@@ -113,6 +113,10 @@ class _RowGather:
     kv_len: int
     attn_mask: torch.Tensor | None  # [num_segs, 1, 1, kv_len] additive; None: all segments full
     lengths: torch.Tensor  # [num_segs] int64 on the host: each segment's tokens (the native kernel's mask)
+    # The same segments as the native paged kernel reads them in place (host int64): each
+    # segment's block table row and its first position there.
+    tables: torch.Tensor  # [num_segs, width]
+    starts: torch.Tensor  # [num_segs]
     offset: int = 0  # first row of this gather in the step's decode gather
 
     @property
@@ -404,7 +408,8 @@ class TorchAttentionBackend(AttentionBackend):
             rows = torch.where(valid[:, None, :], rows, last_row[:, :, None] + torch.arange(hkv)[None, :, None])
             attn_mask = self._additive(valid)[:, None, None, :]  # [m, 1, 1, span]
         return _RowGather(rows=rows.reshape(-1).to(self.device, non_blocking=True), num_segs=m, kv_len=span,
-                          attn_mask=_to(attn_mask, self.device), lengths=length.contiguous())
+                          attn_mask=_to(attn_mask, self.device), lengths=length.contiguous(),
+                          tables=tables.contiguous(), starts=start.contiguous())
 
     def _plan_group(self, layout: BatchLayout, seq_idx: torch.Tensor | None, qlens: torch.Tensor,
                     slens: torch.Tensor, rows: torch.Tensor | None = None) -> _Group:
@@ -507,23 +512,33 @@ class TorchAttentionBackend(AttentionBackend):
         stored: this layer's still valid copy of the cascade prefixes, if the store has one."""
         assert self._k_scratch is not None and self._v_scratch is not None
         hd = self.head_dim
-        # Every other K/V row the decode part reads, in one gather each (K, V).
-        total = int(d.gather_rows.shape[0])
-        k_rows = self._k_scratch[:total * hd].view(total, hd)
-        v_rows = self._v_scratch[:total * hd].view(total, hd)
-        torch.index_select(k_cache.view(-1, hd), 0, d.gather_rows, out=k_rows)
-        torch.index_select(v_cache.view(-1, hd), 0, d.gather_rows, out=v_rows)
-
-        def kv(g: _RowGather) -> tuple[torch.Tensor, torch.Tensor]:  # [num_segs, Hkv, kv_len, D] each
-            shape = (g.num_segs, self.num_kv_heads, g.kv_len, hd)
-            return (k_rows[g.offset:g.offset + g.num_rows].view(shape),
-                    v_rows[g.offset:g.offset + g.num_rows].view(shape))
-
+        hkv, r = self.num_kv_heads, self.num_q_heads // self.num_kv_heads
         c = d.cascade
+        # The native kernel reads the suffixes and ungrouped contexts in place from the paged
+        # cache; float32 single decodes keep torch's call (bitwise dense attention) on a gather.
+        paged = self.native and not (c is None and d.num_seqs == 1 and q.dtype == torch.float32)
+        if not paged:  # every other K/V row the decode part reads, in one gather each (K, V)
+            total = int(d.gather_rows.shape[0])
+            k_rows = self._k_scratch[:total * hd].view(total, hd)
+            v_rows = self._v_scratch[:total * hd].view(total, hd)
+            torch.index_select(k_cache.view(-1, hd), 0, d.gather_rows, out=k_rows)
+            torch.index_select(v_cache.view(-1, hd), 0, d.gather_rows, out=v_rows)
+
+        def attend_rows(g: _RowGather, q_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """q_rows [num_segs, Hkv, r, D] over the segments of g -> (o, lse)."""
+            if paged:
+                return native.attend_paged(q_rows, k_cache, v_cache, g.tables, g.starts, g.lengths, scale)
+            shape = (g.num_segs, hkv, g.kv_len, hd)  # [num_segs, Hkv, kv_len, D] each
+            keys = k_rows[g.offset:g.offset + g.num_rows].view(shape)
+            values = v_rows[g.offset:g.offset + g.num_rows].view(shape)
+            if g is d.plain:
+                return self._attend_plain(g, q_rows.reshape(-1, self.num_q_heads, hd), keys, values, scale), None
+            return self._attend_lse(q_rows, keys, values, g, scale)
+
         if c is None:
             assert d.plain is not None
-            return self._attend_plain(d.plain, q, *kv(d.plain), scale)
-        hkv, r = self.num_kv_heads, self.num_q_heads // self.num_kv_heads
+            out, _ = attend_rows(d.plain, q.reshape(-1, hkv, r, hd))
+            return out.reshape(q.shape)
         prefix_k, prefix_v = self._prefix_kv(c.prefix, k_cache, v_cache, stored)  # [G, Hkv, len, D] each
         # Prefix: the r heads of every member of group g that read KV head h form one query block.
         qg = q[c.prefix_q_seq, c.prefix_q_head]  # [G, Hkv, max_members * r, D]
@@ -533,17 +548,17 @@ class TorchAttentionBackend(AttentionBackend):
         # The rest: members over their own blocks after the shared ones (query head h * r + j
         # reads KV head h), in the combined call ungrouped sequences over their whole context.
         if c.combined:
-            o_rest, lse_rest = self._attend_lse(q.reshape(-1, hkv, r, hd), *kv(c.rest), c.rest, scale)
+            o_rest, lse_rest = attend_rows(c.rest, q.reshape(-1, hkv, r, hd))
             out = o_rest.reshape(d.num_seqs, self.num_q_heads, hd)  # ungrouped rows are final
             o_suf, lse_suf = o_rest.index_select(0, c.members), lse_rest.index_select(0, c.members)
         else:
             q_suf = q.index_select(0, c.members).view(-1, hkv, r, hd)  # [members, Hkv, r, D]
-            o_suf, lse_suf = self._attend_lse(q_suf, *kv(c.rest), c.rest, scale)
+            o_suf, lse_suf = attend_rows(c.rest, q_suf)
             out = q.new_empty(d.num_seqs, self.num_q_heads, hd)
             if d.plain is not None:
                 assert d.plain_seqs is not None
-                plain_q = q.index_select(0, d.plain_seqs)
-                out.index_copy_(0, d.plain_seqs, self._attend_plain(d.plain, plain_q, *kv(d.plain), scale))
+                plain_o, _ = attend_rows(d.plain, q.index_select(0, d.plain_seqs).view(-1, hkv, r, hd))
+                out.index_copy_(0, d.plain_seqs, plain_o.reshape(-1, self.num_q_heads, hd))
         merged = merge_states(o_pre, lse_pre, o_suf, lse_suf)  # [members, Hkv, r, D]
         return out.index_copy_(0, c.members, merged.view(-1, self.num_q_heads, hd))
 

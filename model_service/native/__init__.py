@@ -60,6 +60,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Ten
     return torch.ops.radixkv.attend(q, k, v, kv_lens, causal_offsets, scale)
 
 
+def attend_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 starts: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend` for decodes, reading K/V in place from the paged caches [num_blocks, block_size,
+    Hkv, D] (no gathered copy). q [B, Hq, M, D] with (Hq / Hkv) * M <= 8; block_tables int64
+    [B, width]; sequence b attends over its tokens starts[b] .. starts[b] + kv_lens[b] - 1 (int64
+    [B] each). Every block read is checked to exist. Returns o [B, Hq, M, D] and lse [B, Hq, M]."""
+    return torch.ops.radixkv.attend_paged(q, k_cache, v_cache, block_tables, starts, kv_lens, scale)
+
+
 def has_bf16_dot_products() -> bool:
     """Whether bfloat16 attention runs on AVX512-BF16 dot products here (else float32 FMAs)."""
     return bool(torch.ops.radixkv.has_bf16_dot_products())

@@ -260,6 +260,11 @@ struct Problem {
   const int64_t* offsets;  // nullptr: not causal
   float scale;
   bool small;  // rows per item <= SMALL_ROWS: attend_item_small
+  // Paged K/V (attend_paged, small items only): key j of sequence b is token starts[b] + j of its
+  // block table row; k and v point at caches [num_blocks, block_size, Hkv, D].
+  const int64_t* tables = nullptr;  // [B, table_width]
+  const int64_t* starts = nullptr;  // [B]
+  int64_t table_width = 0, block_size = 0;
   bool dot_products;  // bfloat16 and AVX512-BF16: attend_item<..., DP = true>
 };
 
@@ -415,6 +420,14 @@ void attend_item(const Problem& P, const T* q, const T* k, const T* v, T* o, flo
 // A work item of R <= 8 rows (a decode: the r query heads of a KV head), keys in the vector lanes:
 // a score is a dot product along D (16 keys' partial sums added up by sum16), and P·V broadcasts
 // each key's probability over its V row. With few rows this reads K/V once and wastes no lanes.
+// Element offset of key `pos` of sequence b, KV head h, in k (ks) or v (vs): strided or paged.
+inline int64_t row_offset(const Problem& P, const int64_t* strides, int64_t b, int64_t h, int64_t pos) {
+  if (P.tables == nullptr) return b * strides[0] + h * strides[1] + pos * strides[2];
+  const int64_t token = P.starts[b] + pos;
+  const int64_t slot = P.tables[b * P.table_width + token / P.block_size] * P.block_size + token % P.block_size;
+  return (slot * P.Hkv + h) * P.D;
+}
+
 template <typename T, int R>
 void attend_item_small(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse, int64_t b,
                        int64_t h, int64_t i0, int64_t nq, Scratch& s) {
@@ -442,31 +455,34 @@ void attend_item_small(const Problem& P, const T* q, const T* k, const T* v, T* 
     m[row] = -std::numeric_limits<float>::infinity();
     l[row] = 0.0f;
   }
-  const T* kbase = k + b * P.ks[0] + h * P.ks[1];
-  const T* vbase = v + b * P.vs[0] + h * P.vs[1];
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  // The rows of a chunk, read in place (float32) or widened into the scratch (bfloat16).
+  const float* krow[KC];
+  const float* vrow[KC];
   for (int c0 = 0; c0 < max_limit; c0 += KC) {
     const int n = std::min<int>(KC, max_limit - c0);
-    if (c0 + KC < max_limit) {
-      const int next = std::min<int>(KC, max_limit - c0 - KC);
-      prefetch_rows(kbase + (c0 + KC) * P.ks[2], P.ks[2], next, D);
-      prefetch_rows(vbase + (c0 + KC) * P.vs[2], P.vs[2], next, D);
+    const int next = std::min<int>(KC, max_limit - c0 - KC);  // <= 0 at the last chunk
+    for (int j = 0; j < next; ++j) {
+      const char* kr = reinterpret_cast<const char*>(k + row_offset(P, P.ks, b, h, c0 + KC + j));
+      const char* vr = reinterpret_cast<const char*>(v + row_offset(P, P.vs, b, h, c0 + KC + j));
+      for (int off = 0; off < D * static_cast<int>(sizeof(T)); off += 64) {
+        _mm_prefetch(kr + off, _MM_HINT_T1);
+        _mm_prefetch(vr + off, _MM_HINT_T1);
+      }
     }
-    const float* kc;
-    const float* vc;
-    int64_t kstride, vstride;
-    if constexpr (std::is_same_v<T, float>) {
-      kc = kbase + c0 * P.ks[2];
-      vc = vbase + c0 * P.vs[2];
-      kstride = P.ks[2];
-      vstride = P.vs[2];
-    } else {
-      widen_rows(kbase + c0 * P.ks[2], P.ks[2], n, D, s.kf.data());
-      widen_rows(vbase + c0 * P.vs[2], P.vs[2], n, D, s.vf.data());
-      kc = s.kf.data();
-      vc = s.vf.data();
-      kstride = vstride = D;
+    for (int j = 0; j < n; ++j) {
+      const T* kr = k + row_offset(P, P.ks, b, h, c0 + j);
+      const T* vr = v + row_offset(P, P.vs, b, h, c0 + j);
+      if constexpr (std::is_same_v<T, float>) {
+        krow[j] = kr;
+        vrow[j] = vr;
+      } else {
+        widen_rows(kr, 0, 1, D, s.kf.data() + j * D);
+        widen_rows(vr, 0, 1, D, s.vf.data() + j * D);
+        krow[j] = s.kf.data() + j * D;
+        vrow[j] = s.vf.data() + j * D;
+      }
     }
     const int groups = (n + LANES - 1) / LANES;
     const __m512 scale = _mm512_set1_ps(P.scale);
@@ -478,7 +494,7 @@ void attend_item_small(const Problem& P, const T* q, const T* k, const T* v, T* 
           const int key = g * LANES + j;
           acc[j] = _mm512_setzero_ps();
           if (key < n) {
-            const float* kr = kc + key * kstride;
+            const float* kr = krow[key];
             for (int d = 0; d < D; d += LANES)
               acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(kr + d), acc[j]);
           }
@@ -515,7 +531,7 @@ void attend_item_small(const Problem& P, const T* q, const T* k, const T* v, T* 
         for (int t = 0; t < DB; ++t)
           acc[row][t] = t < nb ? _mm512_loadu_ps(ot + row * D + d0 + t * LANES) : _mm512_setzero_ps();
       for (int j = 0; j < n; ++j) {
-        const float* vr = vc + j * vstride + d0;
+        const float* vr = vrow[j] + d0;
         __m512 vv[DB];
         for (int t = 0; t < DB; ++t) vv[t] = t < nb ? _mm512_loadu_ps(vr + t * LANES) : _mm512_setzero_ps();
         for (int row = 0; row < R; ++row) {
@@ -655,6 +671,73 @@ std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor&
   return {o, lse};
 }
 
+// Decode attention straight from the paged caches, no gathered copy: q [B, Hq, M, D] with
+// (Hq / Hkv) * M <= 8 rows per KV head (decodes); k_cache, v_cache [num_blocks, block_size, Hkv, D]
+// contiguous; block_tables int64 [B, width]; starts, kv_lens int64 [B]: sequence b attends over the
+// tokens starts[b] .. starts[b] + kv_lens[b] - 1 of its table row. Returns (o, lse) as attend().
+std::tuple<at::Tensor, at::Tensor> attend_paged(const at::Tensor& q, const at::Tensor& k_cache,
+                                                const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                const at::Tensor& starts, const at::Tensor& kv_lens, double scale) {
+  check_layout(q, "q");
+  check_layout(k_cache, "k_cache");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must be contiguous [num_blocks, block_size, Hkv, D] of one shape");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q, k_cache, v_cache dtypes differ");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "dtype must be float32 or bfloat16");
+  Problem P{};
+  P.B = q.size(0);
+  P.Hq = q.size(1);
+  P.M = q.size(2);
+  P.D = q.size(3);
+  const int64_t num_blocks = k_cache.size(0);
+  P.block_size = k_cache.size(1);
+  P.Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == P.D, "k_cache head_dim ", k_cache.size(3), " != q's ", P.D);
+  TORCH_CHECK(P.Hkv > 0 && P.Hq % P.Hkv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(P.D % LANES == 0 && P.D <= MAX_D, "head_dim must be a multiple of 16, at most ", MAX_D);
+  P.r = P.Hq / P.Hkv;
+  TORCH_CHECK(P.r * P.M <= SMALL_ROWS, "attend_paged takes at most ", SMALL_ROWS, " query rows per KV head");
+  for (const auto* t : {&block_tables, &starts, &kv_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "block_tables, starts, kv_lens must be contiguous int64");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == P.B, "block_tables must be [batch, width]");
+  TORCH_CHECK(starts.numel() == P.B && kv_lens.numel() == P.B, "starts and kv_lens must be [batch]");
+  P.tables = block_tables.data_ptr<int64_t>();
+  P.table_width = block_tables.size(1);
+  P.starts = starts.data_ptr<int64_t>();
+  P.kv_lens = kv_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < P.B; ++b) {  // every block a sequence reads must exist: no read out of the caches
+    const int64_t first = P.starts[b], len = P.kv_lens[b];
+    TORCH_CHECK(first >= 0 && len >= 1, "sequence ", b, ": starts must be >= 0 and kv_lens >= 1");
+    const int64_t last_col = (first + len - 1) / P.block_size;
+    TORCH_CHECK(last_col < P.table_width, "sequence ", b, " needs block column ", last_col, ", the table has ",
+                P.table_width);
+    for (int64_t c = first / P.block_size; c <= last_col; ++c) {
+      const int64_t blk = P.tables[b * P.table_width + c];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "sequence ", b, " block ", blk, " not in [0, ", num_blocks, ")");
+    }
+  }
+  P.offsets = nullptr;
+  P.small = true;
+  P.qb = P.M;
+  P.nqb = 1;
+  for (int i = 0; i < 3; ++i) P.qs[i] = q.stride(i);
+  P.scale = static_cast<float>(scale);
+  P.dot_products = false;
+  at::Tensor o = at::empty({P.B, P.Hq, P.M, P.D}, q.options());
+  at::Tensor lse = at::empty({P.B, P.Hq, P.M}, q.options().dtype(at::kFloat));
+  if (o.numel() == 0) return {o, lse};
+  if (q.scalar_type() == at::kFloat) {
+    run<float>(P, q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), o.data_ptr<float>(),
+               lse.data_ptr<float>());
+  } else {
+    using BF = c10::BFloat16;
+    run<BF>(P, q.data_ptr<BF>(), k_cache.data_ptr<BF>(), v_cache.data_ptr<BF>(), o.data_ptr<BF>(),
+            lse.data_ptr<float>());
+  }
+  return {o, lse};
+}
+
 // Whether bfloat16 inputs may take the AVX512-BF16 path (tests turn it off to check the other one);
 // returns the previous setting.
 bool set_bf16_dot_products(bool enabled) { return allow_bf16_dot_products.exchange(enabled); }
@@ -664,6 +747,9 @@ bool set_bf16_dot_products(bool enabled) { return allow_bf16_dot_products.exchan
 TORCH_LIBRARY(radixkv, m) {
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor kv_lens, Tensor? causal_offsets, float scale) -> (Tensor, Tensor)");
   m.impl("attend", c10::DispatchKey::CPU, TORCH_FN(attend));
+  m.def("attend_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor starts, Tensor kv_lens, "
+        "float scale) -> (Tensor, Tensor)");
+  m.impl("attend_paged", c10::DispatchKey::CPU, TORCH_FN(attend_paged));
   m.def("set_bf16_dot_products(bool enabled) -> bool", set_bf16_dot_products);
   m.def("has_bf16_dot_products() -> bool", has_bf16_dot_products);
 }

@@ -178,3 +178,46 @@ def test_backend_takes_the_native_kernels_where_planned(dtype):
     if dtype == torch.float32:  # the single prompt (no cached prefix) is torch's call in both
         rows = slice(0, 200)
         assert torch.equal(outs["auto"][rows], outs["torch"][rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1), (4, 4)])
+def test_paged_decode_reads_the_cache_in_place_exactly_as_a_gather(dtype, heads):
+    """attend_paged over shuffled blocks and unaligned starts = attend over the gathered copy, bit for bit."""
+    hq, hkv = heads
+    gen = torch.Generator().manual_seed(hq)
+    num_blocks, bs, d, batch = 40, 16, 64, 6
+    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:9] for _ in range(batch)])
+    starts = torch.tensor([0, 16, 32, 5, 0, 100])
+    lens = torch.tensor([144, 40, 1, 100, 77, 3])
+    q = torch.randn(batch, hq, 1, d, generator=gen).to(dtype)
+    out, lse = native.attend_paged(q, k_cache, v_cache, tables, starts, lens, 0.125)
+    keys = torch.zeros(batch, hkv, int(lens.max()), d, dtype=dtype)
+    values = torch.zeros_like(keys)
+    for b in range(batch):
+        for j in range(int(lens[b])):
+            token = int(starts[b]) + j
+            keys[b, :, j] = k_cache[tables[b, token // bs], token % bs]
+            values[b, :, j] = v_cache[tables[b, token // bs], token % bs]
+    want_out, want_lse = native.attend(q, keys, values, lens, None, 0.125)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    ref_out, _ = reference(q, keys, values, lens, None, 0.125)
+    tol = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -8)
+    torch.testing.assert_close(out.double(), ref_out, **tol)
+
+
+def test_paged_decode_refuses_blocks_outside_the_cache():
+    k_cache = v_cache = torch.randn(8, 16, 2, 32)
+    q = torch.randn(2, 4, 1, 32)
+    tables, starts, lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([0, 3]), torch.tensor([20, 5])
+    native.attend_paged(q, k_cache, v_cache, tables, starts, lens, 0.1)  # fine
+    for bad_tables, bad_lens, message in ((torch.tensor([[0, 8], [2, 3]]), lens, "block 8"),
+                                          (torch.tensor([[0, -1], [2, 3]]), lens, "block -1"),
+                                          (tables, torch.tensor([33, 5]), "block column 2"),
+                                          (tables, torch.tensor([0, 5]), "kv_lens")):
+        with pytest.raises(RuntimeError, match=message):
+            native.attend_paged(q, k_cache, v_cache, bad_tables, starts, bad_lens, 0.1)
+    with pytest.raises(RuntimeError, match="at most 8"):
+        native.attend_paged(torch.randn(2, 4, 5, 32), k_cache, v_cache, tables, starts, lens, 0.1)

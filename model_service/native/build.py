@@ -1,4 +1,4 @@
-"""Builds the native CPU kernels (attention.cpp) into a shared library next to this file.
+"""Builds the native CPU kernels (attention.cpp, linear.cpp) into a shared library next to this file.
 
 `make install` runs `python -m model_service.native.build`; the library's name carries a hash of
 the source, the compiler flags and the torch version, so a stale build is never loaded. A build

@@ -603,6 +603,36 @@ void run(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse)
   });
 }
 
+// The problem's sizes from q [B, Hq, M, D] and the number of KV heads, checked.
+Problem heads(const at::Tensor& q, int64_t num_kv_heads) {
+  Problem P{};
+  P.B = q.size(0);
+  P.Hq = q.size(1);
+  P.M = q.size(2);
+  P.D = q.size(3);
+  P.Hkv = num_kv_heads;
+  TORCH_CHECK(P.Hkv > 0 && P.Hq % P.Hkv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(P.D % LANES == 0 && P.D <= MAX_D, "head_dim must be a multiple of 16, at most ", MAX_D);
+  P.r = P.Hq / P.Hkv;
+  return P;
+}
+
+// Allocates o [B, Hq, M, D] (q's dtype) and lse [B, Hq, M] float32 and runs the planned problem.
+std::tuple<at::Tensor, at::Tensor> launch(const Problem& P, const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& v) {
+  at::Tensor o = at::empty({P.B, P.Hq, P.M, P.D}, q.options());
+  at::Tensor lse = at::empty({P.B, P.Hq, P.M}, q.options().dtype(at::kFloat));
+  if (o.numel() == 0) return {o, lse};
+  if (q.scalar_type() == at::kFloat) {
+    run<float>(P, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), o.data_ptr<float>(),
+               lse.data_ptr<float>());
+  } else {
+    using BF = c10::BFloat16;
+    run<BF>(P, q.data_ptr<BF>(), k.data_ptr<BF>(), v.data_ptr<BF>(), o.data_ptr<BF>(), lse.data_ptr<float>());
+  }
+  return {o, lse};
+}
+
 void check_layout(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 4, name, " must be 4-D [batch, heads, len, head_dim], got ", t.dim(), "-D");
   TORCH_CHECK(t.stride(3) == 1, name, "'s last dimension must be contiguous");
@@ -622,17 +652,9 @@ std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor&
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "q, k, v dtypes differ");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "dtype must be float32 or bfloat16");
   TORCH_CHECK(k.sizes() == v.sizes(), "k and v shapes differ");
-  Problem P{};
-  P.B = q.size(0);
-  P.Hq = q.size(1);
-  P.M = q.size(2);
-  P.D = q.size(3);
-  P.Hkv = k.size(1);
+  Problem P = heads(q, k.size(1));
   P.L = k.size(2);
   TORCH_CHECK(k.size(0) == P.B && k.size(3) == P.D, "k must be [", P.B, ", Hkv, L, ", P.D, "]");
-  TORCH_CHECK(P.Hkv > 0 && P.Hq % P.Hkv == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(P.D % LANES == 0 && P.D <= MAX_D, "head_dim must be a multiple of 16, at most ", MAX_D);
-  P.r = P.Hq / P.Hkv;
   TORCH_CHECK(P.r <= MAX_ROWS, "at most ", MAX_ROWS, " query heads per KV head");
   TORCH_CHECK(kv_lens.scalar_type() == at::kLong && kv_lens.is_contiguous() && kv_lens.numel() == P.B,
               "kv_lens must be contiguous int64 [batch]");
@@ -658,17 +680,7 @@ std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor&
   }
   P.scale = static_cast<float>(scale);
   P.dot_products = q.scalar_type() == at::kBFloat16 && has_bf16_dot_products() && allow_bf16_dot_products.load();
-  at::Tensor o = at::empty({P.B, P.Hq, P.M, P.D}, q.options());
-  at::Tensor lse = at::empty({P.B, P.Hq, P.M}, q.options().dtype(at::kFloat));
-  if (o.numel() == 0) return {o, lse};
-  if (q.scalar_type() == at::kFloat) {
-    run<float>(P, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), o.data_ptr<float>(),
-               lse.data_ptr<float>());
-  } else {
-    using BF = c10::BFloat16;
-    run<BF>(P, q.data_ptr<BF>(), k.data_ptr<BF>(), v.data_ptr<BF>(), o.data_ptr<BF>(), lse.data_ptr<float>());
-  }
-  return {o, lse};
+  return launch(P, q, k, v);
 }
 
 // Decode attention straight from the paged caches, no gathered copy: q [B, Hq, M, D] with
@@ -685,18 +697,10 @@ std::tuple<at::Tensor, at::Tensor> attend_paged(const at::Tensor& q, const at::T
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "q, k_cache, v_cache dtypes differ");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "dtype must be float32 or bfloat16");
-  Problem P{};
-  P.B = q.size(0);
-  P.Hq = q.size(1);
-  P.M = q.size(2);
-  P.D = q.size(3);
+  Problem P = heads(q, k_cache.size(2));
   const int64_t num_blocks = k_cache.size(0);
   P.block_size = k_cache.size(1);
-  P.Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == P.D, "k_cache head_dim ", k_cache.size(3), " != q's ", P.D);
-  TORCH_CHECK(P.Hkv > 0 && P.Hq % P.Hkv == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(P.D % LANES == 0 && P.D <= MAX_D, "head_dim must be a multiple of 16, at most ", MAX_D);
-  P.r = P.Hq / P.Hkv;
   TORCH_CHECK(P.r * P.M <= SMALL_ROWS, "attend_paged takes at most ", SMALL_ROWS, " query rows per KV head");
   for (const auto* t : {&block_tables, &starts, &kv_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "block_tables, starts, kv_lens must be contiguous int64");
@@ -724,18 +728,7 @@ std::tuple<at::Tensor, at::Tensor> attend_paged(const at::Tensor& q, const at::T
   for (int i = 0; i < 3; ++i) P.qs[i] = q.stride(i);
   P.scale = static_cast<float>(scale);
   P.dot_products = false;
-  at::Tensor o = at::empty({P.B, P.Hq, P.M, P.D}, q.options());
-  at::Tensor lse = at::empty({P.B, P.Hq, P.M}, q.options().dtype(at::kFloat));
-  if (o.numel() == 0) return {o, lse};
-  if (q.scalar_type() == at::kFloat) {
-    run<float>(P, q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), o.data_ptr<float>(),
-               lse.data_ptr<float>());
-  } else {
-    using BF = c10::BFloat16;
-    run<BF>(P, q.data_ptr<BF>(), k_cache.data_ptr<BF>(), v_cache.data_ptr<BF>(), o.data_ptr<BF>(),
-            lse.data_ptr<float>());
-  }
-  return {o, lse};
+  return launch(P, q, k_cache, v_cache);
 }
 
 // Whether bfloat16 inputs may take the AVX512-BF16 path (tests turn it off to check the other one);

@@ -13,8 +13,9 @@ sum differently (with 2 threads MKL splits 5-15 rows into per-thread parts of un
 take another kernel). So at load `pack` probes each weight: the kernel must equal F.linear bit for
 bit on random inputs of many row counts from MIN_ROWS up, with one of BLOCK_CANDIDATES as the block;
 a weight that fails keeps F.linear. The order depends on the shape, not on the values, so each
-distinct shape is probed once per process (about a second in all for SmolLM2-135M). Inputs of fewer than MIN_ROWS rows always keep the existing
-paths (short_gemm.py). The packed copy costs as much memory as the float32 weight itself.
+distinct shape is probed once per process (about a second in all for SmolLM2-135M). Inputs of
+fewer than MIN_ROWS rows always keep the existing paths (short_gemm.py). The packed copy costs as
+much memory as the float32 weight itself.
 """
 
 from __future__ import annotations
@@ -104,13 +105,15 @@ def pack(weight: torch.Tensor) -> BlockedWeight | None:
     if (weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu"
             or min(weight.shape) == 0 or not native.available()):
         return None
-    packed = pack_weight(weight)
     key = (*weight.shape, torch.get_num_threads())
+    if _blocks.get(key, 0) is None:  # this shape was probed and failed: no copy to pack
+        return None
+    packed = pack_weight(weight)
     if key not in _blocks:
         with torch.inference_mode():
             _blocks[key] = find_block(weight, packed, torch.Generator().manual_seed(0))
         if _blocks[key] is None:
             log.info("float32 %s products: MKL sums in an order not reproduced here; they keep F.linear",
                      tuple(weight.shape))
-    block = _blocks[key]
-    return None if block is None else BlockedWeight(packed, weight.shape[0], block)
+            return None
+    return BlockedWeight(packed, weight.shape[0], _blocks[key])

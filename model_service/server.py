@@ -113,7 +113,7 @@ def _linear_kernels_note(model: torch.nn.Module, kernels: str) -> str:
     if kernels == "torch":
         return "F.linear (--linear-kernels torch)"
     holders = linear_holders(model)
-    blocked = sum(getattr(holder, "blocked_weight", None) is not None for holder in holders)
+    blocked = sum(holder.blocked_weight is not None for holder in holders)
     if blocked:
         rest = "" if blocked == len(holders) else ", the rest F.linear"
         return f"radixkv AVX-512 kernel, bitwise F.linear ({blocked} of {len(holders)} weights{rest})"

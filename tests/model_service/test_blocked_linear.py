@@ -114,6 +114,8 @@ def test_probe_rejects_an_order_that_does_not_match(monkeypatch: pytest.MonkeyPa
     weight = _weight(64, 200, seed=3)
     assert blocked_linear.find_block(weight, pack_weight(weight), torch.Generator().manual_seed(0)) is None
     assert pack(weight) is None
+    assert blocked_linear._blocks == {(64, 200, torch.get_num_threads()): None}
+    assert pack(weight) is None  # answered from the probed shapes, nothing packed
 
 
 def test_pack_declines_what_it_does_not_take() -> None:

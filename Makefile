@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := protos/cache.proto protos/model.proto
 PROTO_OUT := protos/cache_pb2.py protos/cache_pb2_grpc.py protos/model_pb2.py protos/model_pb2_grpc.py
 NODE_STAMP := client/node/node_modules/.installed
-NATIVE_SRC := model_service/native/attention.cpp model_service/native/linear.cpp model_service/native/build.py
+NATIVE_SRC := model_service/native/attention.cpp model_service/native/linear.cpp model_service/native/prompt_attention.cpp model_service/native/build.py
 NATIVE_STAMP := model_service/native/_build/.built
 
 HOST ?= 127.0.0.1

@@ -54,6 +54,7 @@ from model_service.attention.base import AttentionBackend, BatchLayout
 from model_service.attention.indexing import segments, shared_prefix_groups
 from model_service.attention.merge_state import attention_with_lse, merge_states
 from model_service.attention.prefix_store import PREFIX_STORE_MAX_BYTES, PrefixCopy, PrefixKVStore
+from model_service.native import prompt_attention
 
 # Cascade cost model (bench/attention_bench.py measures it). Decode cost ~ K/V tokens gathered
 # and attended, padding included: without cascade every decode row pads to the longest context;
@@ -175,8 +176,10 @@ class TorchAttentionBackend(AttentionBackend):
     `kernels`: "auto" (default) attends with model_service/native's kernel where it is built and
     runs (AVX-512 CPUs; `native.unavailable_reason()`): cascade prefixes and suffixes, extend
     chunks, decodes, and in 16-bit dtypes single sequences too. In float32 a step of one
-    sequence (a prompt without cached prefix, or one decode) keeps torch's call: bitwise dense
-    attention, as transformers computes it. "torch" never uses the native kernels.
+    sequence (a prompt without cached prefix, or one decode) keeps torch's result: bitwise dense
+    attention, as transformers computes it; such prompts take native/prompt_attention's kernel,
+    which sums in torch's order (probed at first use; lengths it does not take keep torch's
+    call). "torch" never uses the native kernels.
     """
 
     name = "torch"
@@ -196,6 +199,9 @@ class TorchAttentionBackend(AttentionBackend):
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {kernels!r}")
         self._enable_gqa = num_q_heads != num_kv_heads
         self.native = kernels == "auto" and native.supports(dtype, num_q_heads, num_kv_heads, head_dim, device)
+        # Fresh float32 prompts: the native kernel bitwise torch's call (where `_prompt_kernel_for` says so).
+        self.prompt_kernel = kernels == "auto" and prompt_attention.supports(dtype, num_q_heads, num_kv_heads,
+                                                                             head_dim, device)
         self.cascade = cascade if decode_gather == "rows" else "never"
         self.min_shared_blocks = max(1, min_shared_blocks)
         self.decode_gather = decode_gather
@@ -567,6 +573,13 @@ class TorchAttentionBackend(AttentionBackend):
         its whole context (torch's call is then bitwise the dense attention transformers computes)."""
         return self.native and not (one_sequence and dtype == torch.float32)
 
+    def _prompt_kernel_for(self, length: int, scale: float) -> bool:
+        """Whether a fresh float32 prompt of `length` tokens takes the native kernel that is bitwise
+        torch's call (probed once per scale and thread count, on the first such prompt)."""
+        return (self.prompt_kernel and prompt_attention.takes_length(length)
+                and prompt_attention.matches_torch(self.num_q_heads, self.num_kv_heads, self.head_dim, scale,
+                                                   torch.get_num_threads()))
+
     def _attend_lse(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, g: _RowGather,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention with log-sum-exp of q [num_segs, Hkv, rows, D] over the gathered segments of `g`."""
@@ -648,6 +661,8 @@ class TorchAttentionBackend(AttentionBackend):
         if self._use_native(g.block_ids is None, q.dtype):
             assert g.kv_lens is not None
             out, _ = native.attend(queries, keys, values, g.kv_lens, g.causal_offsets, scale)
+        elif g.block_ids is None and g.is_causal and g.attn_mask is None and self._prompt_kernel_for(keys.shape[2], scale):
+            out = prompt_attention.prompt_attention(queries, keys, values, scale)  # bitwise the call below
         else:
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.attn_mask,
                                                  is_causal=g.is_causal, scale=scale, enable_gqa=self._enable_gqa)

@@ -35,7 +35,7 @@ from bench.workloads.base import Context, Workload
 def sizes(ctx: Context) -> Json:
     if ctx.quick:
         return {"concurrency": 4, "prompt_min": 32, "prompt_max": 64, "new_tokens": 16, "reps": 2}
-    return {"concurrency": 16, "prompt_min": 128, "prompt_max": 256, "new_tokens": 64, "reps": 3}
+    return {"concurrency": 16, "prompt_min": 128, "prompt_max": 256, "new_tokens": 64, "reps": 5}
 
 
 def run(ctx: Context, deadline: float) -> Json:

@@ -221,13 +221,14 @@ def test_model_service_started_before_the_cache_waits_for_it(medium_prompt, refe
 
 LEASE_S = 2.0  # longer than any single engine step here (short prompts), far shorter than a generation
 LEASE_BLOCK_SIZE = 256  # a decode step needs a cache RPC only every 256 tokens
+LONG_STEP_TOKENS = 3800  # a prompt prefilled in one step that outlasts the lease (~4 s on 2 cores)
 
 
 @pytest.fixture(scope="module")
 def short_lease() -> Iterator[Pair]:
     cache = start_cache(["--lease-seconds", str(LEASE_S)])
-    model = start_model(cache.addr, "--num-blocks", "8", "--block-size", str(LEASE_BLOCK_SIZE),
-                        "--worker-id", "lease-pool")
+    model = start_model(cache.addr, "--num-blocks", "16", "--block-size", str(LEASE_BLOCK_SIZE),
+                        "--max-batch-tokens", str(LONG_STEP_TOKENS), "--worker-id", "lease-pool")
     p = Pair(cache, model, "lease-pool")
     try:
         yield p
@@ -259,9 +260,10 @@ def test_busy_model_service_keeps_its_lease(short_lease: Pair, short_prompt) -> 
 
 
 def test_one_step_longer_than_the_lease_keeps_the_pool(short_lease: Pair, reference_model) -> None:
-    """A 1900-token prompt is prefilled in one step that outlasts the 2 s lease; the lease is
+    """A 3800-token prompt is prefilled in one step that outlasts the 2 s lease; the lease is
     renewed from a background thread meanwhile, so the pool is neither lost nor recomputed."""
-    prompt = reference_model.tokenizer((LONG_DOCUMENT + "\n\n") * 4).input_ids[:1900]
+    prompt = reference_model.tokenizer((LONG_DOCUMENT + "\n\n") * 8).input_ids[:LONG_STEP_TOKENS]
+    assert len(prompt) == LONG_STEP_TOKENS
     cache_stub = short_lease.cache_stub
     before = wait_until_idle(cache_stub, short_lease.worker_id)
     lost_before = count_lines(short_lease.model, "cache pool lost")
@@ -270,7 +272,7 @@ def test_one_step_longer_than_the_lease_keeps_the_pool(short_lease: Pair, refere
     messages = stream.result(120)
     usage = messages[-1].usage
     if usage.time_to_first_token < LEASE_S * 1.25:
-        pytest.skip(f"this machine prefills 1900 tokens in {usage.time_to_first_token:.1f} s, "
+        pytest.skip(f"this machine prefills {LONG_STEP_TOKENS} tokens in {usage.time_to_first_token:.1f} s, "
                     f"within the {LEASE_S} s lease: no step outlasts it")
     assert usage.num_preemptions == 0, "the request was recomputed: the pool was lost during the long step"
     assert count_lines(short_lease.model, "cache pool lost") == lost_before

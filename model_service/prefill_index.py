@@ -6,7 +6,8 @@ from model_service.request import Request
 
 
 class PrefillIndex:
-    """Prompts keyed by their first page, with how many of their leading tokens the tree holds.
+    """Prompts keyed by their namespace and first page, with how many of their leading tokens the
+    tree holds (prompts of different namespaces never share cached blocks, so they never match).
 
     Default: the prompts being computed (admitted, pages not all committed yet), to find a waiting
     request that would compute the same prefix again. `cached=True`: the prompts whose leading
@@ -19,7 +20,7 @@ class PrefillIndex:
         self.block_size = block_size
         self.min_tokens = min_tokens
         self.cached = cached
-        self._by_first_page: dict[tuple[int, ...], list[tuple[Request, int]]] = {}
+        self._by_first_page: dict[tuple[str, tuple[int, ...]], list[tuple[Request, int]]] = {}
 
     def add(self, request: Request, cached_tokens: int) -> None:
         """`cached_tokens`: its leading tokens the tree will hold when admissions are applied."""
@@ -29,18 +30,19 @@ class PrefillIndex:
             return
         if (cached_tokens < bs) if self.cached else (cached_tokens >= len(prompt) // bs * bs):
             return  # nothing of it to hit / its whole prompt is in the tree: a waiting request hits it
-        self._by_first_page.setdefault(tuple(prompt[:bs]), []).append((request, cached_tokens))
+        self._by_first_page.setdefault((request.namespace, tuple(prompt[:bs])), []).append((request, cached_tokens))
 
     def longest_shared(self, request: Request) -> tuple[int, int]:
-        """(tokens of the longest page-aligned prefix `request` shares with an indexed prompt,
-        leaving its last token to compute; that prompt's cached tokens). At most
+        """(tokens of the longest page-aligned prefix `request` shares with an indexed prompt of its
+        namespace, leaving its last token to compute; that prompt's cached tokens). At most
         MAX_CANDIDATES prompts with the same first page are compared."""
         bs = self.block_size
         tokens = request.prompt_token_ids
         best = (0, 0)
         if not self._by_first_page or len(tokens) < self.min_tokens:
             return best
-        for other, cached_tokens in self._by_first_page.get(tuple(tokens[:bs]), ())[-self.MAX_CANDIDATES:]:
+        key = (request.namespace, tuple(tokens[:bs]))
+        for other, cached_tokens in self._by_first_page.get(key, ())[-self.MAX_CANDIDATES:]:
             theirs = other.prompt_token_ids
             limit = min(len(tokens) - 1, len(theirs)) // bs * bs  # a hit leaves one token to compute
             common = bs

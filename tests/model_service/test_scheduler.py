@@ -464,6 +464,20 @@ def test_a_request_sharing_an_uncached_prefix_waits_for_the_commit_and_hits_it()
     assert [r.request_id for r in plan.admits] == ["b"]  # the Step applies commits before admits
 
 
+def test_the_same_prefix_in_another_namespace_neither_waits_nor_counts_once():
+    """Namespaces never share cached blocks: a request does not wait for another namespace's
+    prefill of the same tokens (a needless delay and a timing signal across tenants), and the
+    load counts both prefills."""
+    scheduler = Scheduler(SchedulerConfig(block_size=16, max_batch_tokens=4096, max_num_seqs=8))
+    prefix = list(range(1000, 1160))  # 10 pages
+    first, second = shared_prefix_request("a", prefix, [1]), shared_prefix_request("b", prefix, [2])
+    second.namespace = "tenant-b"
+    for r in (first, second):
+        scheduler.add(r)
+    assert scheduler.load() == (2, 2 * 161, 0)
+    assert [r.request_id for r in scheduler.plan_cache_step().admits] == ["a", "b"]
+
+
 def test_a_short_shared_prefix_does_not_delay_admission():
     scheduler = Scheduler(SchedulerConfig(block_size=16, max_batch_tokens=4096, max_num_seqs=8))
     system = list(range(1000, 1048))  # 3 pages: under the 4-block threshold

@@ -11,10 +11,12 @@ from __future__ import annotations
 import functools
 import json
 import os
+import queue
+import shutil
 import subprocess
 import tempfile
-import time
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.harness import REPO, Json
@@ -49,37 +51,100 @@ def model_folder() -> Path:
     return _convert_gguf(bundled_model_path())
 
 
-def run_vllm(runs: Sequence[Json], dtype: str, threads: int, *, timeout_s: float, warmup: list[list[int]],
-             max_model_len: int, register_pid: Callable[[int | None], object] = lambda pid: None) -> Json:
-    """One vLLM engine (`dtype`) over `runs` ([{"name", "prompts", "max_tokens"}]): the worker's
-    output, or {"error": why} (timeout, crash: the log's last lines)."""
-    spec = {"model": str(model_folder()), "dtype": dtype, "max_model_len": max_model_len,
-            "max_num_seqs": max(len(r["prompts"]) for r in runs), "max_num_batched_tokens": 2048,
-            "warmup": warmup, "runs": list(runs)}
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=f"0-{max(threads, 1) - 1}",
-               VLLM_TARGET_DEVICE="cpu", TOKENIZERS_PARALLELISM="false")
-    env.pop("OMP_NUM_THREADS", None)  # vLLM binds its own OpenMP threads
-    with tempfile.TemporaryDirectory(prefix="radixkv-vllm-") as tmp:
-        spec_path, out_path, log_path = Path(tmp, "spec.json"), Path(tmp, "out.json"), Path(tmp, "log.txt")
-        spec_path.write_text(json.dumps(spec))
-        started = time.perf_counter()
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen([str(VLLM_PYTHON), str(WORKER), str(spec_path), str(out_path)], cwd=tmp,
-                                    stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            register_pid(proc.pid)
+class VllmError(RuntimeError):
+    """vLLM failed to start, crashed or timed out; the message ends with its log's last lines."""
+
+
+class VllmEngine:
+    """One vLLM engine (`dtype`) in its worker process, up from `start` to `close`, so that its
+    runs can take turns with radixkv's in one workload: on this machine's shared cores the speed
+    drifts by 10-25% over minutes, so two sides measured minutes apart once each are not compared
+    by their ratio. Between runs the engine idles (blocked on its input queue, no CPU).
+
+        with VllmEngine("float32", 2, warmup=prompts, max_model_len=2048, max_num_seqs=32) as vllm:
+            out = vllm.run("run", prompts, 64)   # {"wall_s", "tokens", "ttft_s"}
+    """
+
+    def __init__(self, dtype: str, threads: int, *, warmup: list[list[int]], max_model_len: int, max_num_seqs: int,
+                 register_pid: Callable[[int | None], object] = lambda pid: None) -> None:
+        self.dtype = dtype
+        self.info: Json = {}
+        self._spec = {"model": str(model_folder()), "dtype": dtype, "max_model_len": max_model_len,
+                      "max_num_seqs": max_num_seqs, "max_num_batched_tokens": 2048, "warmup": warmup}
+        self._env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=f"0-{max(threads, 1) - 1}",
+                         VLLM_TARGET_DEVICE="cpu", TOKENIZERS_PARALLELISM="false")
+        self._env.pop("OMP_NUM_THREADS", None)  # vLLM binds its own OpenMP threads
+        self._register_pid = register_pid
+        self._dir = Path(tempfile.mkdtemp(prefix="radixkv-vllm-"))
+        self._proc: subprocess.Popen | None = None
+        self._answers: queue.Queue[str | None] = queue.Queue()
+
+    def start(self, timeout_s: float = 900.0) -> Json:
+        """Starts the worker and waits until it has served its warm-up: {"vllm_version", "startup_s", ...}."""
+        spec_path = self._dir / "spec.json"
+        spec_path.write_text(json.dumps(self._spec))
+        with open(self._dir / "log.txt", "w") as log:
+            self._proc = subprocess.Popen([str(VLLM_PYTHON), str(WORKER), str(spec_path)], cwd=self._dir,
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                                          env=self._env, start_new_session=True)
+        self._register_pid(self._proc.pid)
+        threading.Thread(target=self._read_answers, daemon=True).start()
+        self.info = self._answer(timeout_s, "to start")
+        return self.info
+
+    def run(self, name: str, prompts: list[list[int]], max_tokens: int, timeout_s: float = 900.0) -> Json:
+        """One LLM.generate over every prompt at once (prefix cache reset first)."""
+        assert self._proc is not None and self._proc.stdin is not None, "start() first"
+        try:
+            self._proc.stdin.write(json.dumps({"name": name, "prompts": prompts, "max_tokens": max_tokens}) + "\n")
+            self._proc.stdin.flush()
+        except OSError as error:
+            raise VllmError(f"vLLM ({self.dtype}) worker is gone ({error})\n{self.log_tail()}") from error
+        return self._answer(timeout_s, f"to run {name!r}")
+
+    def close(self) -> None:
+        """Ends the worker (end of input; killed after 60 s) and removes its folder."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
             try:
-                code = proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
+                proc.stdin.close()
+                proc.wait(60)
+            except (OSError, subprocess.TimeoutExpired):
                 os.killpg(proc.pid, 9)
                 proc.wait()
-                code = None
             finally:
-                register_pid(None)
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-        if code is None:
-            return {"error": f"vLLM ({dtype}) did not finish within {timeout_s:g} s", "log_tail": tail}
-        if code != 0 or not out_path.is_file():
-            return {"error": f"vLLM ({dtype}) exited with code {code}", "log_tail": tail}
-        result = json.loads(out_path.read_text())
-        result["process_s"] = time.perf_counter() - started
-        return result
+                self._register_pid(None)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def log_tail(self, lines: int = 15) -> str:
+        path = self._dir / "log.txt"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
+
+    def __enter__(self) -> VllmEngine:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _read_answers(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            self._answers.put(line)
+        self._answers.put(None)  # the worker closed its output: exited
+
+    def _answer(self, timeout_s: float, doing: str) -> Json:
+        try:
+            line = self._answers.get(timeout=timeout_s)
+        except queue.Empty:
+            if self._proc is not None and self._proc.poll() is None:
+                os.killpg(self._proc.pid, 9)
+            raise VllmError(f"vLLM ({self.dtype}) did not manage {doing} within {timeout_s:g} s\n{self.log_tail()}") from None
+        if line is None:
+            code = self._proc.wait() if self._proc is not None else None
+            raise VllmError(f"vLLM ({self.dtype}) exited with code {code} trying {doing}\n{self.log_tail()}")
+        return json.loads(line)

@@ -1,18 +1,23 @@
-"""Runs vLLM's offline engine on token-id prompts; executed by .venv-vllm/bin/python (see
+"""Serves vLLM's offline engine on token-id prompts; executed by .venv-vllm/bin/python (see
 bench/peers.py), never imported by the suite: only the standard library and vllm here.
 
-    .venv-vllm/bin/python bench/vllm_worker.py SPEC.json OUT.json
+    .venv-vllm/bin/python bench/vllm_worker.py SPEC.json
 
 SPEC: {"model": folder, "dtype": "float32"|"bfloat16", "max_model_len": int, "max_num_seqs": int,
-       "max_num_batched_tokens": int, "warmup": [[ids]...], "runs": [{"name", "prompts", "max_tokens"}]}
-OUT:  {"vllm_version", "dtype", "startup_s", "runs": {name: {"wall_s", "tokens", "ttft_s"?}}}
-All prompts of a run go to one LLM.generate call (greedy, ignore_eos, prefix caching on); the
-prefix cache is reset between runs.
+       "max_num_batched_tokens": int, "warmup": [[ids]...]}
+Protocol: one JSON object per line. The worker answers on its standard output (vLLM's own logs
+go to standard error): {"ready": true, "vllm_version", "dtype", "startup_s"} once the engine is up
+and has served the warm-up; then for every command line on standard input
+{"name", "prompts": [[ids]...], "max_tokens"} it answers
+{"name", "wall_s", "tokens": [[ids]...], "ttft_s": [s...] | null}. End of input ends it.
+All prompts of a command go to one LLM.generate call (greedy, ignore_eos, prefix caching on); the
+prefix cache is reset before each command, so that every run starts cold as radixkv's does.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -31,8 +36,10 @@ def _ttft(output, start: float) -> float | None:
 
 
 def main() -> int:
+    # answers go to the original stdout; anything else printing there (vLLM, its engine process) to stderr
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     spec = json.loads(open(sys.argv[1]).read())
-    out_path = sys.argv[2]
     started = time.perf_counter()
     import vllm
     from vllm import LLM, SamplingParams
@@ -52,21 +59,26 @@ def main() -> int:
     def prompts(ids_list: list[list[int]]) -> list:
         return [TokensPrompt(prompt_token_ids=ids) for ids in ids_list]
 
+    def answer(message: dict) -> None:
+        answers.write(json.dumps(message) + "\n")
+        answers.flush()
+
     llm.generate(prompts(spec["warmup"]), params(8), use_tqdm=False)
-    startup = time.perf_counter() - started
-    runs = {}
-    for run in spec["runs"]:
+    answer({"ready": True, "vllm_version": vllm.__version__, "dtype": spec["dtype"],
+            "startup_s": time.perf_counter() - started})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        run = json.loads(line)
         if hasattr(llm, "reset_prefix_cache"):
             llm.reset_prefix_cache()
         start = time.perf_counter()
         outputs = llm.generate(prompts(run["prompts"]), params(run["max_tokens"]), use_tqdm=False)
         wall = time.perf_counter() - start
         ttft = [_ttft(o, start) for o in outputs]
-        runs[run["name"]] = {"wall_s": wall, "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-                             "ttft_s": ttft if all(t is not None for t in ttft) else None}
+        answer({"name": run["name"], "wall_s": wall, "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                "ttft_s": ttft if all(t is not None for t in ttft) else None})
         print(f"vllm_worker: {run['name']}: {wall:.1f} s", file=sys.stderr, flush=True)
-    with open(out_path, "w") as f:
-        json.dump({"vllm_version": vllm.__version__, "dtype": spec["dtype"], "startup_s": startup, "runs": runs}, f)
     return 0
 
 

@@ -1,25 +1,33 @@
 """Shared prefix: G groups x N requests, each group sharing a 1024-token prefix (random token ids),
 a 32-token question each, 64 output tokens (greedy, ignore_eos), all G*N sent at once.
 
-Sides (one run each, in this order so that machine drift hits ours and theirs alike):
-  radixkv, prefix cache on           every request streamed at once over gRPC
+Sides, in this order:
+  radixkv, prefix cache on           every request streamed at once over gRPC; takes turns with vLLM
+                                     in the same dtype (3 runs each, who goes first alternating)
   transformers static batching       generate() with left padding, one group (batch N) at a time
   radixkv, cache defeated            a distinct `namespace` per request: nothing can hit
   transformers continuous batching   the manager behind model.generate_batch(), block sharing on
-  radixkv bf16, prefix cache on      (fp32 runs, 4x8 only) a second pair of services, --dtype bfloat16
+  radixkv bf16, prefix cache on      (fp32 runs, 4x8 only) a second pair of services, --dtype bfloat16;
+                                     takes turns with vLLM bf16 (3 runs each)
   radixkv fp32 oneDNN, cache on      (fp32 runs, 4x8 only) another pair, --fp32-gemm onednn (not bitwise HF)
-  vLLM CPU (fp32, bf16)              when .venv-vllm has it: LLM.generate, prefix caching on
-The large variant (8 x 16) runs radixkv with the cache on and transformers static batching (capped:
-it stops after the groups that fit the cap) unless --all-baselines; vLLM runs there too.
+  vLLM CPU (fp32, bf16)              when .venv-vllm has it: LLM.generate, prefix caching on; one engine
+                                     per dtype, idle (blocked on its input) while radixkv runs
+Why turns: on 2 shared cores the machine's speed drifts by 10-25% over minutes (transformers'
+continuous batching took 258 s in one run and 328 s in another), so one run per side, minutes apart,
+compared the machine's moods as much as the engines. Each side's reported run is its median-wall run
+(`reps_wall_s` has them all); `vs_vllm` has vLLM's wall over ours per turn and their median.
+The large variant (8 x 16) runs radixkv with the cache on (turns with vLLM fp32) and transformers
+static batching (capped: it stops after the groups that fit the cap) unless --all-baselines; vLLM
+bf16 runs once there.
 
 Warm-up (excluded from every timing): each side first serves the workload's shape on other random
-prompts (WARMUP_TOKENS out, as many as vLLM's worker warms with), then its prefix cache is cleared,
-so that one-off costs (first-touch pages, buffers that grow to the batch's size) stay out of the
-measured run, as vLLM's start-up profile run keeps them out of its. transformers gets a short
-generate() warm-up.
+prompts (WARMUP_TOKENS out, as many as vLLM's worker warms with), then its prefix cache is cleared
+(before every measured run too), so that one-off costs (first-touch pages, buffers that grow to the
+batch's size) stay out of the measured run, as vLLM's start-up profile run keeps them out of its.
+transformers gets a short generate() warm-up.
 
 Greedy agreement: share of sequences whose tokens equal transformers' static batch (within a group
-every prompt has the same length, so there is no padding on that side).
+every prompt has the same length, so there is no padding on that side), over every run of the side.
 Time split: radixkv (and continuous batching): prefill = start until every request has its first
 token, decode = the rest of the wall time (they overlap under continuous batching: early requests
 decode while later ones prefill); transformers static: the sum over groups of start-to-first-token
@@ -28,15 +36,20 @@ and first-to-last-token.
 
 from __future__ import annotations
 
+import contextlib
+import statistics
 import time
 import uuid
+from collections.abc import Callable, Iterator
 
 from bench import peers
 from bench.harness import (
     BLOCK_SIZE,
     WARMUP_TOKENS,
     Json,
+    Progress,
     Services,
+    alternate,
     dist,
     identical_fraction,
     metrics_delta,
@@ -55,43 +68,135 @@ def sizes(ctx: Context, large: bool) -> Json:
             "new_tokens": 64}
 
 
+# Idle seconds before each turn: vLLM's workers spin (sched_yield) for 1 s after their last read
+# of the engine's queue before they sleep; neither side's turn starts while the other's spins.
+SETTLE_S = 2.0
+
+
+def _reps(ctx: Context) -> int:
+    """How many times radixkv and vLLM take turns on the workload (odd: the median is a run)."""
+    return 1 if ctx.quick else 3
+
+
 def _runs(large: bool, ctx: Context) -> int:
-    full = not large or ctx.all_baselines
-    variants = 2 * len(VARIANTS) if ctx.dtype == "float32" and not large else 0
-    return 3 + (2 if full else 0) + variants + (0 if peers.vllm_absent_reason() else len(peers.VLLM_DTYPES))
+    """Progress-bar runs: warm-up, our turns, transformers static, [defeated, continuous batching],
+    [bf16: services + its turns, oneDNN: services + one run], vLLM: per engine its start (or the
+    single run) and its turns."""
+    r, full, with_variants = _reps(ctx), not large or ctx.all_baselines, ctx.dtype == "float32" and not large
+    ours = 1 + r + 1 + (2 if full else 0) + ((1 + r) + 2 if with_variants else 0)
+    vllm = 0 if peers.vllm_absent_reason() else (1 + r) + ((1 + r) if with_variants else 1)
+    return ours + vllm
 
 
-def _radixkv(ctx: Context, label: str, prompts: list[list[int]], new_tokens: int, defeat: bool) -> Json:
-    ctx.clear_cache()
+def _measure(addr: str, label: str, prompts: list[list[int]], new_tokens: int, *, clear: Callable[[], object],
+             progress: Progress, scrape: Callable[[], Json] | None = None, defeat: bool = False) -> Json:
+    """One measured radixkv run on an empty prefix cache: its stats (`_tokens`: for the agreement)."""
+    clear()
     namespaces = [f"nocache-{uuid.uuid4().hex[:8]}-{i}" for i in range(len(prompts))] if defeat else None
-    before = ctx.scrape()
-    with ctx.progress.run(label, len(prompts) * new_tokens) as tick:
+    before = scrape() if scrape else {}
+    with progress.run(label, len(prompts) * new_tokens) as tick:
         start = time.perf_counter()
-        wall, results = stream_concurrent(ctx.addr, prompts, new_tokens, namespaces=namespaces, on_tokens=tick)
-    out = _side(start, wall, results)
-    out.update(metrics=metrics_delta(before, ctx.scrape()), ttft_samples_s=[r.ttft for r in results])
-    return out
-
-
-def _side(start: float, wall: float, results: list) -> Json:
-    """One radixkv side's stats from its streamed results (`_tokens`: for the agreement)."""
+        wall, results = stream_concurrent(addr, prompts, new_tokens, namespaces=namespaces, on_tokens=tick)
     out = stream_stats(start, results)
-    out.update(wall_s=wall, tok_s=out["completion_tokens"] / wall, split=time_split(start, start + wall, results))
-    out["_tokens"] = [r.token_ids for r in results]
+    out.update(wall_s=wall, tok_s=out["completion_tokens"] / wall, split=time_split(start, start + wall, results),
+               ttft_samples_s=[r.ttft for r in results], _tokens=[r.token_ids for r in results])
+    if scrape:
+        out["metrics"] = metrics_delta(before, scrape())
     return out
+
+
+def _median_run(runs: list[Json]) -> Json:
+    """The run of median wall time (the lower middle one for an even count), with every run's wall."""
+    chosen = dict(sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2])
+    chosen["reps_wall_s"] = [r["wall_s"] for r in runs]
+    return chosen
+
+
+def _take_turns(ctx: Context, dtype: str, ours: Callable[[], Json], prompts: list[list[int]], new_tokens: int,
+                warmup: list[list[int]]) -> tuple[list[Json], list[Json], Json]:
+    """radixkv (`ours`: one measured run) and vLLM in `dtype` take turns `_reps` times, who goes
+    first alternating: (our runs, vLLM's runs, vLLM's engine info or {"absent"/"error": why})."""
+    mine: list[Json] = []
+    theirs: list[Json] = []
+    absent = peers.vllm_absent_reason()
+    if absent:
+        return [ours() for _ in range(_reps(ctx))], [], {"absent": absent}
+    engine = peers.VllmEngine(dtype, ctx.threads, warmup=warmup, max_model_len=2048, max_num_seqs=len(prompts),
+                              register_pid=lambda pid: ctx.extra_pids.clear() if pid is None
+                              else ctx.extra_pids.add(pid))
+    info: Json = {}
+
+    def vllm() -> None:
+        if "error" in info:
+            return
+        time.sleep(SETTLE_S)
+        try:
+            with ctx.progress.run(f"vLLM {dtype}", 0):
+                theirs.append(engine.run(f"run {len(theirs)}", prompts, new_tokens))
+        except peers.VllmError as error:  # recorded, not fatal: our runs go on
+            info["error"] = str(error)
+
+    try:
+        with ctx.progress.run(f"vLLM {dtype}: starting", 0):
+            info.update(engine.start())
+    except peers.VllmError as error:
+        info["error"] = str(error)
+    def radixkv() -> None:
+        time.sleep(SETTLE_S)
+        mine.append(ours())
+
+    try:
+        for rep in range(_reps(ctx)):
+            alternate(rep, radixkv, vllm)
+    finally:
+        engine.close()
+    return mine, theirs, info
+
+
+def _vllm_entry(runs: list[Json], info: Json, reference: list[list[int]]) -> Json:
+    """vLLM's side as the tables and plots read it: its median run, every run's wall, agreement."""
+    if not runs:
+        return {k: v for k, v in info.items() if k in ("absent", "error")} or {"error": "no run"}
+    r = _median_run(runs)
+    entry = {"wall_s": r["wall_s"], "reps_wall_s": r["reps_wall_s"],
+             "tok_s": sum(len(t) for t in r["tokens"]) / r["wall_s"], "version": info.get("vllm_version"),
+             "startup_s": info.get("startup_s"),
+             "greedy_agreement": identical_fraction(r["tokens"][:len(reference)], reference),
+             "_tokens": r["tokens"]}
+    if r.get("ttft_s"):  # where this vLLM reports it: the split as for radixkv
+        entry["ttft_s"] = dist(r["ttft_s"])
+        entry["split"] = {"prefill_s": max(r["ttft_s"]), "decode_s": r["wall_s"] - max(r["ttft_s"])}
+    if "error" in info:
+        entry["error_after"] = info["error"]
+    return entry
+
+
+def _ours_entry(runs: list[Json], reference: list[list[int]]) -> tuple[Json, float]:
+    """radixkv's side: its median run plus every run's wall; the share of sequences equal to
+    `reference` over every run (each run must reproduce it, not only the median one)."""
+    ran = len(reference)
+    agree = identical_fraction([t for r in runs for t in r["_tokens"][:ran]], reference * len(runs))
+    return _median_run(runs), agree
+
+
+def _versus(ours: list[Json], theirs: list[Json]) -> Json:
+    """Per turn, vLLM's wall over ours (> 1: radixkv faster), and their median."""
+    per_rep = [t["wall_s"] / o["wall_s"] for o, t in zip(ours, theirs, strict=False)]
+    return {"per_rep": per_rep, "median": statistics.median(per_rep)} if per_rep else {}
 
 
 # Our other configurations, each on a pair of services of its own in fp32 runs (4x8), so that they
 # stand next to vLLM's in the same run: side key -> (label, dtype, extra model-service flags).
+# The bf16 one takes turns with vLLM bf16; the oneDNN one runs once.
 VARIANTS = {
     "radixkv_bf16": ("radixkv bf16", "bfloat16", ()),
     "radixkv_onednn": ("radixkv fp32 oneDNN", "float32", ("--fp32-gemm", "onednn")),
 }
 
 
-def _radixkv_variant(ctx: Context, side: str, prompts: list[list[int]], new_tokens: int,
-                     warm: list[list[int]], warm_shape: list[list[int]]) -> Json:
-    """radixkv in one of VARIANTS on its own pair of services (same prompts, same run)."""
+@contextlib.contextmanager
+def _variant_services(ctx: Context, side: str, warm: list[list[int]], warm_shape: list[list[int]]) -> Iterator[Services]:
+    """A warmed pair of services for one of VARIANTS (stopped on exit)."""
     label, dtype, extra = VARIANTS[side]
     services = Services(dtype=dtype, worker_id=f"model-bench-{side}", extra_args=extra)
     try:
@@ -101,17 +206,11 @@ def _radixkv_variant(ctx: Context, side: str, prompts: list[list[int]], new_toke
             ctx.extra_pids.update(services.pids())
             stream_concurrent(addr, warm, WARMUP_TOKENS)
             stream_concurrent(addr, warm_shape, WARMUP_TOKENS)
-            services.clear_pool()
-        with ctx.progress.run(f"{label} cache on", len(prompts) * new_tokens) as tick:
-            start = time.perf_counter()
-            wall, results = stream_concurrent(addr, prompts, new_tokens, on_tokens=tick)
-    except Exception as error:  # recorded, not fatal
-        return {"error": f"{type(error).__name__}: {error}"}
+        yield services
     finally:
         for pid in services.pids():
             ctx.extra_pids.discard(pid)
         services.stop()
-    return _side(start, wall, results)
 
 
 def run(ctx: Context, deadline: float, large: bool) -> Json:
@@ -125,8 +224,9 @@ def run(ctx: Context, deadline: float, large: bool) -> Json:
     prompts = [p for group in groups for p in group]
     warm_shape = [p for group in workload() for p in group]  # the same shape, other prompts
     full = not large or ctx.all_baselines
+    with_variants = ctx.dtype == "float32" and not large
     ideal = (g * (n - 1) * (cfg["prefix"] // BLOCK_SIZE) * BLOCK_SIZE) / sum(len(p) for p in prompts)
-    detail: Json = {"config": {**cfg, "requests": g * n, "sent": "all at once",
+    detail: Json = {"config": {**cfg, "requests": g * n, "sent": "all at once", "dtype": ctx.dtype, "reps_vs_vllm": _reps(ctx),
                                "radixkv": {"num_blocks": ctx.services.num_blocks, "max_num_seqs": 64,
                                            "max_batch_tokens": 2048, "block_size": 16},
                                "hf_static_batch": n},
@@ -139,7 +239,11 @@ def run(ctx: Context, deadline: float, large: bool) -> Json:
         stream_concurrent(ctx.addr, warm_shape, WARMUP_TOKENS)
         ctx.ref.generate(warm[:2], WARMUP_TOKENS)
 
-    detail["radixkv"] = _radixkv(ctx, "radixkv cache on", prompts, new, defeat=False)
+    def ours(label: str, defeat: bool = False) -> Json:
+        return _measure(ctx.addr, label, prompts, new, clear=ctx.clear_cache, progress=ctx.progress,
+                        scrape=ctx.scrape, defeat=defeat)
+
+    mine, theirs, info = _take_turns(ctx, ctx.dtype, lambda: ours("radixkv cache on"), prompts, new, warm + warm_shape)
     # transformers static batching gets about half of what is left of the cap
     hf_deadline = time.perf_counter() + max(0.0, (deadline - time.perf_counter()) * (0.5 if full else 0.9))
     with ctx.progress.run(f"transformers static {n}/group", g * n * new) as tick:
@@ -147,11 +251,15 @@ def run(ctx: Context, deadline: float, large: bool) -> Json:
     detail["hf_static"] = hf
     reference = hf.pop("tokens")
     ran = len(reference)
-    agreement = {"radixkv": identical_fraction(detail["radixkv"]["_tokens"][:ran], reference),
+    detail["radixkv"], agreed = _ours_entry(mine, reference)
+    agreement = {"radixkv": agreed,
                  "reference": f"transformers static batching ({hf['batches_run']} of {g} groups)"}
+    detail["vllm"] = {ctx.dtype: _vllm_entry(theirs, info, reference)}
+    detail["vs_vllm"] = {ctx.dtype: _versus(mine, theirs)}
     if full:
-        detail["radixkv_nocache"] = _radixkv(ctx, "radixkv cache defeated", prompts, new, defeat=True)
-        agreement["radixkv_nocache"] = identical_fraction(detail["radixkv_nocache"]["_tokens"][:ran], reference)
+        nocache = ours("radixkv cache defeated", defeat=True)
+        detail["radixkv_nocache"] = nocache
+        agreement["radixkv_nocache"] = identical_fraction(nocache["_tokens"][:ran], reference)
         try:
             with ctx.progress.run("transformers continuous batching", g * n * new) as tick:
                 cb = ctx.cb_ref().run(prompts, new, on_tokens=tick, timeout_s=max(120.0, deadline - time.perf_counter()))
@@ -165,42 +273,46 @@ def run(ctx: Context, deadline: float, large: bool) -> Json:
         detail["skipped"] = ("radixkv with the cache defeated and transformers' continuous batching: "
                              "run with --all-baselines (together they add ~10 min on 2 cores)")
 
-    if ctx.dtype == "float32" and not large:
+    other = "bfloat16" if ctx.dtype == "float32" else "float32"
+    if with_variants:
         for side in VARIANTS:
-            detail[side] = _radixkv_variant(ctx, side, prompts, new, warm, warm_shape)
-    absent = peers.vllm_absent_reason()
-    if absent:
-        detail["vllm"] = {"absent": absent}
-    else:
-        detail["vllm"] = {}
-        for dtype in peers.VLLM_DTYPES:
-            with ctx.progress.run(f"vLLM {dtype}", 0):
-                out = peers.run_vllm([{"name": "run", "prompts": prompts, "max_tokens": new}], dtype, ctx.threads,
-                                     timeout_s=1200.0, warmup=warm + warm_shape, max_model_len=2048,
-                                     register_pid=lambda pid: ctx.extra_pids.clear() if pid is None
-                                     else ctx.extra_pids.add(pid))
-            if "error" in out:
-                detail["vllm"][dtype] = out
-                continue
-            r = out["runs"]["run"]
-            tokens = r.pop("tokens")
-            entry = {"wall_s": r["wall_s"], "tok_s": sum(len(t) for t in tokens) / r["wall_s"],
-                     "version": out["vllm_version"], "startup_s": out["startup_s"],
-                     "greedy_agreement": identical_fraction(tokens[:ran], reference)}
-            if r.get("ttft_s"):  # where this vLLM reports it: the split as for radixkv
-                entry["ttft_s"] = dist(r["ttft_s"])
-                entry["split"] = {"prefill_s": max(r["ttft_s"]), "decode_s": r["wall_s"] - max(r["ttft_s"])}
-            detail["vllm"][dtype] = entry
-            if dtype == "bfloat16" and "_tokens" in detail.get("radixkv_bf16", {}):
-                agreement["radixkv_bf16_vs_vllm_bf16"] = identical_fraction(detail["radixkv_bf16"]["_tokens"],
-                                                                             tokens)
-    for side in VARIANTS:
-        if "_tokens" in detail.get(side, {}):
-            agreement[side] = identical_fraction(detail[side]["_tokens"][:ran], reference)
+            label = VARIANTS[side][0]
+            try:
+                with _variant_services(ctx, side, warm, warm_shape) as services:
+                    def measured(services: Services = services, label: str = label) -> Json:
+                        return _measure(services.wait(), f"{label} cache on", prompts, new,
+                                        clear=services.clear_pool, progress=ctx.progress)
+
+                    if side == "radixkv_bf16":  # takes turns with vLLM bf16
+                        runs, vllm_runs, vllm_info = _take_turns(ctx, other, measured, prompts, new,
+                                                                 warm + warm_shape)
+                        detail["vllm"][other] = _vllm_entry(vllm_runs, vllm_info, reference)
+                        detail["vs_vllm"][other] = _versus(runs, vllm_runs)
+                    else:
+                        runs = [measured()]
+                detail[side], agreement[side] = _ours_entry(runs, reference)
+            except Exception as error:  # recorded, not fatal
+                detail[side] = {"error": f"{type(error).__name__}: {error}"}
+    if other not in detail["vllm"]:  # no radixkv side in that dtype to take turns with: one run
+        absent = peers.vllm_absent_reason()
+        if absent:
+            detail["vllm"][other] = {"absent": absent}
+        else:
+            try:
+                with peers.VllmEngine(other, ctx.threads, warmup=warm + warm_shape, max_model_len=2048,
+                                      max_num_seqs=len(prompts)) as engine, ctx.progress.run(f"vLLM {other}", 0):
+                    detail["vllm"][other] = _vllm_entry([engine.run("run", prompts, new)], engine.info, reference)
+            except peers.VllmError as error:
+                detail["vllm"][other] = {"error": str(error)}
+    bf16_vllm = detail["vllm"].get("bfloat16", {})
+    if "_tokens" in detail.get("radixkv_bf16", {}) and "_tokens" in bf16_vllm:
+        agreement["radixkv_bf16_vs_vllm_bf16"] = identical_fraction(detail["radixkv_bf16"]["_tokens"],
+                                                                     bf16_vllm["_tokens"])
     detail["greedy_agreement"] = agreement
-    for side in ("radixkv", "radixkv_nocache", *VARIANTS):
-        if side in detail:
-            detail[side].pop("_tokens", None)
+    for entry in (detail.get(side) or {} for side in ("radixkv", "radixkv_nocache", *VARIANTS)):
+        entry.pop("_tokens", None)
+    for entry in detail["vllm"].values():
+        entry.pop("_tokens", None)
     return detail
 
 
@@ -238,6 +350,9 @@ def flat(detail: Json, prefix: str) -> Json:
         out[f"hf_cb_{prefix}_greedy_agreement"] = agree.get("hf_cb")
         if "error" in cb:
             out[f"hf_cb_{prefix}_error"] = cb["error"]
+    for dtype, versus in (detail.get("vs_vllm") or {}).items():
+        if versus:
+            out[f"{prefix}_vs_vllm{'' if dtype == 'float32' else '_bf16'}"] = versus["median"]
     metrics = ours.get("metrics") or {}
     if metrics and prefix == "shared_prefix":
         out.update(cache_rpcs_per_step=num(metrics["cache_rpcs_per_step"]),
@@ -287,6 +402,11 @@ def report(detail: Json) -> str:
             notes.append(f"vLLM {dtype} failed: {v['error']}")
         else:
             row(f"vLLM CPU {dtype}", v, v.get("greedy_agreement"))
+    for dtype, versus in (detail.get("vs_vllm") or {}).items():
+        if versus:
+            ours = "radixkv" if dtype == c.get("dtype", "float32") else "radixkv bf16"
+            notes.append(f"{ours} vs vLLM {dtype}, vLLM's wall over ours per turn: "
+                         + ", ".join(f"{v:.2f}x" for v in versus["per_rep"]) + f" (median {versus['median']:.2f}x)")
     if "radixkv_bf16_vs_vllm_bf16" in agree:
         notes.append(f"radixkv bf16 greedy = vLLM bf16: {100 * agree['radixkv_bf16_vs_vllm_bf16']:.0f}% of sequences")
     for side, (label, _, _) in VARIANTS.items():

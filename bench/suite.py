@@ -175,7 +175,10 @@ def summary_table(r: Json) -> str:
 
     def vllm(prefix: str) -> str:
         parts = [f"vLLM fp32 {r[f'vllm_{prefix}_tok_s']:.1f}" if f"vllm_{prefix}_tok_s" in r else "",
-                 f"vLLM bf16 {r[f'vllm_bf16_{prefix}_tok_s']:.1f}" if f"vllm_bf16_{prefix}_tok_s" in r else ""]
+                 f"ours/vLLM fp32 {r[f'{prefix}_vs_vllm']:.2f}x (median of turns)" if f"{prefix}_vs_vllm" in r else "",
+                 f"vLLM bf16 {r[f'vllm_bf16_{prefix}_tok_s']:.1f}" if f"vllm_bf16_{prefix}_tok_s" in r else "",
+                 f"ours bf16/vLLM bf16 {r[f'{prefix}_bf16_vs_vllm_bf16']:.2f}x"
+                 if f"{prefix}_bf16_vs_vllm_bf16" in r else ""]
         return ", ".join(p for p in parts if p)
 
     for prefix, label in (("shared_prefix", "shared prefix"), ("shared_prefix_large", "shared prefix, large")):

@@ -352,7 +352,8 @@ def flat(detail: Json, prefix: str) -> Json:
             out[f"hf_cb_{prefix}_error"] = cb["error"]
     for dtype, versus in (detail.get("vs_vllm") or {}).items():
         if versus:
-            out[f"{prefix}_vs_vllm{'' if dtype == 'float32' else '_bf16'}"] = versus["median"]
+            main = dtype == detail["config"].get("dtype", "float32")  # else the bf16 variant's turns
+            out[f"{prefix}_vs_vllm" if main else f"{prefix}_bf16_vs_vllm_bf16"] = versus["median"]
     metrics = ours.get("metrics") or {}
     if metrics and prefix == "shared_prefix":
         out.update(cache_rpcs_per_step=num(metrics["cache_rpcs_per_step"]),

@@ -149,6 +149,13 @@ class _Cascade:
     combined: bool
     prefix_key: tuple  # (shared blocks per group, their block ids): what `prefix` reads
     prefix_blocks: torch.Tensor  # [sum(shared)] int64 those block ids
+    # The fused native kernel's view (host int64): group g's members' decode positions, -1 past
+    # its size; every decode sequence's block table row, first own position (after its group's
+    # prefix, 0 when in no group) and own tokens from there.
+    group_members: torch.Tensor  # [G, max_members]
+    seq_tables: torch.Tensor  # [num_seqs, width]
+    seq_starts: torch.Tensor  # [num_seqs]
+    seq_lens: torch.Tensor  # [num_seqs]
 
 
 @dataclass(slots=True)
@@ -369,7 +376,9 @@ class TorchAttentionBackend(AttentionBackend):
             prefix_q_head=_to(prefix_q_head.reshape(1, hkv, gm * r), dev),
             pick_group=_to(member_group[:, None, None], dev), pick_head=_to(pick_head, dev),
             pick_slot=_to(pick_slot, dev), prefix=prefix, rest=parts[0], combined=combined,
-            prefix_key=prefix_key, prefix_blocks=_to(prefix_blocks, dev))
+            prefix_key=prefix_key, prefix_blocks=_to(prefix_blocks, dev),
+            group_members=torch.where(torch.arange(gm)[None, :] < sizes[:, None], members[slot_member], -1),
+            seq_tables=tables.contiguous(), seq_starts=start.contiguous(), seq_lens=(slens - start).contiguous())
         return _Decode(num_seqs=n, rows=_to(rows, dev), gather_rows=torch.cat([p.rows for p in parts]),
                        plain=plain, plain_seqs=_to(plain_seqs, dev), cascade=cascade)
 
@@ -546,6 +555,10 @@ class TorchAttentionBackend(AttentionBackend):
             out, _ = attend_rows(d.plain, q.reshape(-1, hkv, r, hd))
             return out.reshape(q.shape)
         prefix_k, prefix_v = self._prefix_kv(c.prefix, k_cache, v_cache, stored)  # [G, Hkv, len, D] each
+        if paged and r <= native.MAX_CASCADE_GROUP:  # one fused call: prefixes, own blocks, ungrouped
+            out, _ = native.attend_cascade(q.contiguous(), prefix_k, prefix_v, c.prefix.lengths, c.group_members,
+                                           k_cache, v_cache, c.seq_tables, c.seq_starts, c.seq_lens, scale)
+            return out
         # Prefix: the r heads of every member of group g that read KV head h form one query block.
         qg = q[c.prefix_q_seq, c.prefix_q_head]  # [G, Hkv, max_members * r, D]
         o_pre, lse_pre = self._attend_lse(qg, prefix_k, prefix_v, c.prefix, scale)  # [G, Hkv, gm*r, (D)]

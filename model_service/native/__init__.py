@@ -19,6 +19,8 @@ import torch
 HEAD_DIM_MULTIPLE = 16
 MAX_HEAD_DIM = 256
 MAX_GROUP = 64
+# attend_paged and attend_cascade: at most this many query heads per KV head (rows of a decode item).
+MAX_CASCADE_GROUP = 8
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -67,6 +69,23 @@ def attend_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     [B, width]; sequence b attends over its tokens starts[b] .. starts[b] + kv_lens[b] - 1 (int64
     [B] each). Every block read is checked to exist. Returns o [B, Hq, M, D] and lse [B, Hq, M]."""
     return torch.ops.radixkv.attend_paged(q, k_cache, v_cache, block_tables, starts, kv_lens, scale)
+
+
+def attend_cascade(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, prefix_lens: torch.Tensor,
+                   members: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                   starts: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention with shared prefixes in one call (FlashInfer's cascade, fused).
+
+    q [n, Hq, D] contiguous: one new token per sequence, (Hq / Hkv) <= 8. prefix_k, prefix_v
+    [G, Hkv, Lp, D] contiguous: group g's shared prefix in its first prefix_lens[g] positions
+    (int64 [G]). members int64 [G, gm]: the rows of q in group g, -1 past its size. A member's own
+    keys, and a sequence in no group's whole context, are read in place from the paged caches
+    [num_blocks, block_size, Hkv, D]: tokens starts[i] .. starts[i] + kv_lens[i] - 1 of row i of
+    block_tables (int64 [n, width], [n], [n]). Each group's prefix K/V is read once for all of its
+    members' query heads; each member's softmax then continues over its own keys, so no partial
+    results are merged. Returns o [n, Hq, D] in q's dtype and lse [n, Hq] float32."""
+    return torch.ops.radixkv.attend_cascade(q, prefix_k, prefix_v, prefix_lens, members, k_cache, v_cache,
+                                            block_tables, starts, kv_lens, scale)
 
 
 def has_bf16_dot_products() -> bool:

@@ -84,7 +84,7 @@ inline void prefetch_rows(const T* src, int64_t stride, int n, int D) {
   const int bytes = D * static_cast<int>(sizeof(T));
   for (int j = 0; j < n; ++j) {
     const char* row = reinterpret_cast<const char*>(src + j * stride);
-    for (int off = 0; off < bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T1);
+    for (int off = 0; off < bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
   }
 }
 
@@ -271,9 +271,122 @@ struct Problem {
 struct Scratch {
   std::vector<float> qt, st, ot, kf, vf;
   std::vector<uint32_t> pairs;  // bfloat16 probability pairs (dot-product path)
+  std::vector<float> member_q, member_o;  // a cascade member's rows [SMALL_ROWS][D] (attend_cascade)
   explicit Scratch(int64_t D)
-      : qt(D * MAX_ROWS), st(KC * MAX_ROWS), ot(D * MAX_ROWS), kf(KC * D), vf(KC * D), pairs(KC / 2 * MAX_ROWS) {}
+      : qt(D * MAX_ROWS), st(KC * MAX_ROWS), ot(D * MAX_ROWS), kf(KC * D), vf(KC * D), pairs(KC / 2 * MAX_ROWS),
+        member_q(SMALL_ROWS * D), member_o(SMALL_ROWS * D) {}
 };
+
+// The key loop of a row-lanes work item: keys [0, max_limit) of K/V rows `krs`/`vrs` elements
+// apart from kbase/vbase, row `row` seeing keys < limit[row], on top of the state (Qt `qt`,
+// accumulator `ot` [D][W], running max `m` and sum `l` per row) the caller set up.
+template <typename T, int RV, bool DP>
+inline void rows_over_keys(const Problem& P, const T* kbase, int64_t krs, const T* vbase, int64_t vrs,
+                           const int32_t* limit, int32_t max_limit, int32_t min_limit, float* qt, float* ot,
+                           __m512* m, __m512* l, Scratch& s) {
+  constexpr int W = RV * LANES;
+  const int D = static_cast<int>(P.D);
+  uint32_t* qtp = reinterpret_cast<uint32_t*>(qt);
+  float* st = s.st.data();
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i lim_v[RV];
+  for (int vv = 0; vv < RV; ++vv) lim_v[vv] = _mm512_loadu_si512(limit + vv * LANES);
+  constexpr int TQ = RV == 4 ? 6 : 8;
+  constexpr int TV = RV == 4 ? 4 : 8;
+  for (int c0 = 0; c0 < max_limit; c0 += KC) {
+    const int n = std::min<int>(KC, max_limit - c0);
+    // K and V rows of the next chunk: a burst before a DP chunk, else a tile's worth per QK tile
+    // (a burst of hundreds of prefetches is mostly dropped; interleaved, they hide DRAM latency:
+    // cascade prefixes, 4 x 3 heads x 1024 keys read cold: 48 rows 695-910 -> 567-640 us, 24 rows
+    // 483-734 -> 502-528 us, interleaved runs).
+    const int next = c0 + KC < max_limit ? std::min<int>(KC, max_limit - c0 - KC) : 0;
+    const float* kc;
+    const float* vc;
+    int64_t kstride = 0, vstride = 0;
+    int j = 0;
+    if constexpr (DP) {
+      if (next > 0) {
+        prefetch_rows(kbase + (c0 + KC) * krs, krs, next, D);
+        prefetch_rows(vbase + (c0 + KC) * vrs, vrs, next, D);
+      }
+      const T* kr = kbase + c0 * krs;
+      for (; j + TQ <= n; j += TQ) qk_tile_dp<RV, TQ>(qtp, D, kr + j * krs, krs, st + j * W, P.scale);
+      for (; j < n; ++j) qk_tile_dp<RV, 1>(qtp, D, kr + j * krs, krs, st + j * W, P.scale);
+      pair_rows(vbase + c0 * vrs, vrs, n, D, reinterpret_cast<uint32_t*>(s.vf.data()));
+      kc = vc = nullptr;
+    } else {
+      if constexpr (std::is_same_v<T, float>) {
+        kc = kbase + c0 * krs;
+        vc = vbase + c0 * vrs;
+        kstride = krs;
+        vstride = vrs;
+      } else {
+        widen_rows(kbase + c0 * krs, krs, n, D, s.kf.data());
+        widen_rows(vbase + c0 * vrs, vrs, n, D, s.vf.data());
+        kc = s.kf.data();
+        vc = s.vf.data();
+        kstride = vstride = D;
+      }
+      for (; j + TQ <= n; j += TQ) {
+        if (j < next) {
+          const int ahead = std::min(TQ, next - j);
+          prefetch_rows(kbase + (c0 + KC + j) * krs, krs, ahead, D);
+          prefetch_rows(vbase + (c0 + KC + j) * vrs, vrs, ahead, D);
+        }
+        qk_tile<RV, TQ>(qt, D, kc + j * kstride, kstride, st + j * W, P.scale);
+      }
+      for (; j < n; ++j) qk_tile<RV, 1>(qt, D, kc + j * kstride, kstride, st + j * W, P.scale);
+      if (j < next) {
+        prefetch_rows(kbase + (c0 + KC + j) * krs, krs, next - j, D);
+        prefetch_rows(vbase + (c0 + KC + j) * vrs, vrs, next - j, D);
+      }
+    }
+    if (c0 + n > min_limit) {  // some row's keys end inside this chunk
+      for (j = 0; j < n; ++j) {
+        const __m512i pos = _mm512_set1_epi32(c0 + j);
+        for (int vv = 0; vv < RV; ++vv) {
+          const __mmask16 past = _mm512_cmpge_epi32_mask(pos, lim_v[vv]);
+          float* sj = st + j * W + vv * LANES;
+          _mm512_storeu_ps(sj, _mm512_mask_blend_ps(past, _mm512_loadu_ps(sj), neg_inf));
+        }
+      }
+    }
+    bool rescale = false;
+    __m512 alpha[RV];
+    for (int vv = 0; vv < RV; ++vv) {
+      __m512 mc = m[vv];
+      for (j = 0; j < n; ++j) mc = _mm512_max_ps(mc, _mm512_loadu_ps(st + j * W + vv * LANES));
+      // Rows that saw no key yet keep -inf: subtract 0 there (exp(-inf) = 0, never NaN).
+      const __m512 safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mc, neg_inf, _CMP_EQ_OQ), mc, _mm512_setzero_ps());
+      alpha[vv] = exp_ps(_mm512_sub_ps(m[vv], safe));
+      rescale |= _mm512_cmp_ps_mask(mc, m[vv], _CMP_NEQ_UQ) != 0;
+      __m512 sum = _mm512_setzero_ps();
+      for (j = 0; j < n; ++j) {
+        float* sj = st + j * W + vv * LANES;
+        const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sj), safe));
+        _mm512_storeu_ps(sj, pv_weight<T>(p));
+        sum = _mm512_add_ps(sum, p);
+      }
+      l[vv] = _mm512_fmadd_ps(l[vv], alpha[vv], sum);
+      m[vv] = mc;
+    }
+    if (rescale) {  // (the first chunk too: the caller may pass an accumulator in)
+      for (int d = 0; d < D; ++d)
+        for (int vv = 0; vv < RV; ++vv) {
+          float* od = ot + d * W + vv * LANES;
+          _mm512_storeu_ps(od, _mm512_mul_ps(_mm512_loadu_ps(od), alpha[vv]));
+        }
+    }
+    if constexpr (DP) {
+      uint32_t* pp = s.pairs.data();
+      pair_probabilities<RV>(st, n, pp);
+      const uint32_t* vp = reinterpret_cast<const uint32_t*>(s.vf.data());
+      for (int d0 = 0; d0 < D; d0 += TV) pv_tile_dp<RV, TV>(pp, (n + 1) / 2, vp, D, d0, ot);
+    } else {
+      for (int d0 = 0; d0 < D; d0 += TV) pv_tile<RV, TV>(st, n, vc, vstride, d0, ot);
+    }
+  }
+}
 
 // One work item: sequence b, KV head h, queries [i0, i0 + nq) of the r query heads h*r .. h*r+r-1.
 // Row j * nq + ii is query head h*r + j, query i0 + ii.
@@ -312,112 +425,13 @@ void attend_item(const Problem& P, const T* q, const T* k, const T* v, T* o, flo
   }
   float* ot = s.ot.data();
   std::fill(ot, ot + D * W, 0.0f);
-  float* st = s.st.data();
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 m[RV], l[RV];
-  __m512i lim_v[RV];
   for (int vv = 0; vv < RV; ++vv) {
-    m[vv] = neg_inf;
+    m[vv] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     l[vv] = _mm512_setzero_ps();
-    lim_v[vv] = _mm512_load_si512(limit + vv * LANES);
   }
-  const T* kbase = k + b * P.ks[0] + h * P.ks[1];
-  const T* vbase = v + b * P.vs[0] + h * P.vs[1];
-  constexpr int TQ = RV == 4 ? 6 : 8;
-  constexpr int TV = RV == 4 ? 4 : 8;
-  for (int c0 = 0; c0 < max_limit; c0 += KC) {
-    const int n = std::min<int>(KC, max_limit - c0);
-    // K and V rows of the next chunk: a burst before a DP chunk, else a tile's worth per QK tile
-    // (a burst of hundreds of prefetches is mostly dropped; interleaved, they hide DRAM latency:
-    // cascade prefixes, 4 x 3 heads x 1024 keys read cold: 48 rows 695-910 -> 567-640 us, 24 rows
-    // 483-734 -> 502-528 us, interleaved runs).
-    const int next = c0 + KC < max_limit ? std::min<int>(KC, max_limit - c0 - KC) : 0;
-    const float* kc;
-    const float* vc;
-    int64_t kstride = 0, vstride = 0;
-    int j = 0;
-    if constexpr (DP) {
-      if (next > 0) {
-        prefetch_rows(kbase + (c0 + KC) * P.ks[2], P.ks[2], next, D);
-        prefetch_rows(vbase + (c0 + KC) * P.vs[2], P.vs[2], next, D);
-      }
-      const T* kr = kbase + c0 * P.ks[2];
-      for (; j + TQ <= n; j += TQ) qk_tile_dp<RV, TQ>(qtp, D, kr + j * P.ks[2], P.ks[2], st + j * W, P.scale);
-      for (; j < n; ++j) qk_tile_dp<RV, 1>(qtp, D, kr + j * P.ks[2], P.ks[2], st + j * W, P.scale);
-      pair_rows(vbase + c0 * P.vs[2], P.vs[2], n, D, reinterpret_cast<uint32_t*>(s.vf.data()));
-      kc = vc = nullptr;
-    } else {
-      if constexpr (std::is_same_v<T, float>) {
-        kc = kbase + c0 * P.ks[2];
-        vc = vbase + c0 * P.vs[2];
-        kstride = P.ks[2];
-        vstride = P.vs[2];
-      } else {
-        widen_rows(kbase + c0 * P.ks[2], P.ks[2], n, D, s.kf.data());
-        widen_rows(vbase + c0 * P.vs[2], P.vs[2], n, D, s.vf.data());
-        kc = s.kf.data();
-        vc = s.vf.data();
-        kstride = vstride = D;
-      }
-      for (; j + TQ <= n; j += TQ) {
-        if (j < next) {
-          const int ahead = std::min(TQ, next - j);
-          prefetch_rows(kbase + (c0 + KC + j) * P.ks[2], P.ks[2], ahead, D);
-          prefetch_rows(vbase + (c0 + KC + j) * P.vs[2], P.vs[2], ahead, D);
-        }
-        qk_tile<RV, TQ>(qt, D, kc + j * kstride, kstride, st + j * W, P.scale);
-      }
-      for (; j < n; ++j) qk_tile<RV, 1>(qt, D, kc + j * kstride, kstride, st + j * W, P.scale);
-      if (j < next) {
-        prefetch_rows(kbase + (c0 + KC + j) * P.ks[2], P.ks[2], next - j, D);
-        prefetch_rows(vbase + (c0 + KC + j) * P.vs[2], P.vs[2], next - j, D);
-      }
-    }
-    if (c0 + n > min_limit) {  // some row's keys end inside this chunk
-      for (j = 0; j < n; ++j) {
-        const __m512i pos = _mm512_set1_epi32(c0 + j);
-        for (int vv = 0; vv < RV; ++vv) {
-          const __mmask16 past = _mm512_cmpge_epi32_mask(pos, lim_v[vv]);
-          float* sj = st + j * W + vv * LANES;
-          _mm512_storeu_ps(sj, _mm512_mask_blend_ps(past, _mm512_loadu_ps(sj), neg_inf));
-        }
-      }
-    }
-    bool rescale = false;
-    __m512 alpha[RV];
-    for (int vv = 0; vv < RV; ++vv) {
-      __m512 mc = m[vv];
-      for (j = 0; j < n; ++j) mc = _mm512_max_ps(mc, _mm512_loadu_ps(st + j * W + vv * LANES));
-      // Rows that saw no key yet keep -inf: subtract 0 there (exp(-inf) = 0, never NaN).
-      const __m512 safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mc, neg_inf, _CMP_EQ_OQ), mc, _mm512_setzero_ps());
-      alpha[vv] = exp_ps(_mm512_sub_ps(m[vv], safe));
-      rescale |= _mm512_cmp_ps_mask(mc, m[vv], _CMP_NEQ_UQ) != 0;
-      __m512 sum = _mm512_setzero_ps();
-      for (j = 0; j < n; ++j) {
-        float* sj = st + j * W + vv * LANES;
-        const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sj), safe));
-        _mm512_storeu_ps(sj, pv_weight<T>(p));
-        sum = _mm512_add_ps(sum, p);
-      }
-      l[vv] = _mm512_fmadd_ps(l[vv], alpha[vv], sum);
-      m[vv] = mc;
-    }
-    if (rescale && c0 > 0) {
-      for (int d = 0; d < D; ++d)
-        for (int vv = 0; vv < RV; ++vv) {
-          float* od = ot + d * W + vv * LANES;
-          _mm512_storeu_ps(od, _mm512_mul_ps(_mm512_loadu_ps(od), alpha[vv]));
-        }
-    }
-    if constexpr (DP) {
-      uint32_t* pp = s.pairs.data();
-      pair_probabilities<RV>(st, n, pp);
-      const uint32_t* vp = reinterpret_cast<const uint32_t*>(s.vf.data());
-      for (int d0 = 0; d0 < D; d0 += TV) pv_tile_dp<RV, TV>(pp, (n + 1) / 2, vp, D, d0, ot);
-    } else {
-      for (int d0 = 0; d0 < D; d0 += TV) pv_tile<RV, TV>(st, n, vc, vstride, d0, ot);
-    }
-  }
+  rows_over_keys<T, RV, DP>(P, k + b * P.ks[0] + h * P.ks[1], P.ks[2], v + b * P.vs[0] + h * P.vs[1], P.vs[2], limit,
+                            max_limit, min_limit, qt, ot, m, l, s);
   alignas(64) float mv[W], lv[W];
   for (int vv = 0; vv < RV; ++vv) {
     _mm512_store_ps(mv + vv * LANES, m[vv]);
@@ -443,33 +457,15 @@ inline int64_t row_offset(const Problem& P, const int64_t* strides, int64_t b, i
   return (slot * P.Hkv + h) * P.D;
 }
 
+// The key loop of a keys-in-lanes work item of R rows: keys [0, max_limit) of sequence b, KV head
+// h (strided or paged: row_offset), row `row` seeing keys < limit[row], on top of the state the
+// caller set up: queries qf [R][D] float32, accumulator ot [R][D], running max m and sum l.
 template <typename T, int R>
-void attend_item_small(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse, int64_t b,
-                       int64_t h, int64_t i0, int64_t nq, Scratch& s) {
+inline void small_over_keys(const Problem& P, const T* k, const T* v, int64_t b, int64_t h, const int32_t* limit,
+                            int32_t max_limit, const float* qf, float* ot, float* m, float* l, Scratch& s) {
   constexpr int DB = R <= 4 ? 4 : 2;  // output vectors per row and d-block in registers
   const int D = static_cast<int>(P.D);
-  const int64_t kv_len = P.kv_lens[b];
-  int32_t limit[R];
-  int32_t max_limit = 0, min_limit = std::numeric_limits<int32_t>::max();
-  float* qf = s.qt.data();  // [R][D]
-  for (int row = 0; row < R; ++row) {
-    const int64_t hq = h * P.r + row / nq, i = i0 + row % nq;
-    int64_t lim = kv_len;
-    if (P.offsets != nullptr) lim = std::min<int64_t>(kv_len, P.offsets[b] + i + 1);
-    limit[row] = static_cast<int32_t>(lim);
-    max_limit = std::max<int32_t>(max_limit, limit[row]);
-    min_limit = std::min<int32_t>(min_limit, limit[row]);
-    const T* qrow = q + b * P.qs[0] + hq * P.qs[1] + i * P.qs[2];
-    for (int d = 0; d < D; ++d) qf[row * D + d] = static_cast<float>(qrow[d]);
-  }
-  float* ot = s.ot.data();  // [R][D]
-  std::fill(ot, ot + R * D, 0.0f);
   float* sc = s.st.data();  // [R][KC] scores, then probabilities
-  float m[R], l[R];
-  for (int row = 0; row < R; ++row) {
-    m[row] = -std::numeric_limits<float>::infinity();
-    l[row] = 0.0f;
-  }
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   // The rows of a chunk, read in place (float32) or widened into the scratch (bfloat16).
@@ -482,8 +478,8 @@ void attend_item_small(const Problem& P, const T* q, const T* k, const T* v, T* 
       const char* kr = reinterpret_cast<const char*>(k + row_offset(P, P.ks, b, h, c0 + KC + j));
       const char* vr = reinterpret_cast<const char*>(v + row_offset(P, P.vs, b, h, c0 + KC + j));
       for (int off = 0; off < D * static_cast<int>(sizeof(T)); off += 64) {
-        _mm_prefetch(kr + off, _MM_HINT_T1);
-        _mm_prefetch(vr + off, _MM_HINT_T1);
+        _mm_prefetch(kr + off, _MM_HINT_T0);
+        _mm_prefetch(vr + off, _MM_HINT_T0);
       }
     }
     for (int j = 0; j < n; ++j) {
@@ -533,7 +529,7 @@ void attend_item_small(const Problem& P, const T* q, const T* k, const T* v, T* 
         sum = _mm512_add_ps(sum, p);
       }
       l[row] = l[row] * alpha + _mm512_reduce_add_ps(sum);
-      if (mc != m[row] && c0 > 0) {
+      if (mc != m[row]) {  // (the first chunk too: the state may carry an accumulator in)
         const __m512 a = _mm512_set1_ps(alpha);
         for (int d = 0; d < D; d += LANES) _mm512_storeu_ps(ot + row * D + d, _mm512_mul_ps(_mm512_loadu_ps(ot + row * D + d), a));
       }
@@ -558,6 +554,14 @@ void attend_item_small(const Problem& P, const T* q, const T* k, const T* v, T* 
         for (int t = 0; t < nb; ++t) _mm512_storeu_ps(ot + row * D + d0 + t * LANES, acc[row][t]);
     }
   }
+}
+
+// o = ot / l and lse = m + log(l) of the R rows of a keys-in-lanes item (row -> query head
+// h * r + row / nq, query i0 + row % nq).
+template <typename T, int R>
+inline void finish_small(const Problem& P, T* o, float* lse, int64_t b, int64_t h, int64_t i0, int64_t nq,
+                         const float* ot, const float* m, const float* l) {
+  const int D = static_cast<int>(P.D);
   for (int row = 0; row < R; ++row) {
     const int64_t hq = h * P.r + row / nq, i = i0 + row % nq;
     const float inv = 1.0f / l[row];
@@ -565,6 +569,34 @@ void attend_item_small(const Problem& P, const T* q, const T* k, const T* v, T* 
     for (int d = 0; d < D; ++d) orow[d] = static_cast<T>(ot[row * D + d] * inv);
     lse[(b * P.Hq + hq) * P.M + i] = m[row] + std::log(l[row]);
   }
+}
+
+template <typename T, int R>
+void attend_item_small(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse, int64_t b,
+                       int64_t h, int64_t i0, int64_t nq, Scratch& s) {
+  const int D = static_cast<int>(P.D);
+  const int64_t kv_len = P.kv_lens[b];
+  int32_t limit[R];
+  int32_t max_limit = 0;
+  float* qf = s.qt.data();  // [R][D]
+  for (int row = 0; row < R; ++row) {
+    const int64_t hq = h * P.r + row / nq, i = i0 + row % nq;
+    int64_t lim = kv_len;
+    if (P.offsets != nullptr) lim = std::min<int64_t>(kv_len, P.offsets[b] + i + 1);
+    limit[row] = static_cast<int32_t>(lim);
+    max_limit = std::max<int32_t>(max_limit, limit[row]);
+    const T* qrow = q + b * P.qs[0] + hq * P.qs[1] + i * P.qs[2];
+    for (int d = 0; d < D; ++d) qf[row * D + d] = static_cast<float>(qrow[d]);
+  }
+  float* ot = s.ot.data();  // [R][D]
+  std::fill(ot, ot + R * D, 0.0f);
+  float m[R], l[R];
+  for (int row = 0; row < R; ++row) {
+    m[row] = -std::numeric_limits<float>::infinity();
+    l[row] = 0.0f;
+  }
+  small_over_keys<T, R>(P, k, v, b, h, limit, max_limit, qf, ot, m, l, s);
+  finish_small<T, R>(P, o, lse, b, h, i0, nq, ot, m, l);
 }
 
 template <typename T>
@@ -591,6 +623,162 @@ void attend_rows(const Problem& P, const T* q, const T* k, const T* v, T* o, flo
   else attend_item<T, 4, DP>(P, q, k, v, o, lse, b, h, i0, nq, s);
 }
 
+// Brings keys [0, min(KC, kv_lens[b])) of sequence b, KV head h (strided or paged) into the cache:
+// a decode's own keys are a few dozen cold rows, too few for the in-loop prefetch of the next chunk
+// to cover (paged suffixes: about 3x slower from DRAM than from the cache), so they are asked for
+// one item (or cascade member) ahead.
+template <typename T>
+void prefetch_first_keys(const Problem& P, const T* k, const T* v, int64_t b, int64_t h) {
+  const int n = static_cast<int>(std::min<int64_t>(KC, P.kv_lens[b]));
+  const int bytes = static_cast<int>(P.D * sizeof(T));
+  for (int j = 0; j < n; ++j) {
+    const char* kr = reinterpret_cast<const char*>(k + row_offset(P, P.ks, b, h, j));
+    const char* vr = reinterpret_cast<const char*>(v + row_offset(P, P.vs, b, h, j));
+    for (int off = 0; off < bytes; off += 64) {
+      _mm_prefetch(kr + off, _MM_HINT_T0);
+      _mm_prefetch(vr + off, _MM_HINT_T0);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- cascade decode, fused
+// FlashInfer's shared-prefix (cascade) attention in one pass per (group, KV head): the r query
+// heads of every member of a group form the rows of one row-lanes item over the group's prefix
+// K/V (read once), then each member's rows carry their softmax state (running max, sum,
+// accumulator) on over the member's own blocks in the paged cache (a keys-in-lanes item). The
+// online softmax continues where the prefix ended, so nothing is merged afterwards and no query
+// or result is copied between calls.
+struct Cascade {
+  const int64_t* members;      // [G, gm] decode positions of each group's members, -1 past its size
+  const int64_t* prefix_lens;  // [G]
+  int64_t G, gm, Lp;           // groups, member slots, prefix K/V length dimension
+};
+
+struct CascadeItem {
+  int64_t g;      // group, or -1: an ungrouped sequence (its whole context from the cache)
+  int64_t h;      // KV head
+  int64_t first;  // first member slot (g >= 0) or the sequence (g < 0)
+  int64_t count;  // member slots of this item
+};
+
+// One member's R = r rows after the prefix: state taken from lanes row0 .. row0 + R - 1 of the
+// prefix item ([D][W] accumulator `pot`, maxima `pm`, sums `pl`), continued over keys
+// [0, kv_lens[seq]) of its table row from starts[seq]; writes o and lse of its rows.
+template <typename T, int R>
+void continue_member(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse, int64_t seq, int64_t h,
+                     const float* pot, int W, int row0, const float* pm, const float* pl, Scratch& s) {
+  const int D = static_cast<int>(P.D);
+  float* qf = s.member_q.data();  // [R][D]
+  float* ot = s.member_o.data();  // [R][D]
+  float m[R], l[R];
+  int32_t limit[R];
+  const int32_t len = static_cast<int32_t>(P.kv_lens[seq]);
+  for (int j = 0; j < R; ++j) {
+    m[j] = pm[row0 + j];
+    l[j] = pl[row0 + j];
+    limit[j] = len;
+    const T* qrow = q + (seq * P.Hq + h * P.r + j) * D;
+    for (int d = 0; d < D; ++d) {
+      qf[j * D + d] = static_cast<float>(qrow[d]);
+      ot[j * D + d] = pot[d * W + row0 + j];
+    }
+  }
+  small_over_keys<T, R>(P, k, v, seq, h, limit, len, qf, ot, m, l, s);
+  finish_small<T, R>(P, o, lse, seq, h, 0, 1, ot, m, l);
+}
+
+template <typename T>
+void continue_member_rows(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse, int64_t seq,
+                          int64_t h, const float* pot, int W, int row0, const float* pm, const float* pl, Scratch& s) {
+  switch (P.r) {
+    case 1: return continue_member<T, 1>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
+    case 2: return continue_member<T, 2>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
+    case 3: return continue_member<T, 3>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
+    case 4: return continue_member<T, 4>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
+    case 5: return continue_member<T, 5>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
+    case 6: return continue_member<T, 6>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
+    case 7: return continue_member<T, 7>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
+    default: return continue_member<T, 8>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
+  }
+}
+
+// Group g, KV head h, member slots [first, first + count): the prefix pass, then each member.
+template <typename T, int RV, bool DP>
+void cascade_item(const Problem& P, const Cascade& C, const T* q, const T* pk, const T* pv, const T* k, const T* v,
+                  T* o, float* lse, const CascadeItem& item, Scratch& s) {
+  constexpr int W = RV * LANES;
+  const int D = static_cast<int>(P.D);
+  const int r = static_cast<int>(P.r);
+  const int rows = static_cast<int>(item.count) * r;
+  const int64_t* members = C.members + item.g * C.gm + item.first;
+  const int32_t plen = static_cast<int32_t>(C.prefix_lens[item.g]);
+  alignas(64) int32_t limit[W];
+  std::fill(limit, limit + W, plen);
+  float* qt = s.qt.data();  // Qt[d][row] (DP: bfloat16 pairs), row = slot * r + j, padding rows zero
+  uint32_t* qtp = reinterpret_cast<uint32_t*>(qt);
+  std::fill(qt, qt + D * W, 0.0f);
+  for (int row = 0; row < rows; ++row) {
+    const T* qrow = q + (members[row / r] * P.Hq + item.h * r + row % r) * D;
+    if constexpr (DP) {
+      for (int d = 0; d < D; d += 2) qtp[(d / 2) * W + row] = load_pair(qrow + d);
+    } else {
+      for (int d = 0; d < D; ++d) qt[d * W + row] = static_cast<float>(qrow[d]);
+    }
+  }
+  float* ot = s.ot.data();
+  std::fill(ot, ot + D * W, 0.0f);
+  __m512 m[RV], l[RV];
+  for (int vv = 0; vv < RV; ++vv) {
+    m[vv] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    l[vv] = _mm512_setzero_ps();
+  }
+  const int64_t head = (item.g * P.Hkv + item.h) * C.Lp * D;
+  prefetch_first_keys(P, k, v, members[0], item.h);  // lands in L2 while the prefix streams by
+  rows_over_keys<T, RV, DP>(P, pk + head, D, pv + head, D, limit, plen, plen, qt, ot, m, l, s);
+  alignas(64) float mv[W], lv[W];
+  for (int vv = 0; vv < RV; ++vv) {
+    _mm512_store_ps(mv + vv * LANES, m[vv]);
+    _mm512_store_ps(lv + vv * LANES, l[vv]);
+  }
+  for (int64_t slot = 0; slot < item.count; ++slot) {
+    if (slot + 1 < item.count) prefetch_first_keys(P, k, v, members[slot + 1], item.h);
+    continue_member_rows<T>(P, q, k, v, o, lse, members[slot], item.h, ot, W, static_cast<int>(slot) * r, mv, lv, s);
+  }
+}
+
+template <typename T, bool DP>
+void cascade_rows(const Problem& P, const Cascade& C, const T* q, const T* pk, const T* pv, const T* k, const T* v,
+                  T* o, float* lse, const CascadeItem& item, Scratch& s) {
+  const int64_t rows = item.count * P.r;
+  if (rows <= 16) cascade_item<T, 1, DP>(P, C, q, pk, pv, k, v, o, lse, item, s);
+  else if (rows <= 32) cascade_item<T, 2, DP>(P, C, q, pk, pv, k, v, o, lse, item, s);
+  else if (rows <= 48) cascade_item<T, 3, DP>(P, C, q, pk, pv, k, v, o, lse, item, s);
+  else cascade_item<T, 4, DP>(P, C, q, pk, pv, k, v, o, lse, item, s);
+}
+
+template <typename T>
+void run_cascade(const Problem& P, const Cascade& C, const std::vector<CascadeItem>& items, const T* q, const T* pk,
+                 const T* pv, const T* k, const T* v, T* o, float* lse) {
+  const int64_t count = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(P.D);
+    for (int64_t w = begin; w < end; ++w) {
+      for (int64_t idx = next.fetch_add(1); idx < count; idx = next.fetch_add(1)) {
+        const CascadeItem& item = items[idx];
+        if (item.g < 0) {  // an ungrouped sequence: a keys-in-lanes item over its whole context
+          attend_small<T>(P, q, k, v, o, lse, item.first, item.h, 0, 1, scratch);
+        } else if (P.dot_products) {
+          if constexpr (std::is_same_v<T, c10::BFloat16>) cascade_rows<T, true>(P, C, q, pk, pv, k, v, o, lse, item, scratch);
+        } else {
+          cascade_rows<T, false>(P, C, q, pk, pv, k, v, o, lse, item, scratch);
+        }
+      }
+    }
+  });
+}
+
 template <typename T>
 void run(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse) {
   const int64_t per_seq = P.Hkv * P.nqb;
@@ -606,6 +794,10 @@ void run(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse)
         const int64_t b = (idx % (P.B * P.Hkv)) / P.Hkv, h = idx % P.Hkv;
         const int64_t i0 = blk * P.qb, nq = std::min<int64_t>(P.qb, P.M - i0);
         const int64_t rows = P.r * nq;
+        if (P.small && idx + workers < items) {  // likely this thread's next item
+          const int64_t after = idx + workers;
+          prefetch_first_keys(P, k, v, (after % (P.B * P.Hkv)) / P.Hkv, after % P.Hkv);
+        }
         if (P.small) attend_small<T>(P, q, k, v, o, lse, b, h, i0, nq, scratch);
         else if constexpr (std::is_same_v<T, c10::BFloat16>) {
           if (P.dot_products) attend_rows<T, true>(P, q, k, v, o, lse, b, h, i0, nq, rows, scratch);
@@ -698,25 +890,10 @@ std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor&
   return launch(P, q, k, v);
 }
 
-// Decode attention straight from the paged caches, no gathered copy: q [B, Hq, M, D] with
-// (Hq / Hkv) * M <= 8 rows per KV head (decodes); k_cache, v_cache [num_blocks, block_size, Hkv, D]
-// contiguous; block_tables int64 [B, width]; starts, kv_lens int64 [B]: sequence b attends over the
-// tokens starts[b] .. starts[b] + kv_lens[b] - 1 of its table row. Returns (o, lse) as attend().
-std::tuple<at::Tensor, at::Tensor> attend_paged(const at::Tensor& q, const at::Tensor& k_cache,
-                                                const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                                const at::Tensor& starts, const at::Tensor& kv_lens, double scale) {
-  check_layout(q, "q");
-  check_layout(k_cache, "k_cache");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
-              "k_cache and v_cache must be contiguous [num_blocks, block_size, Hkv, D] of one shape");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q, k_cache, v_cache dtypes differ");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "dtype must be float32 or bfloat16");
-  Problem P = heads(q, k_cache.size(2));
-  const int64_t num_blocks = k_cache.size(0);
-  P.block_size = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(3) == P.D, "k_cache head_dim ", k_cache.size(3), " != q's ", P.D);
-  TORCH_CHECK(P.r * P.M <= SMALL_ROWS, "attend_paged takes at most ", SMALL_ROWS, " query rows per KV head");
+// Reads sequence b's keys from the paged caches: tokens starts[b] .. starts[b] + kv_lens[b] - 1 of
+// its block table row. Checks every block a sequence reads exists (no read out of the caches).
+void set_paged(Problem& P, const at::Tensor& block_tables, const at::Tensor& starts, const at::Tensor& kv_lens,
+               int64_t num_blocks) {
   for (const auto* t : {&block_tables, &starts, &kv_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "block_tables, starts, kv_lens must be contiguous int64");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == P.B, "block_tables must be [batch, width]");
@@ -725,7 +902,7 @@ std::tuple<at::Tensor, at::Tensor> attend_paged(const at::Tensor& q, const at::T
   P.table_width = block_tables.size(1);
   P.starts = starts.data_ptr<int64_t>();
   P.kv_lens = kv_lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < P.B; ++b) {  // every block a sequence reads must exist: no read out of the caches
+  for (int64_t b = 0; b < P.B; ++b) {
     const int64_t first = P.starts[b], len = P.kv_lens[b];
     TORCH_CHECK(first >= 0 && len >= 1, "sequence ", b, ": starts must be >= 0 and kv_lens >= 1");
     const int64_t last_col = (first + len - 1) / P.block_size;
@@ -736,6 +913,32 @@ std::tuple<at::Tensor, at::Tensor> attend_paged(const at::Tensor& q, const at::T
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "sequence ", b, " block ", blk, " not in [0, ", num_blocks, ")");
     }
   }
+}
+
+void check_caches(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  check_layout(k_cache, "k_cache");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must be contiguous [num_blocks, block_size, Hkv, D] of one shape");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q, k_cache, v_cache dtypes differ");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "dtype must be float32 or bfloat16");
+}
+
+// Decode attention straight from the paged caches, no gathered copy: q [B, Hq, M, D] with
+// (Hq / Hkv) * M <= 8 rows per KV head (decodes); k_cache, v_cache [num_blocks, block_size, Hkv, D]
+// contiguous; block_tables int64 [B, width]; starts, kv_lens int64 [B]: sequence b attends over the
+// tokens starts[b] .. starts[b] + kv_lens[b] - 1 of its table row. Returns (o, lse) as attend().
+std::tuple<at::Tensor, at::Tensor> attend_paged(const at::Tensor& q, const at::Tensor& k_cache,
+                                                const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                const at::Tensor& starts, const at::Tensor& kv_lens, double scale) {
+  check_layout(q, "q");
+  check_caches(q, k_cache, v_cache);
+  Problem P = heads(q, k_cache.size(2));
+  const int64_t num_blocks = k_cache.size(0);
+  P.block_size = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(3) == P.D, "k_cache head_dim ", k_cache.size(3), " != q's ", P.D);
+  TORCH_CHECK(P.r * P.M <= SMALL_ROWS, "attend_paged takes at most ", SMALL_ROWS, " query rows per KV head");
+  set_paged(P, block_tables, starts, kv_lens, num_blocks);
   P.offsets = nullptr;
   P.small = true;
   P.qb = P.M;
@@ -744,6 +947,94 @@ std::tuple<at::Tensor, at::Tensor> attend_paged(const at::Tensor& q, const at::T
   P.scale = static_cast<float>(scale);
   P.dot_products = false;
   return launch(P, q, k_cache, v_cache);
+}
+
+// Cascade decode attention (see run_cascade): q [n, Hq, D] contiguous, one new token per decode
+// sequence; prefix_k, prefix_v [G, Hkv, Lp, D] contiguous, group g's shared prefix in its first
+// prefix_lens[g] positions; members int64 [G, gm]: the decode positions (rows of q) of group g's
+// members, -1 past its size, each position in at most one group; k_cache, v_cache [num_blocks,
+// block_size, Hkv, D]; block_tables [n, width], starts, kv_lens int64 [n]: sequence i's own keys
+// are its tokens starts[i] .. starts[i] + kv_lens[i] - 1 (a member: after its group's prefix; a
+// sequence in no group: its whole context). Returns o [n, Hq, D] (q's dtype) and lse [n, Hq].
+std::tuple<at::Tensor, at::Tensor> attend_cascade(const at::Tensor& q, const at::Tensor& prefix_k,
+                                                  const at::Tensor& prefix_v, const at::Tensor& prefix_lens,
+                                                  const at::Tensor& members, const at::Tensor& k_cache,
+                                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                  const at::Tensor& starts, const at::Tensor& kv_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.device().is_cpu(), "q must be a contiguous CPU [n, Hq, D]");
+  check_caches(q, k_cache, v_cache);
+  const at::Tensor q4 = q.unsqueeze(2);  // [n, Hq, 1, D]
+  Problem P = heads(q4, k_cache.size(2));
+  TORCH_CHECK(P.r <= SMALL_ROWS, "attend_cascade takes at most ", SMALL_ROWS, " query heads per KV head");
+  TORCH_CHECK(k_cache.size(3) == P.D, "k_cache head_dim ", k_cache.size(3), " != q's ", P.D);
+  TORCH_CHECK(prefix_k.dim() == 4 && prefix_k.is_contiguous() && prefix_v.is_contiguous() &&
+                  prefix_k.sizes() == prefix_v.sizes(),
+              "prefix_k and prefix_v must be contiguous [groups, Hkv, len, D] of one shape");
+  TORCH_CHECK(prefix_k.scalar_type() == q.scalar_type() && prefix_v.scalar_type() == q.scalar_type(),
+              "prefix_k, prefix_v dtypes differ from q's");
+  TORCH_CHECK(prefix_k.size(1) == P.Hkv && prefix_k.size(3) == P.D, "prefix_k must be [groups, ", P.Hkv, ", len, ",
+              P.D, "]");
+  Cascade C{};
+  C.G = prefix_k.size(0);
+  C.Lp = prefix_k.size(2);
+  TORCH_CHECK(prefix_lens.scalar_type() == at::kLong && prefix_lens.is_contiguous() && prefix_lens.numel() == C.G,
+              "prefix_lens must be contiguous int64 [groups]");
+  TORCH_CHECK(members.scalar_type() == at::kLong && members.is_contiguous() && members.dim() == 2 &&
+                  members.size(0) == C.G,
+              "members must be contiguous int64 [groups, max members]");
+  C.gm = members.size(1);
+  C.members = members.data_ptr<int64_t>();
+  C.prefix_lens = prefix_lens.data_ptr<int64_t>();
+  P.block_size = k_cache.size(1);
+  set_paged(P, block_tables, starts, kv_lens, k_cache.size(0));
+  P.qs[0] = P.Hq * P.D;
+  P.qs[1] = P.qs[2] = P.D;
+  P.offsets = nullptr;
+  P.small = true;
+  P.qb = 1;
+  P.nqb = 1;
+  P.scale = static_cast<float>(scale);
+  P.dot_products = q.scalar_type() == at::kBFloat16 && has_bf16_dot_products() && allow_bf16_dot_products.load();
+  // Work items: each group's members in slots of at most MAX_ROWS rows (largest first), then the
+  // sequences in no group.
+  std::vector<char> grouped(P.B, 0);
+  std::vector<CascadeItem> items;
+  const int64_t per_item = MAX_ROWS / P.r;
+  for (int64_t g = 0; g < C.G; ++g) {
+    TORCH_CHECK(C.prefix_lens[g] >= 1 && C.prefix_lens[g] <= C.Lp, "prefix_lens[", g, "]=", C.prefix_lens[g],
+                " not in [1, ", C.Lp, "]");
+    int64_t size = 0;
+    while (size < C.gm && C.members[g * C.gm + size] >= 0) ++size;
+    for (int64_t i = size; i < C.gm; ++i)
+      TORCH_CHECK(C.members[g * C.gm + i] < 0, "members: group ", g, " has a member after its -1 padding");
+    TORCH_CHECK(size >= 1, "members: group ", g, " has no member");
+    for (int64_t i = 0; i < size; ++i) {
+      const int64_t seq = C.members[g * C.gm + i];
+      TORCH_CHECK(seq < P.B, "members: position ", seq, " not in [0, ", P.B, ")");
+      TORCH_CHECK(!grouped[seq], "members: position ", seq, " is in more than one group slot");
+      grouped[seq] = 1;
+    }
+    for (int64_t first = 0; first < size; first += per_item)
+      for (int64_t h = 0; h < P.Hkv; ++h) items.push_back({g, h, first, std::min(per_item, size - first)});
+  }
+  std::stable_sort(items.begin(), items.end(), [&](const CascadeItem& a, const CascadeItem& b) {
+    return C.prefix_lens[a.g] * a.count > C.prefix_lens[b.g] * b.count;
+  });
+  for (int64_t b = 0; b < P.B; ++b)
+    if (!grouped[b])
+      for (int64_t h = 0; h < P.Hkv; ++h) items.push_back({-1, h, b, 1});
+  at::Tensor o = at::empty({P.B, P.Hq, P.D}, q.options());
+  at::Tensor lse = at::empty({P.B, P.Hq}, q.options().dtype(at::kFloat));
+  if (o.numel() == 0) return {o, lse};
+  if (q.scalar_type() == at::kFloat) {
+    run_cascade<float>(P, C, items, q.data_ptr<float>(), prefix_k.data_ptr<float>(), prefix_v.data_ptr<float>(),
+                       k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), o.data_ptr<float>(), lse.data_ptr<float>());
+  } else {
+    using BF = c10::BFloat16;
+    run_cascade<BF>(P, C, items, q.data_ptr<BF>(), prefix_k.data_ptr<BF>(), prefix_v.data_ptr<BF>(),
+                    k_cache.data_ptr<BF>(), v_cache.data_ptr<BF>(), o.data_ptr<BF>(), lse.data_ptr<float>());
+  }
+  return {o, lse};
 }
 
 // Whether bfloat16 inputs may take the AVX512-BF16 path (tests turn it off to check the other one);
@@ -758,6 +1049,10 @@ TORCH_LIBRARY(radixkv, m) {
   m.def("attend_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor starts, Tensor kv_lens, "
         "float scale) -> (Tensor, Tensor)");
   m.impl("attend_paged", c10::DispatchKey::CPU, TORCH_FN(attend_paged));
+  m.def("attend_cascade(Tensor q, Tensor prefix_k, Tensor prefix_v, Tensor prefix_lens, Tensor members, "
+        "Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor starts, Tensor kv_lens, float scale) "
+        "-> (Tensor, Tensor)");
+  m.impl("attend_cascade", c10::DispatchKey::CPU, TORCH_FN(attend_cascade));
   m.def("set_bf16_dot_products(bool enabled) -> bool", set_bf16_dot_products);
   m.def("has_bf16_dot_products() -> bool", has_bf16_dot_products);
 }

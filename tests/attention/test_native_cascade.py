@@ -1,0 +1,179 @@
+"""native.attend_cascade (the fused cascade decode kernel) against dense float64 attention.
+
+Random groups of decode sequences share prefixes of random lengths; each member has its own
+ragged suffix in shuffled cache blocks, and some sequences belong to no group. Skipped only on
+CPUs without AVX-512.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from model_service import native
+
+pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"),
+                                reason="the native kernels need AVX-512")
+
+BLOCK = 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def library() -> None:
+    """A missing or broken build fails here (`make install` builds it)."""
+    assert native.available(), native.unavailable_reason()
+
+
+def make_cascade(seed: int, hq: int, hkv: int, d: int, group_sizes: list[int], ungrouped: int,
+                 dtype: torch.dtype) -> dict:
+    """A batch of decode sequences in the paged cache: groups sharing prefix blocks, the rest alone."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 300
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    k_cache = torch.randn(num_blocks, BLOCK, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK, hkv, d, generator=gen).to(dtype)
+    contexts: list[list[int]] = []  # each sequence's blocks
+    lengths: list[int] = []  # each sequence's context tokens
+    starts: list[int] = []  # first own token (after its group's prefix)
+    prefix_blocks: list[list[int]] = []
+    order = []  # (group or -1) per sequence, shuffled into decode order below
+    for g, size in enumerate(group_sizes):
+        shared = [free.pop() for _ in range(int(torch.randint(1, 5, (1,), generator=gen)))]
+        prefix_blocks.append(shared)
+        order += [g] * size
+    order += [-1] * ungrouped
+    perm = torch.randperm(len(order), generator=gen).tolist()
+    order = [order[i] for i in perm]
+    for g in order:
+        own_tokens = int(torch.randint(1, 40, (1,), generator=gen))
+        shared = prefix_blocks[g] if g >= 0 else []
+        own = [free.pop() for _ in range(-(-own_tokens // BLOCK))]
+        contexts.append(shared + own)
+        lengths.append(len(shared) * BLOCK + own_tokens)
+        starts.append(len(shared) * BLOCK)
+    n = len(order)
+    width = max(len(c) for c in contexts)
+    tables = torch.tensor([c + [0] * (width - len(c)) for c in contexts])
+    gm = max(group_sizes) if group_sizes else 1
+    members = torch.full((max(len(group_sizes), 1), gm), -1, dtype=torch.long)
+    for g in range(len(group_sizes)):
+        rows = [i for i, og in enumerate(order) if og == g]
+        members[g, :len(rows)] = torch.tensor(rows)
+    lp = max((len(b) for b in prefix_blocks), default=1) * BLOCK
+    prefix_k = torch.zeros(len(group_sizes), hkv, lp, d, dtype=dtype)
+    prefix_v = torch.zeros_like(prefix_k)
+    for g, blocks in enumerate(prefix_blocks):
+        for j, blk in enumerate(blocks):
+            prefix_k[g, :, j * BLOCK:(j + 1) * BLOCK] = k_cache[blk].transpose(0, 1)
+            prefix_v[g, :, j * BLOCK:(j + 1) * BLOCK] = v_cache[blk].transpose(0, 1)
+    return dict(q=torch.randn(n, hq, d, generator=gen).to(dtype), prefix_k=prefix_k, prefix_v=prefix_v,
+                prefix_lens=torch.tensor([len(b) * BLOCK for b in prefix_blocks], dtype=torch.long),
+                members=members[:len(group_sizes)], k_cache=k_cache, v_cache=v_cache, tables=tables,
+                starts=torch.tensor(starts), own=torch.tensor(lengths) - torch.tensor(starts),
+                lengths=torch.tensor(lengths))
+
+
+def dense(case: dict, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 attention of every sequence over its whole context, gathered token by token."""
+    q, k_cache, v_cache = case["q"].double(), case["k_cache"].double(), case["v_cache"].double()
+    n, hq, _ = q.shape
+    r = hq // k_cache.shape[2]
+    outs, lses = [], []
+    for i in range(n):
+        tokens = torch.arange(int(case["lengths"][i]))
+        slots = case["tables"][i, tokens // BLOCK]
+        keys = k_cache[slots, tokens % BLOCK].repeat_interleave(r, 1)  # [L, Hq, D]
+        values = v_cache[slots, tokens % BLOCK].repeat_interleave(r, 1)
+        scores = torch.einsum("hd,lhd->hl", q[i], keys) * scale
+        outs.append(torch.einsum("hl,lhd->hd", torch.softmax(scores, -1), values))
+        lses.append(torch.logsumexp(scores, -1))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def cascade(case: dict, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return native.attend_cascade(case["q"], case["prefix_k"], case["prefix_v"], case["prefix_lens"], case["members"],
+                                 case["k_cache"], case["v_cache"], case["tables"], case["starts"], case["own"], scale)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    heads=st.sampled_from([(9, 3), (4, 4), (8, 1), (6, 2), (16, 2)]),
+    head_dim=st.sampled_from([32, 64, 128]),
+    group_sizes=st.lists(st.integers(1, 30), min_size=0, max_size=4),
+    ungrouped=st.integers(0, 3),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 1000),
+)
+def test_matches_dense_attention(heads, head_dim, group_sizes, ungrouped, dtype, seed):
+    """Random groups (up to 30 members: more than one item's rows), ragged own keys, shuffled
+    blocks, sequences in no group: o and lse equal dense float64 attention over each whole context."""
+    if not group_sizes and not ungrouped:
+        ungrouped = 1
+    hq, hkv = heads
+    case = make_cascade(seed, hq, hkv, head_dim, group_sizes, ungrouped, dtype)
+    if not group_sizes:  # no group: an empty [0, 1] member table and a [0, Hkv, 1, D] prefix
+        case["members"] = torch.empty(0, 1, dtype=torch.long)
+        case["prefix_k"] = case["prefix_v"] = torch.zeros(0, hkv, BLOCK, head_dim, dtype=dtype)
+        case["prefix_lens"] = torch.empty(0, dtype=torch.long)
+    scale = head_dim ** -0.5
+    out, lse = cascade(case, scale)
+    want_out, want_lse = dense(case, scale)
+    tol = dict(rtol=1e-5, atol=3e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+    torch.testing.assert_close(out.double(), want_out, **tol)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dot_products", [True, False])
+def test_bf16_with_and_without_dot_products(dot_products):
+    """bfloat16 prefixes take the AVX512-BF16 dot products where the CPU has them, else FMAs: both near dense."""
+    case = make_cascade(7, 9, 3, 64, [8, 5, 1], 2, torch.bfloat16)
+    with contextlib.nullcontext() if dot_products else native.without_bf16_dot_products():
+        out, _ = cascade(case, 0.125)
+    want, _ = dense(case, 0.125)
+    torch.testing.assert_close(out.double(), want, rtol=2 ** -7, atol=2 ** -7)
+
+
+def test_same_result_on_one_thread_and_many():
+    """Items are independent: the thread count does not change a bit."""
+    case = make_cascade(3, 9, 3, 64, [8, 8, 3, 20], 3, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = cascade(case, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    many, _ = cascade(case, 0.125)
+    assert torch.equal(one, many)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(members=torch.tensor([[0, 0]])), "more than one group slot"),
+    (dict(members=torch.tensor([[0, 9]])), r"position 9 not in \[0, 3\)"),
+    (dict(members=torch.tensor([[-1, 0]])), "after its -1 padding"),
+    (dict(members=torch.tensor([[-1, -1]])), "has no member"),
+    (dict(prefix_lens=torch.tensor([17])), r"prefix_lens\[0\]=17 not in \[1, 16\]"),
+    (dict(prefix_lens=torch.tensor([0])), "prefix_lens"),
+    (dict(tables=torch.tensor([[0, 1], [2, 40], [4, 5]])), "block 40"),
+    (dict(own=torch.tensor([3, 0, 3])), "kv_lens >= 1"),
+    (dict(q=torch.randn(3, 9, 64).transpose(0, 1).contiguous().transpose(0, 1)), "contiguous CPU"),
+    (dict(q=torch.randn(3, 24, 16)), "head_dim"),
+    (dict(q=torch.randn(3, 27, 64)), "at most 8 query heads per KV head"),
+    (dict(prefix_k=torch.zeros(1, 2, 16, 64)), "prefix_k must be"),
+])
+def test_bad_arguments_raise_clear_errors(change, message):
+    gen = torch.Generator().manual_seed(0)
+    case = dict(q=torch.randn(3, 9, 64, generator=gen), prefix_k=torch.randn(1, 3, 16, 64, generator=gen),
+                prefix_v=torch.randn(1, 3, 16, 64, generator=gen), prefix_lens=torch.tensor([16]),
+                members=torch.tensor([[0, 2]]), k_cache=torch.randn(10, BLOCK, 3, 64, generator=gen),
+                v_cache=torch.randn(10, BLOCK, 3, 64, generator=gen), tables=torch.tensor([[0, 1], [2, 3], [4, 5]]),
+                starts=torch.tensor([16, 0, 16]), own=torch.tensor([3, 20, 3]))
+    cascade(case, 0.125)  # fine as it is
+    case.update(change)
+    if "prefix_k" in change:
+        case["prefix_v"] = change["prefix_k"]
+    with pytest.raises(RuntimeError, match=message):
+        cascade(case, 0.125)

@@ -300,15 +300,17 @@ inline void rows_over_keys(const Problem& P, const T* kbase, int64_t krs, const 
     // cascade prefixes, 4 x 3 heads x 1024 keys read cold: 48 rows 695-910 -> 567-640 us, 24 rows
     // 483-734 -> 502-528 us, interleaved runs).
     const int next = c0 + KC < max_limit ? std::min<int>(KC, max_limit - c0 - KC) : 0;
+    auto prefetch_next = [&](int from, int count) {  // rows [from, from + count) of the next chunk
+      if (count <= 0) return;
+      prefetch_rows(kbase + (c0 + KC + from) * krs, krs, count, D);
+      prefetch_rows(vbase + (c0 + KC + from) * vrs, vrs, count, D);
+    };
     const float* kc;
     const float* vc;
     int64_t kstride = 0, vstride = 0;
     int j = 0;
     if constexpr (DP) {
-      if (next > 0) {
-        prefetch_rows(kbase + (c0 + KC) * krs, krs, next, D);
-        prefetch_rows(vbase + (c0 + KC) * vrs, vrs, next, D);
-      }
+      prefetch_next(0, next);
       const T* kr = kbase + c0 * krs;
       for (; j + TQ <= n; j += TQ) qk_tile_dp<RV, TQ>(qtp, D, kr + j * krs, krs, st + j * W, P.scale);
       for (; j < n; ++j) qk_tile_dp<RV, 1>(qtp, D, kr + j * krs, krs, st + j * W, P.scale);
@@ -328,18 +330,11 @@ inline void rows_over_keys(const Problem& P, const T* kbase, int64_t krs, const 
         kstride = vstride = D;
       }
       for (; j + TQ <= n; j += TQ) {
-        if (j < next) {
-          const int ahead = std::min(TQ, next - j);
-          prefetch_rows(kbase + (c0 + KC + j) * krs, krs, ahead, D);
-          prefetch_rows(vbase + (c0 + KC + j) * vrs, vrs, ahead, D);
-        }
+        prefetch_next(j, std::min(TQ, next - j));
         qk_tile<RV, TQ>(qt, D, kc + j * kstride, kstride, st + j * W, P.scale);
       }
       for (; j < n; ++j) qk_tile<RV, 1>(qt, D, kc + j * kstride, kstride, st + j * W, P.scale);
-      if (j < next) {
-        prefetch_rows(kbase + (c0 + KC + j) * krs, krs, next - j, D);
-        prefetch_rows(vbase + (c0 + KC + j) * vrs, vrs, next - j, D);
-      }
+      prefetch_next(j, next - j);
     }
     if (c0 + n > min_limit) {  // some row's keys end inside this chunk
       for (j = 0; j < n; ++j) {

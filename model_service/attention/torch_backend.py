@@ -22,6 +22,12 @@ block tables start with the same physical blocks (a radix tree's shared prefix; 
 - both partial results merged exactly with their log-sum-exp (FlashInfer's `merge_state`):
   `lse = logaddexp(lse1, lse2)`, `o = o1 * exp(lse1 - lse) + o2 * exp(lse2 - lse)`.
 
+With the native kernels (AVX-512 CPUs, `kernels="auto"`) the three are one call,
+`native.attend_cascade`: per (group, KV head) the members' query heads go over the prefix K/V
+once, then each member's softmax state (running max, sum, accumulator) continues over its own
+blocks read in place from the paged cache, so there is nothing to merge and no query or result
+is copied between calls; ungrouped decode sequences are items of the same call.
+
 The prefixes' gathered copies are kept across steps while their blocks are unwritten
 (`PrefixKVStore`): a group decoding for many steps gathers its prefix once per layer, not once
 per layer and step.

@@ -383,6 +383,30 @@ inline void rows_over_keys(const Problem& P, const T* kbase, int64_t krs, const 
   }
 }
 
+// A fresh row-lanes state: Qt [D][W] and the accumulator Ot [D][W] zeroed (padding rows stay
+// zero queries), running max -inf and sum 0 per row.
+template <int RV>
+inline void start_rows(int D, float* qt, float* ot, __m512* m, __m512* l) {
+  constexpr int W = RV * LANES;
+  std::fill(qt, qt + D * W, 0.0f);
+  std::fill(ot, ot + D * W, 0.0f);
+  for (int vv = 0; vv < RV; ++vv) {
+    m[vv] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    l[vv] = _mm512_setzero_ps();
+  }
+}
+
+// Query row `row` of a row-lanes item into Qt: float32 Qt[d][row], or (DP) bfloat16 pairs Qt[d/2][row].
+template <typename T, bool DP>
+inline void put_query_row(const T* qrow, int D, int W, int row, float* qt) {
+  if constexpr (DP) {
+    uint32_t* qtp = reinterpret_cast<uint32_t*>(qt);
+    for (int d = 0; d < D; d += 2) qtp[(d / 2) * W + row] = load_pair(qrow + d);
+  } else {
+    for (int d = 0; d < D; ++d) qt[d * W + row] = static_cast<float>(qrow[d]);
+  }
+}
+
 // One work item: sequence b, KV head h, queries [i0, i0 + nq) of the r query heads h*r .. h*r+r-1.
 // Row j * nq + ii is query head h*r + j, query i0 + ii.
 // DP: bfloat16 inputs on a CPU with AVX512-BF16: products as bfloat16 dot products on pairs (K and
@@ -405,25 +429,13 @@ void attend_item(const Problem& P, const T* q, const T* k, const T* v, T* o, flo
       min_limit = std::min<int32_t>(min_limit, limit[row]);
     }
   }
-  // Qt[d][row] in float32 (DP: Qt[d/2][row] bfloat16 pairs), rows past `rows` zero.
   float* qt = s.qt.data();
-  uint32_t* qtp = reinterpret_cast<uint32_t*>(qt);
-  std::fill(qt, qt + D * W, 0.0f);
+  float* ot = s.ot.data();
+  __m512 m[RV], l[RV];
+  start_rows<RV>(D, qt, ot, m, l);
   for (int row = 0; row < rows; ++row) {
     const int64_t hq = h * P.r + row / nq, i = i0 + row % nq;
-    const T* qrow = q + b * P.qs[0] + hq * P.qs[1] + i * P.qs[2];
-    if constexpr (DP) {
-      for (int d = 0; d < D; d += 2) qtp[(d / 2) * W + row] = load_pair(qrow + d);
-    } else {
-      for (int d = 0; d < D; ++d) qt[d * W + row] = static_cast<float>(qrow[d]);
-    }
-  }
-  float* ot = s.ot.data();
-  std::fill(ot, ot + D * W, 0.0f);
-  __m512 m[RV], l[RV];
-  for (int vv = 0; vv < RV; ++vv) {
-    m[vv] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    l[vv] = _mm512_setzero_ps();
+    put_query_row<T, DP>(q + b * P.qs[0] + hq * P.qs[1] + i * P.qs[2], D, W, row, qt);
   }
   rows_over_keys<T, RV, DP>(P, k + b * P.ks[0] + h * P.ks[1], P.ks[2], v + b * P.vs[0] + h * P.vs[1], P.vs[2], limit,
                             max_limit, min_limit, qt, ot, m, l, s);
@@ -636,6 +648,19 @@ void prefetch_first_keys(const Problem& P, const T* k, const T* v, int64_t b, in
   }
 }
 
+// Runs fn(idx, workers, scratch) for every idx in [0, count) on torch's threads, handing items out
+// one at a time (they differ in size); each thread has its own scratch.
+template <typename Fn>
+void parallel_items(int64_t count, int64_t D, Fn&& fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(D);
+    for (int64_t w = begin; w < end; ++w)
+      for (int64_t idx = next.fetch_add(1); idx < count; idx = next.fetch_add(1)) fn(idx, workers, scratch);
+  });
+}
+
 // ---------------------------------------------------------------- cascade decode, fused
 // FlashInfer's shared-prefix (cascade) attention in one pass per (group, KV head): the r query
 // heads of every member of a group form the rows of one row-lanes item over the group's prefix
@@ -709,24 +734,12 @@ void cascade_item(const Problem& P, const Cascade& C, const T* q, const T* pk, c
   const int32_t plen = static_cast<int32_t>(C.prefix_lens[item.g]);
   alignas(64) int32_t limit[W];
   std::fill(limit, limit + W, plen);
-  float* qt = s.qt.data();  // Qt[d][row] (DP: bfloat16 pairs), row = slot * r + j, padding rows zero
-  uint32_t* qtp = reinterpret_cast<uint32_t*>(qt);
-  std::fill(qt, qt + D * W, 0.0f);
-  for (int row = 0; row < rows; ++row) {
-    const T* qrow = q + (members[row / r] * P.Hq + item.h * r + row % r) * D;
-    if constexpr (DP) {
-      for (int d = 0; d < D; d += 2) qtp[(d / 2) * W + row] = load_pair(qrow + d);
-    } else {
-      for (int d = 0; d < D; ++d) qt[d * W + row] = static_cast<float>(qrow[d]);
-    }
-  }
+  float* qt = s.qt.data();  // row = slot * r + j
   float* ot = s.ot.data();
-  std::fill(ot, ot + D * W, 0.0f);
   __m512 m[RV], l[RV];
-  for (int vv = 0; vv < RV; ++vv) {
-    m[vv] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    l[vv] = _mm512_setzero_ps();
-  }
+  start_rows<RV>(D, qt, ot, m, l);
+  for (int row = 0; row < rows; ++row)
+    put_query_row<T, DP>(q + (members[row / r] * P.Hq + item.h * r + row % r) * D, D, W, row, qt);
   const int64_t head = (item.g * P.Hkv + item.h) * C.Lp * D;
   prefetch_first_keys(P, k, v, members[0], item.h);  // lands in L2 while the prefix streams by
   rows_over_keys<T, RV, DP>(P, pk + head, D, pv + head, D, limit, plen, plen, qt, ot, m, l, s);
@@ -754,22 +767,14 @@ void cascade_rows(const Problem& P, const Cascade& C, const T* q, const T* pk, c
 template <typename T>
 void run_cascade(const Problem& P, const Cascade& C, const std::vector<CascadeItem>& items, const T* q, const T* pk,
                  const T* pv, const T* k, const T* v, T* o, float* lse) {
-  const int64_t count = static_cast<int64_t>(items.size());
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch(P.D);
-    for (int64_t w = begin; w < end; ++w) {
-      for (int64_t idx = next.fetch_add(1); idx < count; idx = next.fetch_add(1)) {
-        const CascadeItem& item = items[idx];
-        if (item.g < 0) {  // an ungrouped sequence: a keys-in-lanes item over its whole context
-          attend_small<T>(P, q, k, v, o, lse, item.first, item.h, 0, 1, scratch);
-        } else if (P.dot_products) {
-          if constexpr (std::is_same_v<T, c10::BFloat16>) cascade_rows<T, true>(P, C, q, pk, pv, k, v, o, lse, item, scratch);
-        } else {
-          cascade_rows<T, false>(P, C, q, pk, pv, k, v, o, lse, item, scratch);
-        }
-      }
+  parallel_items(static_cast<int64_t>(items.size()), P.D, [&](int64_t idx, int64_t, Scratch& scratch) {
+    const CascadeItem& item = items[idx];
+    if (item.g < 0) {  // an ungrouped sequence: a keys-in-lanes item over its whole context
+      attend_small<T>(P, q, k, v, o, lse, item.first, item.h, 0, 1, scratch);
+    } else if (P.dot_products) {
+      if constexpr (std::is_same_v<T, c10::BFloat16>) cascade_rows<T, true>(P, C, q, pk, pv, k, v, o, lse, item, scratch);
+    } else {
+      cascade_rows<T, false>(P, C, q, pk, pv, k, v, o, lse, item, scratch);
     }
   });
 }
@@ -778,29 +783,22 @@ template <typename T>
 void run(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse) {
   const int64_t per_seq = P.Hkv * P.nqb;
   const int64_t items = P.B * per_seq;
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch(P.D);
-    for (int64_t w = begin; w < end; ++w) {
-      for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
-        // Latest query blocks first (under a causal mask they read the most keys).
-        const int64_t blk = P.nqb - 1 - idx / (P.B * P.Hkv);
-        const int64_t b = (idx % (P.B * P.Hkv)) / P.Hkv, h = idx % P.Hkv;
-        const int64_t i0 = blk * P.qb, nq = std::min<int64_t>(P.qb, P.M - i0);
-        const int64_t rows = P.r * nq;
-        if (P.small && idx + workers < items) {  // likely this thread's next item
-          const int64_t after = idx + workers;
-          prefetch_first_keys(P, k, v, (after % (P.B * P.Hkv)) / P.Hkv, after % P.Hkv);
-        }
-        if (P.small) attend_small<T>(P, q, k, v, o, lse, b, h, i0, nq, scratch);
-        else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          if (P.dot_products) attend_rows<T, true>(P, q, k, v, o, lse, b, h, i0, nq, rows, scratch);
-          else attend_rows<T, false>(P, q, k, v, o, lse, b, h, i0, nq, rows, scratch);
-        } else {
-          attend_rows<T, false>(P, q, k, v, o, lse, b, h, i0, nq, rows, scratch);
-        }
-      }
+  parallel_items(items, P.D, [&](int64_t idx, int64_t workers, Scratch& scratch) {
+    // Latest query blocks first (under a causal mask they read the most keys).
+    const int64_t blk = P.nqb - 1 - idx / (P.B * P.Hkv);
+    const int64_t b = (idx % (P.B * P.Hkv)) / P.Hkv, h = idx % P.Hkv;
+    const int64_t i0 = blk * P.qb, nq = std::min<int64_t>(P.qb, P.M - i0);
+    const int64_t rows = P.r * nq;
+    if (P.small && idx + workers < items) {  // likely this thread's next item
+      const int64_t after = idx + workers;
+      prefetch_first_keys(P, k, v, (after % (P.B * P.Hkv)) / P.Hkv, after % P.Hkv);
+    }
+    if (P.small) attend_small<T>(P, q, k, v, o, lse, b, h, i0, nq, scratch);
+    else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (P.dot_products) attend_rows<T, true>(P, q, k, v, o, lse, b, h, i0, nq, rows, scratch);
+      else attend_rows<T, false>(P, q, k, v, o, lse, b, h, i0, nq, rows, scratch);
+    } else {
+      attend_rows<T, false>(P, q, k, v, o, lse, b, h, i0, nq, rows, scratch);
     }
   });
 }

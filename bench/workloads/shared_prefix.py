@@ -429,7 +429,7 @@ def report(detail: Json) -> str:
 SHARED_PREFIX = Workload(
     name="shared_prefix", help="4 groups x 8 requests sharing a 1024-token prefix (+ every baseline)",
     run=lambda ctx, deadline: run(ctx, deadline, large=False), flat=lambda d: flat(d, "shared_prefix"),
-    report=report, cap_s=600.0, runs=lambda ctx: _runs(False, ctx))
+    report=report, cap_s=900.0, runs=lambda ctx: _runs(False, ctx))
 SHARED_PREFIX_LARGE = Workload(
     name="shared_prefix_large", help="8 groups x 16 requests sharing a 1024-token prefix",
     run=lambda ctx, deadline: run(ctx, deadline, large=True), flat=lambda d: flat(d, "shared_prefix_large"),

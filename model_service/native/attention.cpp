@@ -453,9 +453,6 @@ void attend_item(const Problem& P, const T* q, const T* k, const T* v, T* o, flo
   }
 }
 
-// A work item of R <= 8 rows (a decode: the r query heads of a KV head), keys in the vector lanes:
-// a score is a dot product along D (16 keys' partial sums added up by sum16), and P·V broadcasts
-// each key's probability over its V row. With few rows this reads K/V once and wastes no lanes.
 // Element offset of key `pos` of sequence b, KV head h, in k (ks) or v (vs): strided or paged.
 inline int64_t row_offset(const Problem& P, const int64_t* strides, int64_t b, int64_t h, int64_t pos) {
   if (P.tables == nullptr) return b * strides[0] + h * strides[1] + pos * strides[2];
@@ -464,6 +461,25 @@ inline int64_t row_offset(const Problem& P, const int64_t* strides, int64_t b, i
   return (slot * P.Hkv + h) * P.D;
 }
 
+// Brings K and V rows of keys [first, first + n) of sequence b, KV head h (strided or paged) into
+// the cache.
+template <typename T>
+inline void prefetch_keys(const Problem& P, const T* k, const T* v, int64_t b, int64_t h, int first, int n) {
+  const int bytes = static_cast<int>(P.D * sizeof(T));
+  for (int j = first; j < first + n; ++j) {
+    const char* kr = reinterpret_cast<const char*>(k + row_offset(P, P.ks, b, h, j));
+    const char* vr = reinterpret_cast<const char*>(v + row_offset(P, P.vs, b, h, j));
+    for (int off = 0; off < bytes; off += 64) {
+      _mm_prefetch(kr + off, _MM_HINT_T0);
+      _mm_prefetch(vr + off, _MM_HINT_T0);
+    }
+  }
+}
+
+// A work item of R <= 8 rows (a decode: the r query heads of a KV head), keys in the vector lanes:
+// a score is a dot product along D (16 keys' partial sums added up by sum16), and P·V broadcasts
+// each key's probability over its V row. With few rows this reads K/V once and wastes no lanes.
+//
 // The key loop of a keys-in-lanes work item of R rows: keys [0, max_limit) of sequence b, KV head
 // h (strided or paged: row_offset), row `row` seeing keys < limit[row], on top of the state the
 // caller set up: queries qf [R][D] float32, accumulator ot [R][D], running max m and sum l.
@@ -481,14 +497,7 @@ inline void small_over_keys(const Problem& P, const T* k, const T* v, int64_t b,
   for (int c0 = 0; c0 < max_limit; c0 += KC) {
     const int n = std::min<int>(KC, max_limit - c0);
     const int next = std::min<int>(KC, max_limit - c0 - KC);  // <= 0 at the last chunk
-    for (int j = 0; j < next; ++j) {
-      const char* kr = reinterpret_cast<const char*>(k + row_offset(P, P.ks, b, h, c0 + KC + j));
-      const char* vr = reinterpret_cast<const char*>(v + row_offset(P, P.vs, b, h, c0 + KC + j));
-      for (int off = 0; off < D * static_cast<int>(sizeof(T)); off += 64) {
-        _mm_prefetch(kr + off, _MM_HINT_T0);
-        _mm_prefetch(vr + off, _MM_HINT_T0);
-      }
-    }
+    prefetch_keys(P, k, v, b, h, c0 + KC, next);
     for (int j = 0; j < n; ++j) {
       const T* kr = k + row_offset(P, P.ks, b, h, c0 + j);
       const T* vr = v + row_offset(P, P.vs, b, h, c0 + j);
@@ -630,22 +639,13 @@ void attend_rows(const Problem& P, const T* q, const T* k, const T* v, T* o, flo
   else attend_item<T, 4, DP>(P, q, k, v, o, lse, b, h, i0, nq, s);
 }
 
-// Brings keys [0, min(KC, kv_lens[b])) of sequence b, KV head h (strided or paged) into the cache:
-// a decode's own keys are a few dozen cold rows, too few for the in-loop prefetch of the next chunk
-// to cover (paged suffixes: about 3x slower from DRAM than from the cache), so they are asked for
-// one item (or cascade member) ahead.
+// Brings the first keys of sequence b, KV head h into the cache: a decode's own keys are a few
+// dozen cold rows, too few for the in-loop prefetch of the next chunk to cover (paged suffixes:
+// about 3x slower from DRAM than from the cache), so they are asked for one item (or cascade
+// member) ahead.
 template <typename T>
 void prefetch_first_keys(const Problem& P, const T* k, const T* v, int64_t b, int64_t h) {
-  const int n = static_cast<int>(std::min<int64_t>(KC, P.kv_lens[b]));
-  const int bytes = static_cast<int>(P.D * sizeof(T));
-  for (int j = 0; j < n; ++j) {
-    const char* kr = reinterpret_cast<const char*>(k + row_offset(P, P.ks, b, h, j));
-    const char* vr = reinterpret_cast<const char*>(v + row_offset(P, P.vs, b, h, j));
-    for (int off = 0; off < bytes; off += 64) {
-      _mm_prefetch(kr + off, _MM_HINT_T0);
-      _mm_prefetch(vr + off, _MM_HINT_T0);
-    }
-  }
+  prefetch_keys(P, k, v, b, h, 0, static_cast<int>(std::min<int64_t>(KC, P.kv_lens[b])));
 }
 
 // Runs fn(idx, workers, scratch) for every idx in [0, count) on torch's threads, handing items out

@@ -112,6 +112,13 @@ def _median_run(runs: list[Json]) -> Json:
     return chosen
 
 
+def _vllm_engine(ctx: Context, dtype: str, warmup: list[list[int]], max_num_seqs: int) -> peers.VllmEngine:
+    """A vLLM engine for this workload, its processes counted as ours by the load monitor."""
+    return peers.VllmEngine(dtype, ctx.threads, warmup=warmup, max_model_len=2048, max_num_seqs=max_num_seqs,
+                            register_pid=lambda pid: ctx.extra_pids.clear() if pid is None
+                            else ctx.extra_pids.add(pid))
+
+
 def _take_turns(ctx: Context, dtype: str, ours: Callable[[], Json], prompts: list[list[int]], new_tokens: int,
                 warmup: list[list[int]]) -> tuple[list[Json], list[Json], Json]:
     """radixkv (`ours`: one measured run) and vLLM in `dtype` take turns `_reps` times, who goes
@@ -121,9 +128,7 @@ def _take_turns(ctx: Context, dtype: str, ours: Callable[[], Json], prompts: lis
     absent = peers.vllm_absent_reason()
     if absent:
         return [ours() for _ in range(_reps(ctx))], [], {"absent": absent}
-    engine = peers.VllmEngine(dtype, ctx.threads, warmup=warmup, max_model_len=2048, max_num_seqs=len(prompts),
-                              register_pid=lambda pid: ctx.extra_pids.clear() if pid is None
-                              else ctx.extra_pids.add(pid))
+    engine = _vllm_engine(ctx, dtype, warmup, len(prompts))
     info: Json = {}
 
     def vllm() -> None:
@@ -141,6 +146,7 @@ def _take_turns(ctx: Context, dtype: str, ours: Callable[[], Json], prompts: lis
             info.update(engine.start())
     except peers.VllmError as error:
         info["error"] = str(error)
+
     def radixkv() -> None:
         time.sleep(SETTLE_S)
         mine.append(ours())
@@ -299,8 +305,8 @@ def run(ctx: Context, deadline: float, large: bool) -> Json:
             detail["vllm"][other] = {"absent": absent}
         else:
             try:
-                with peers.VllmEngine(other, ctx.threads, warmup=warm + warm_shape, max_model_len=2048,
-                                      max_num_seqs=len(prompts)) as engine, ctx.progress.run(f"vLLM {other}", 0):
+                with (_vllm_engine(ctx, other, warm + warm_shape, len(prompts)) as engine,
+                      ctx.progress.run(f"vLLM {other}", 0)):
                     detail["vllm"][other] = _vllm_entry([engine.run("run", prompts, new)], engine.info, reference)
             except peers.VllmError as error:
                 detail["vllm"][other] = {"error": str(error)}

@@ -76,6 +76,12 @@ inline __m512 pv_weight(__m512 p) {
   else return round_to_bf16(p);
 }
 
+// Brings the cache line holding p into L1. Not _mm_prefetch: GCC 12 at -O1..-O3 left none of its
+// __builtin_prefetch calls in these kernels (objdump; small functions keep theirs), so the kernels
+// ran without any; tests/attention/test_native_attention.py checks the built library for them. With
+// them, cascade prefixes read cold (4 groups x 3 heads x 1024 keys, 24 rows): ~720 -> ~440 us.
+inline void prefetch_line(const char* p) { asm volatile("prefetcht0 %0" : : "m"(*p)); }
+
 // Asks for rows [0, n) of a [n, D] block (rows `stride` elements apart) to be brought into the
 // cache: the next chunk's K and V while this one is computed (the kernels are otherwise bound by
 // memory latency, not bandwidth, on K/V read once per step).
@@ -84,7 +90,7 @@ inline void prefetch_rows(const T* src, int64_t stride, int n, int D) {
   const int bytes = D * static_cast<int>(sizeof(T));
   for (int j = 0; j < n; ++j) {
     const char* row = reinterpret_cast<const char*>(src + j * stride);
-    for (int off = 0; off < bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+    for (int off = 0; off < bytes; off += 64) prefetch_line(row + off);
   }
 }
 
@@ -295,10 +301,7 @@ inline void rows_over_keys(const Problem& P, const T* kbase, int64_t krs, const 
   constexpr int TV = RV == 4 ? 4 : 8;
   for (int c0 = 0; c0 < max_limit; c0 += KC) {
     const int n = std::min<int>(KC, max_limit - c0);
-    // K and V rows of the next chunk: a burst before a DP chunk, else a tile's worth per QK tile
-    // (a burst of hundreds of prefetches is mostly dropped; interleaved, they hide DRAM latency:
-    // cascade prefixes, 4 x 3 heads x 1024 keys read cold: 48 rows 695-910 -> 567-640 us, 24 rows
-    // 483-734 -> 502-528 us, interleaved runs).
+    // K and V rows of the next chunk: a burst before a DP chunk, else a tile's worth per QK tile.
     const int next = c0 + KC < max_limit ? std::min<int>(KC, max_limit - c0 - KC) : 0;
     auto prefetch_next = [&](int from, int count) {  // rows [from, from + count) of the next chunk
       if (count <= 0) return;
@@ -470,8 +473,8 @@ inline void prefetch_keys(const Problem& P, const T* k, const T* v, int64_t b, i
     const char* kr = reinterpret_cast<const char*>(k + row_offset(P, P.ks, b, h, j));
     const char* vr = reinterpret_cast<const char*>(v + row_offset(P, P.vs, b, h, j));
     for (int off = 0; off < bytes; off += 64) {
-      _mm_prefetch(kr + off, _MM_HINT_T0);
-      _mm_prefetch(vr + off, _MM_HINT_T0);
+      prefetch_line(kr + off);
+      prefetch_line(vr + off);
     }
   }
 }

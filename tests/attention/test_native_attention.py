@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -25,6 +27,20 @@ pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in (
 def test_library_is_built_and_loads():
     assert native.unavailable_reason() is None
     native.has_bf16_dot_products()  # answers either way
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
+def test_kernels_prefetch_the_next_keys():
+    """The decode and cascade key loops ask for the next keys ahead (GCC once dropped every
+    _mm_prefetch from them without a word; cold K/V then took ~1.6x as long)."""
+    from model_service.native.build import library_path
+
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(library_path())],
+                             capture_output=True, text=True, check=True).stdout
+    kernels = ("rows_over_keys", "small_over_keys")
+    prefetching = {kernel for function in listing.split("\n\n") if "prefetcht0" in function
+                   for kernel in kernels if kernel in function.split(">:", 1)[0]}  # mangled names
+    assert prefetching == set(kernels)
 
 
 def test_bf16_dot_product_switch_restores_the_setting():

@@ -33,10 +33,12 @@ constexpr int64_t PREFETCH_K = 32;  // the first rows of a tile prefetch the wei
 constexpr int64_t ROW_TILE = 64;  // rows per work item: its C tile (64 x 48 floats) stays in L1
 
 // C[0:MR, 0:16*NS] (+)= x[0:MR, k0:k1] . W[k0:k1, stripes]: FMA chains from 0 over k in order, then
-// stored (first block) or added to C. `last_mask`: the valid lanes of the last stripe.
+// stored (first block) or added to C. `last_mask`: the valid lanes of the last stripe. PREFETCH: the
+// weight PREFETCH_K k ahead; else the stripes in bit mask `ahead_stripes` of another block of k1 - k0
+// k at `ahead` (stripes stripe_stride apart), a line per k.
 template <int MR, int NS, bool PREFETCH>
 inline void micro(const float* x, int64_t ldx, const float* w, int64_t stripe_stride, int64_t k0, int64_t k1,
-                  float* c, int64_t ldc, bool first, __mmask16 last_mask) {
+                  float* c, int64_t ldc, bool first, __mmask16 last_mask, const float* ahead, int ahead_stripes) {
   __m512 acc[MR][NS];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
@@ -48,6 +50,7 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t stripe_st
     for (int s = 0; s < NS; ++s) {
       wv[s] = _mm512_loadu_ps(w + s * stripe_stride + k * LANES);
       if constexpr (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(w + s * stripe_stride + (k + PREFETCH_K) * LANES), _MM_HINT_T0);
+      else if (ahead_stripes >> s & 1) _mm_prefetch(reinterpret_cast<const char*>(ahead + s * stripe_stride + (k - k0) * LANES), _MM_HINT_T0);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
@@ -69,7 +72,7 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t stripe_st
 }
 
 using Micro = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t, bool,
-                       __mmask16);
+                       __mmask16, const float*, int);
 
 template <int MR, bool PF>
 Micro pick_ns(int ns) {
@@ -129,12 +132,24 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
         const __mmask16 last_mask = s0 + ns == S ? tail_mask : static_cast<__mmask16>(0xFFFF);
         const int64_t m_begin = tile * ROW_TILE, m_end = std::min(M, m_begin + ROW_TILE);
         const float* w = wp + s0 * stripe_stride;
+        // A decode-sized product (one row tile) reads each weight once, from DRAM: the first pass of
+        // rows over a k block waits for it. The later passes (which find the block in L1) ask for
+        // the next block (or the panel this thread will likely take next), one stripe each, so the
+        // first pass finds it in the cache (32 rows, the model's four products read cold: ~750 ->
+        // ~680 us per layer). Taller products re-read each panel per row tile and gain nothing.
+        const int64_t passes = (m_end - m_begin + MAX_MR - 1) / MAX_MR;
+        const float* next_item = row_tiles == 1 && idx + workers < items
+                                     ? wp + (idx + workers) % panels * MAX_NS * stripe_stride : nullptr;
         for (int64_t k0 = 0; k0 < K; k0 += block) {
           const int64_t k1 = std::min(K, k0 + block);
-          for (int64_t m0 = m_begin; m0 < m_end; m0 += MAX_MR) {
+          const float* ahead = row_tiles > 1 ? nullptr : k1 < K ? w + k1 * LANES : next_item;
+          for (int64_t m0 = m_begin, pass = 0; m0 < m_end; m0 += MAX_MR, ++pass) {
             const int mr = static_cast<int>(std::min<int64_t>(MAX_MR, m_end - m0));
-            pick(mr, static_cast<int>(ns), m0 == m_begin)(xp + m0 * ldx, ldx, w, stripe_stride, k0, k1, cp + m0 * N + s0 * LANES, N,
-                                           k0 == 0, last_mask);
+            int stripes = 0;  // the next block's stripes this pass asks for: stripe s in pass 1 + s % (passes - 1)
+            if (pass > 0 && ahead != nullptr)
+              for (int64_t st = 0; st < MAX_NS; ++st) if (1 + st % (passes - 1) == pass) stripes |= 1 << st;
+            pick(mr, static_cast<int>(ns), pass == 0)(xp + m0 * ldx, ldx, w, stripe_stride, k0, k1, cp + m0 * N + s0 * LANES, N,
+                                           k0 == 0, last_mask, ahead, stripes);
           }
         }
       }

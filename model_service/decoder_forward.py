@@ -14,7 +14,8 @@ own rotary module, `q * cos + rotate_half(q) * sin`, SiLU(gate) * up, residual a
 not see. Two rewrites are exact by IEEE arithmetic: RoPE is applied to q and k in one call
 (elementwise over the heads of both), and `rotate_half(x) * sin` is computed as
 `cat(x2, x1) * cat(-sin1, sin2)` (negation commutes exactly with rounding). Residual adds are
-done in place (a + b == b + a bit for bit). The products are the model's own (fused q/k/v and
+done in place (a + b == b + a bit for bit), as are RMSNorm's scaling by its weight and the
+product with `up` (products commute too). The products are the model's own (fused q/k/v and
 gate/up, short-input and packed bf16 paths: `model_linear`). The greedy-identity tests run the
 service on this path.
 """
@@ -80,12 +81,22 @@ def _linear(module: nn.Module) -> _Linear:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm.forward, op for op."""
+    """LlamaRMSNorm.forward, op for op (in place where that allocates less: same values)."""
     dtype = x.dtype
     x = x.to(torch.float32)
-    variance = x.pow(2).mean(-1, keepdim=True)
-    x = x * torch.rsqrt(variance + eps)
+    variance = x.pow(2).mean(-1, keepdim=True)  # [T, 1]
+    x = x * variance.add_(eps).rsqrt_()
+    if dtype == torch.float32 and weight.dtype == torch.float32:
+        return x.mul_(weight)  # weight * x, bit for bit
     return weight * x.to(dtype)
+
+
+def _activation(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The MLP's activation: F.silu itself for SiLU modules (their forward is just that call)."""
+    if type(module) is nn.SiLU or (type(module).__name__ == "SiLUActivation"
+                                   and type(module).forward.__module__.startswith("transformers.")):
+        return F.silu
+    return module
 
 
 def supports(model: nn.Module) -> bool:
@@ -142,7 +153,7 @@ class DecoderForward:
                 post_norm=layer.post_attention_layernorm.weight.detach(),
                 post_eps=float(layer.post_attention_layernorm.variance_epsilon),
                 gate_up=_linear(layer.mlp.gate_proj), down=_linear(layer.mlp.down_proj),
-                act=layer.mlp.act_fn, scale=float(layer.self_attn.scaling),
+                act=_activation(layer.mlp.act_fn), scale=float(layer.self_attn.scaling),
             )
             for layer in inner.layers
         ]
@@ -179,6 +190,7 @@ class DecoderForward:
             hidden = layer.o_proj(attn.reshape(num_tokens, hq * d)).add_(hidden)
             x = _rms_norm(hidden, layer.post_norm, layer.post_eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [T, intermediate] each
-            hidden = layer.down(layer.act(gate) * up).add_(hidden)
+            act = layer.act(gate).mul_(up) if layer.act is F.silu else layer.act(gate) * up  # [T, intermediate]
+            hidden = layer.down(act).add_(hidden)
         hidden = _rms_norm(hidden, self.norm, self.norm_eps)
         return self.lm_head(hidden.index_select(0, logits_index))  # [K, vocab]

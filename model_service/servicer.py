@@ -15,6 +15,7 @@ from common.auth import one_role
 from common.limits import RequestLimits, quote_id, request_limit_error
 from model_service.detokenizer import IncrementalDetokenizer
 from model_service.engine import DuplicateRequestError, Engine, GenerationOutput
+from model_service.loop_relay import LoopRelay
 from model_service.model_loader import LoadedModel
 from model_service.request import FinishReason, Request
 from model_service.sampler import SamplingOptions, make_generator
@@ -69,6 +70,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.info = info
+        self._relay: LoopRelay | None = None  # engine thread -> the server's event loop
 
     # ------------------------------------------------------------------ Generate
 
@@ -80,9 +82,9 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             await context.abort(e.code, str(e))
         request_id = engine_request.request_id
         outputs: asyncio.Queue[GenerationOutput] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        relay = self._relay_for(asyncio.get_running_loop())
         try:
-            self.engine.submit(engine_request, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+            self.engine.submit(engine_request, lambda out: relay.put(outputs, out))
         except DuplicateRequestError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except QueueFullError as e:
@@ -102,6 +104,11 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         finally:
             if not finished:  # client cancelled, disconnected or its deadline passed
                 self.engine.cancel(engine_request)
+
+    def _relay_for(self, loop: asyncio.AbstractEventLoop) -> LoopRelay:
+        if self._relay is None or self._relay.loop is not loop:
+            self._relay = LoopRelay(loop)
+        return self._relay
 
     def _check_limits(self, request: model_pb2.GenerateRequest | model_pb2.TokenizeRequest) -> None:
         why = request_limit_error(request, self.limits)

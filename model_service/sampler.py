@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from model_service import native
+
 __all__ = ["GREEDY_TEMPERATURE", "Sampler", "SamplingOptions", "make_generator"]
 
 _MAX_SEED = 2**64 - 1
@@ -159,7 +161,7 @@ class Sampler:
 
         probs = scores.softmax(dim=-1)
         race = self._exponentials(rows, vocab, generators, device)
-        return probs.div_(race).argmax(dim=-1)
+        return _argmax(probs.div_(race))
 
     @staticmethod
     def _exponentials(rows: int, vocab: int, generators: list[torch.Generator | None],
@@ -183,7 +185,11 @@ class Sampler:
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(dim=-1)`; 16-bit logits are upcast first (exact, same ties), because torch's
-    CPU argmax over bfloat16 is ~2.5x slower than a float32 copy and its argmax together."""
+    CPU argmax over bfloat16 is ~2.5x slower than a float32 copy and its argmax together. On CPU
+    rows go through the native kernel where it is built (the same answer, ~10x faster)."""
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.shape[1] > 0 and logits.stride(1) == 1 and native.available()):
+        return native.argmax_rows(logits)
     return logits.argmax(dim=-1)

@@ -504,9 +504,11 @@ class TorchAttentionBackend(AttentionBackend):
         stored = None
         if d is not None and d.cascade is not None:
             stored = self.prefix_store.lookup(k_cache, v_cache)  # before this step's write
-        # [num_blocks * block_size, num_kv_heads, head_dim] views of the paged cache.
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, self._slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, self._slot_mapping, v)
+        if self.native and native.takes_kv_rows(k) and native.takes_kv_rows(v):
+            native.write_kv(k, v, k_cache, v_cache, self._slot_mapping)
+        else:  # [num_blocks * block_size, num_kv_heads, head_dim] views of the paged cache
+            k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, self._slot_mapping, k)
+            v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, self._slot_mapping, v)
 
         if d is not None and not self._groups:
             return self._attend_decode(d, q, k_cache, v_cache, scale, stored)

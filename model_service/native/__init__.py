@@ -88,6 +88,25 @@ def attend_cascade(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tens
                                             block_tables, starts, kv_lens, scale)
 
 
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """k_cache.view(-1, Hkv, D).index_copy_(0, slots, k), and the same for v, in one call. k, v
+    [T, Hkv, D] with each token's values contiguous (`takes_kv_rows`); caches [num_blocks,
+    block_size, Hkv, D] contiguous of k's dtype; slots int64 [T], each checked to be in the cache."""
+    torch.ops.radixkv.write_kv(k, v, k_cache, v_cache, slots)
+
+
+def takes_kv_rows(t: torch.Tensor) -> bool:
+    """Whether `write_kv` takes t [T, Hkv, D] as is (each token's Hkv x D values contiguous)."""
+    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of a float32 CPU matrix [rows, n] (last dim contiguous, n >= 1),
+    bit for bit: the first index of the maximum, a NaN counting as the maximum. int64 [rows]."""
+    return torch.ops.radixkv.argmax_rows(x)
+
+
 def has_bf16_dot_products() -> bool:
     """Whether bfloat16 attention runs on AVX512-BF16 dot products here (else float32 FMAs)."""
     return bool(torch.ops.radixkv.has_bf16_dot_products())

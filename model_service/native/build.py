@@ -1,5 +1,5 @@
-"""Builds the native CPU kernels (attention.cpp, linear.cpp, prompt_attention.cpp) into a shared
-library next to this file.
+"""Builds the native CPU kernels (attention.cpp, linear.cpp, prompt_attention.cpp, kv_write.cpp,
+argmax.cpp) into a shared library next to this file.
 
 `make install` runs `python -m model_service.native.build`; the library's name carries a hash of
 the source, the compiler flags and the torch version, so a stale build is never loaded. A build
@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-SOURCES = [HERE / "attention.cpp", HERE / "linear.cpp", HERE / "prompt_attention.cpp"]
+SOURCES = [HERE / "attention.cpp", HERE / "linear.cpp", HERE / "prompt_attention.cpp", HERE / "kv_write.cpp",
+           HERE / "argmax.cpp"]
 # The kernels use AVX-512 F/BW/VL/DQ (the set torch calls "AVX512"); the library is only loaded
 # where torch reports that capability. AVX512-BF16 instructions run only where the CPU has them
 # (checked at run time, attention.cpp).

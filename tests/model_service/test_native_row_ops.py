@@ -1,0 +1,97 @@
+"""The native row kernels against torch: argmax_rows (greedy sampling) and write_kv (a step's K/V
+into the paged caches)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from model_service import native
+from model_service.sampler import _argmax
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
+
+SPECIALS = (math.nan, math.inf, -math.inf, 0.0, -0.0, 1.0, 1.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 9), n=st.integers(1, 200), pad=st.integers(0, 17), specials=st.integers(0, 6),
+       levels=st.sampled_from([3, 1000]), seed=st.integers(0, 2**31 - 1))
+def test_argmax_rows_is_torchs_argmax(rows, n, pad, specials, levels, seed):
+    g = torch.Generator().manual_seed(seed)
+    # Few distinct values force ties (the first index must win); rows are strided when pad > 0.
+    x = torch.randint(-levels, levels, (rows, n + pad), generator=g).float()[:, :n]
+    for _ in range(specials):
+        r, i = torch.randint(rows, (1,), generator=g).item(), torch.randint(n, (1,), generator=g).item()
+        x[r, i] = SPECIALS[torch.randint(len(SPECIALS), (1,), generator=g).item()]
+    assert torch.equal(native.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_argmax_rows_on_logits_sized_rows_and_the_sampler_uses_it():
+    x = torch.randn(32, 49152, generator=torch.Generator().manual_seed(0))
+    x[3, 100] = x[3, 40000] = x[3].max() + 1  # a tie: the first wins
+    x[5] = -math.inf
+    x[7, 123] = math.nan
+    expected = x.argmax(dim=-1)
+    assert torch.equal(native.argmax_rows(x), expected)
+    assert torch.equal(_argmax(x), expected)
+    assert torch.equal(_argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (torch.zeros(3, 4, dtype=torch.float64), "float32"),
+    (torch.zeros(12), "2-D"),
+    (torch.zeros(4, 3).t(), "contiguous last dimension"),
+    (torch.zeros(3, 0), "empty row"),
+])
+def test_argmax_rows_refuses_bad_input(bad, message):
+    with pytest.raises(RuntimeError, match=message):
+        native.argmax_rows(bad)
+
+
+def _cases(dtype: torch.dtype, tokens: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks, bs, hkv, d, hq = 9, 4, 3, 16, 6
+    caches = [torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype) for _ in range(2)]
+    qkv = torch.randn(tokens, hq + 2 * hkv, d, generator=g).to(dtype)  # the model's layout: k, v are views
+    k, v = qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    slots = torch.randperm(num_blocks * bs, generator=g)[:tokens]
+    return caches, k, v, slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 7, 36])
+def test_write_kv_is_index_copy(dtype, tokens):
+    (k_cache, v_cache), k, v, slots = _cases(dtype, tokens, seed=tokens)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k.view(-1, 3, 16).index_copy_(0, slots, k)
+    want_v.view(-1, 3, 16).index_copy_(0, slots, v)
+    assert native.takes_kv_rows(k) and native.takes_kv_rows(v)
+    native.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_write_kv_checks_every_slot_before_writing():
+    (k_cache, v_cache), k, v, slots = _cases(torch.float32, 5, seed=1)
+    before = k_cache.clone(), v_cache.clone()
+    slots[-1] = 9 * 4  # one past the last slot
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        native.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda k, v, kc, vc, s: (k, v.bfloat16(), kc, vc, s), "one dtype"),
+    (lambda k, v, kc, vc, s: (k.transpose(1, 2), v.transpose(1, 2), kc, vc, s), "heads of"),
+    (lambda k, v, kc, vc, s: (k, v, kc, vc, s.int()), "int64"),
+    (lambda k, v, kc, vc, s: (k, v, kc, vc, s[:-1]), "int64"),
+    (lambda k, v, kc, vc, s: (k, v, kc[:, :2], vc[:, :2], s), "contiguous"),
+])
+def test_write_kv_refuses_bad_input(change, message):
+    (k_cache, v_cache), k, v, slots = _cases(torch.float32, 5, seed=2)
+    with pytest.raises(RuntimeError, match=message):
+        native.write_kv(*change(k, v, k_cache, v_cache, slots))

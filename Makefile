@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := protos/cache.proto protos/model.proto
 PROTO_OUT := protos/cache_pb2.py protos/cache_pb2_grpc.py protos/model_pb2.py protos/model_pb2_grpc.py
 NODE_STAMP := client/node/node_modules/.installed
-NATIVE_SRC := model_service/native/attention.cpp model_service/native/linear.cpp model_service/native/prompt_attention.cpp model_service/native/build.py
+NATIVE_SRC := $(wildcard model_service/native/*.cpp) model_service/native/build.py
 NATIVE_STAMP := model_service/native/_build/.built
 
 HOST ?= 127.0.0.1
@@ -38,7 +38,7 @@ proto: $(PROTO_OUT)
 $(PROTO_OUT) &: $(PROTO_SRC) $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
 
-# The model service's AVX-512 attention and float32 linear kernels (model_service/native, g++ and torch's headers, ~10 s).
+# The model service's AVX-512 kernels: attention, float32 linear, K/V writes, argmax (model_service/native, g++ and torch's headers, ~1 min).
 # Without a compiler it warns and the model service runs on torch's kernels.
 native: $(NATIVE_STAMP)
 

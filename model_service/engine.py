@@ -286,11 +286,14 @@ class Engine:
             miss_other_namespace_tokens=miss.other_namespace_tokens,
             miss_new_tokens=miss.new_tokens,
         )
-        self._emit(GenerationOutput(request.request_id, text, token_ids or [], reason, matched_stop, usage, error))
+        # The id is free before the final output goes out: a client that reuses it as soon as it
+        # sees the end of its stream must not be refused as a duplicate.
+        sink = self._sinks.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
-        self._sinks.pop(request.request_id, None)
         self._sync_counts(finished=request.request_id)
         self._last_token_time.pop(request.request_id, None)
+        if sink is not None:
+            sink(GenerationOutput(request.request_id, text, token_ids or [], reason, matched_stop, usage, error))
 
     def _sync_counts(self, finished: str | None = None) -> None:
         """Keeps the counts `submit()` bounds the waiting queue with exact (engine thread only):

@@ -138,8 +138,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
         // first pass finds it in the cache (32 rows, the model's four products read cold: ~750 ->
         // ~680 us per layer). Taller products re-read each panel per row tile and gain nothing.
         const int64_t passes = (m_end - m_begin + MAX_MR - 1) / MAX_MR;
-        const float* next_item = row_tiles == 1 && idx + workers < items
-                                     ? wp + (idx + workers) % panels * MAX_NS * stripe_stride : nullptr;
+        const float* next_item = idx + workers < items ? wp + (idx + workers) % panels * MAX_NS * stripe_stride : nullptr;
         for (int64_t k0 = 0; k0 < K; k0 += block) {
           const int64_t k1 = std::min(K, k0 + block);
           const float* ahead = row_tiles > 1 ? nullptr : k1 < K ? w + k1 * LANES : next_item;

@@ -31,13 +31,14 @@ def test_library_is_built_and_loads():
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
 def test_kernels_prefetch_the_next_keys():
-    """The decode and cascade key loops ask for the next keys ahead (GCC once dropped every
-    _mm_prefetch from them without a word; cold K/V then took ~1.6x as long)."""
+    """The decode and cascade key loops ask for the next keys ahead, and the blocked linear's
+    micro-kernels for the weights ahead (GCC once dropped every _mm_prefetch from the key loops
+    without a word; cold K/V then took ~1.6x as long)."""
     from model_service.native.build import library_path
 
     listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(library_path())],
                              capture_output=True, text=True, check=True).stdout
-    kernels = ("rows_over_keys", "small_over_keys")
+    kernels = ("rows_over_keys", "small_over_keys", "5micro")
     prefetching = {kernel for function in listing.split("\n\n") if "prefetcht0" in function
                    for kernel in kernels if kernel in function.split(">:", 1)[0]}  # mangled names
     assert prefetching == set(kernels)

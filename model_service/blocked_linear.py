@@ -14,8 +14,12 @@ take another kernel). So at load `pack` probes each weight: the kernel must equa
 bit on random inputs of many row counts from MIN_ROWS up, with one of BLOCK_CANDIDATES as the block;
 a weight that fails keeps F.linear. The order depends on the shape, not on the values, so each
 distinct shape is probed once per process (about a second in all for SmolLM2-135M). Inputs of
-fewer than MIN_ROWS rows always keep the existing paths (short_gemm.py). The packed copy costs as
-much memory as the float32 weight itself.
+fewer than MIN_ROWS rows take the kernel only where the probe finds their order too: MKL sums 2-3
+rows (and, with 2 threads, the 1-3 rows left over after 4-row tiles of 5-11 rows) in another order,
+four partial sums over k mod 4 of rounded products, which the kernel computes for the rows from
+`blocked_rows` on (linear.cpp); one row keeps F.linear's matrix-vector path (short_gemm.py). On 2
+EPYC cores a decode step of 8 sequences took ~60 ms through MKL, more than one of 32 (~45 ms). The
+packed copy costs as much memory as the float32 weight itself.
 """
 
 from __future__ import annotations
@@ -44,6 +48,13 @@ class BlockedWeight(NamedTuple):
     packed: torch.Tensor  # [ceil(out / 16), in, 16], zero padded
     out_features: int
     block: int
+    # short_splits[r], r < MIN_ROWS: how many leading rows of an r-row input the blocked order sums
+    # (the others: the four-lane order) for F.linear's bits, or -1: the kernel does not take r rows.
+    short_splits: tuple[int, ...] = ()
+
+    def takes(self, rows: int) -> bool:
+        """Whether `blocked_linear` gives F.linear's bits for inputs of `rows` rows."""
+        return rows >= MIN_ROWS or (rows < len(self.short_splits) and self.short_splits[rows] >= 0)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -54,12 +65,18 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(stripes, LANES, in_features).transpose(1, 2).contiguous()
 
 
-def blocked_linear(x: torch.Tensor, weight: BlockedWeight) -> torch.Tensor:
-    """`F.linear(x, W)` for `weight = pack(W)`. x: [..., in] float32 on CPU -> [..., out]."""
+def blocked_linear(x: torch.Tensor, weight: BlockedWeight, blocked_rows: int | None = None) -> torch.Tensor:
+    """`F.linear(x, W)` for `weight = pack(W)` where `weight.takes` the row count. x: [..., in]
+    float32 on CPU -> [..., out]. `blocked_rows`: rows summed in the blocked order (default: all, or
+    what the probe found for fewer than MIN_ROWS rows); the rest in the four-lane order."""
     rows = x.reshape(-1, x.shape[-1])  # [rows, in]
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.ops.radixkv.blocked_linear(rows, weight.packed, weight.out_features, weight.block)  # [rows, out]
+    n = rows.shape[0]
+    if blocked_rows is None:
+        blocked_rows = weight.short_splits[n] if n < len(weight.short_splits) and weight.short_splits[n] >= 0 else n
+    out = torch.ops.radixkv.blocked_linear(rows, weight.packed, weight.out_features, weight.block,
+                                           blocked_rows)  # [rows, out]
     return out.view(*x.shape[:-1], weight.out_features)
 
 
@@ -96,7 +113,27 @@ def find_block(weight: torch.Tensor, packed: torch.Tensor, generator: torch.Gene
     return None
 
 
-_blocks: dict[tuple[int, int, int], int | None] = {}  # (out, in, threads) -> find_block's answer
+def find_short_splits(weight: torch.Tensor, packed: torch.Tensor, block: int,
+                      generator: torch.Generator) -> tuple[int, ...]:
+    """`BlockedWeight.short_splits` for 2 .. MIN_ROWS - 1 rows: for each, the first of (all rows
+    blocked, whole 4-row tiles blocked, none) with which the kernel equals F.linear bit for bit
+    (one row always keeps F.linear: -1)."""
+    weight = weight.detach()
+    candidate = BlockedWeight(packed, weight.shape[0], block)
+    x = torch.randn(MIN_ROWS - 1, weight.shape[1], generator=generator)  # [rows, in]
+    splits = [-1] * MIN_ROWS
+    for rows in range(2, MIN_ROWS):
+        want = F.linear(x[:rows], weight)
+        orders = (rows,) if weight.shape[1] % 4 else (rows, rows // 4 * 4, 0)
+        for blocked_rows in dict.fromkeys(orders):
+            if torch.equal(blocked_linear(x[:rows], candidate, blocked_rows), want):
+                splits[rows] = blocked_rows
+                break
+    return tuple(splits)
+
+
+# (out, in, threads) -> what the probe found: (block, short_splits), or None (the shape keeps F.linear)
+_blocks: dict[tuple[int, int, int], tuple[int, tuple[int, ...]] | None] = {}
 
 
 def pack(weight: torch.Tensor) -> BlockedWeight | None:
@@ -111,9 +148,12 @@ def pack(weight: torch.Tensor) -> BlockedWeight | None:
     packed = pack_weight(weight)
     if key not in _blocks:
         with torch.inference_mode():
-            _blocks[key] = find_block(weight, packed, torch.Generator().manual_seed(0))
+            generator = torch.Generator().manual_seed(0)
+            block = find_block(weight, packed, generator)
+            _blocks[key] = None if block is None else (block, find_short_splits(weight, packed, block, generator))
         if _blocks[key] is None:
             log.info("float32 %s products: MKL sums in an order not reproduced here; they keep F.linear",
                      tuple(weight.shape))
             return None
-    return BlockedWeight(packed, weight.shape[0], _blocks[key])
+    block, short_splits = _blocks[key]
+    return BlockedWeight(packed, weight.shape[0], block, short_splits)

@@ -113,10 +113,12 @@ def _linear_kernels_note(model: torch.nn.Module, kernels: str) -> str:
     if kernels == "torch":
         return "F.linear (--linear-kernels torch)"
     holders = linear_holders(model)
-    blocked = sum(holder.blocked_weight is not None for holder in holders)
-    if blocked:
-        rest = "" if blocked == len(holders) else ", the rest F.linear"
-        return f"radixkv AVX-512 kernel, bitwise F.linear ({blocked} of {len(holders)} weights{rest})"
+    weights = [holder.blocked_weight for holder in holders if holder.blocked_weight is not None]
+    if weights:
+        rest = "" if len(weights) == len(holders) else ", the rest F.linear"
+        short = sorted({rows for w in weights for rows in range(1, MIN_ROWS) if w.takes(rows)})
+        also = f"; also {short[0]}-{short[-1]} rows where the probe found MKL's order" if short else ""
+        return f"radixkv AVX-512 kernel, bitwise F.linear ({len(weights)} of {len(holders)} weights{rest}{also})"
     return f"F.linear (native kernel: {native.unavailable_reason() or 'no shape summed by MKL in an order it reproduces'})"
 
 

@@ -117,13 +117,13 @@ def short_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def model_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  packed_weight: torch.Tensor | None, blocked_weight: BlockedWeight | None = None) -> torch.Tensor:
     """A model layer's product: through `packed_weight` (packed_linear.pack_weight of `weight`)
-    when there is one for x's dtype; float32 inputs of blocked_linear.MIN_ROWS rows or more through
-    `blocked_weight` (blocked_linear.pack of `weight`, bitwise F.linear) when there is one; else
+    when there is one for x's dtype; float32 inputs of a row count `blocked_weight` takes through it
+    (blocked_linear.pack of `weight`, bitwise F.linear) when there is one; else
     `short_linear`."""
     if packed_weight is not None and x.dtype == packed_weight.dtype:
         return packed_linear(x, packed_weight, bias)
     if (blocked_weight is not None and bias is None and x.dtype == torch.float32 and x.device.type == "cpu"
-            and x.numel() >= blocked_linear.MIN_ROWS * x.shape[-1]):
+            and x.shape[-1] and blocked_weight.takes(x.numel() // x.shape[-1])):
         return blocked_linear.blocked_linear(x, blocked_weight)
     return short_linear(x, weight, bias)
 

@@ -9,6 +9,12 @@
 // Whether the order matches this machine's MKL is probed at load (model_service/blocked_linear.py);
 // where it does not, the model service keeps F.linear.
 //
+// A product of few rows takes another order in MKL's generic path (2-3 rows; with 2 threads also
+// the 1-3 rows left after 4-row tiles of 5-11 rows): per output, four partial sums, partial l over
+// k = l, l + 4, l + 8, ... (each product rounded, then added: no FMA), combined as (p0 + p2) +
+// (p1 + p3). Rows from `blocked_rows` on are summed in that order ("four-lane"), so that every row
+// count the probe accepts is bitwise F.linear too.
+//
 // Layout: the weight is packed once into stripes of 16 output features, [ceil(N/16), K, 16] (zero
 // padded), so a vector load reads 16 outputs' weights for one k. A micro-kernel keeps up to 8 rows x
 // 3 stripes (24 zmm accumulators) over one k block; work items are (row tile, 3-stripe panel)
@@ -71,6 +77,43 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t stripe_st
   }
 }
 
+// C[0:MR, 0:16] = x[0:MR, 0:K] . W[0:K, one stripe] in the four-lane order (K a multiple of 4).
+template <int MR>
+void micro_four_lane(const float* x, int64_t ldx, const float* w, int64_t K, float* c, __mmask16 mask, int64_t ldc) {
+  __m512 acc[MR][4];
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int l = 0; l < 4; ++l) acc[m][l] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 4) {
+#pragma GCC unroll 4
+    for (int l = 0; l < 4; ++l) {
+      const __m512 wv = _mm512_loadu_ps(w + (k + l) * LANES);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        __m512 p = _mm512_mul_ps(_mm512_set1_ps(x[m * ldx + k + l]), wv);
+        asm("" : "+v"(p));  // the product is rounded on its own: never contracted into an FMA
+        acc[m][l] = _mm512_add_ps(acc[m][l], p);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) {
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][2]), _mm512_add_ps(acc[m][1], acc[m][3]));
+    _mm512_mask_storeu_ps(c + m * ldc, mask, sum);
+  }
+}
+
+using FourLane = void (*)(const float*, int64_t, const float*, int64_t, float*, __mmask16, int64_t);
+
+FourLane pick_four_lane(int mr) {
+  switch (mr) {
+    case 1: return micro_four_lane<1>;
+    case 2: return micro_four_lane<2>;
+    default: return micro_four_lane<3>;
+  }
+}
+
 using Micro = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t, bool,
                        __mmask16, const float*, int);
 
@@ -100,8 +143,10 @@ Micro pick_mr(int mr, int ns) {
 Micro pick(int mr, int ns, bool prefetch) { return prefetch ? pick_mr<true>(mr, ns) : pick_mr<false>(mr, ns); }
 
 // x [M, K] (last dim contiguous); packed [ceil(N/16), K, 16] contiguous float32 (pack_linear_weight
-// in model_service/blocked_linear.py); block: k per block (>= 1). Returns x @ W.T as [M, N].
-at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t block) {
+// in model_service/blocked_linear.py); block: k per block (>= 1); rows from blocked_rows on (clamped to
+// [0, M]) in the four-lane order (then K must be a multiple of 4). Returns x @ W.T as [M, N].
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t block,
+                          int64_t blocked_rows) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "x and packed must be CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "x and packed must be float32");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D [rows, in] with a contiguous last dimension");
@@ -111,6 +156,8 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
   TORCH_CHECK(packed.size(1) == K, "packed has in_features ", packed.size(1), ", x has ", K);
   TORCH_CHECK(N >= 1 && (N + LANES - 1) / LANES == S, "out_features ", N, " does not fit ", S, " stripes");
   TORCH_CHECK(block >= 1, "block must be >= 1");
+  blocked_rows = std::clamp<int64_t>(blocked_rows, 0, M);
+  TORCH_CHECK(blocked_rows == M || K % 4 == 0, "four-lane rows need in_features divisible by 4, got ", K);
   at::Tensor out = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (M == 0) return out;
   if (K == 0) return out.zero_();
@@ -130,7 +177,8 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
         const int64_t panel = idx % panels, tile = idx / panels;
         const int64_t s0 = panel * MAX_NS, ns = std::min<int64_t>(MAX_NS, S - s0);
         const __mmask16 last_mask = s0 + ns == S ? tail_mask : static_cast<__mmask16>(0xFFFF);
-        const int64_t m_begin = tile * ROW_TILE, m_end = std::min(M, m_begin + ROW_TILE);
+        const int64_t m_begin = tile * ROW_TILE, m_all = std::min(M, m_begin + ROW_TILE);
+        const int64_t m_end = std::clamp(blocked_rows, m_begin, m_all);  // rows of this tile in the blocked order
         const float* w = wp + s0 * stripe_stride;
         // A decode-sized product (one row tile) reads each weight once, from DRAM: the first pass of
         // rows over a k block waits for it. The later passes (which find the block in L1) ask for
@@ -151,6 +199,12 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
                                            k0 == 0, last_mask, ahead, stripes);
           }
         }
+        for (int64_t m0 = m_end; m0 < m_all; m0 += 3) {
+          const FourLane four = pick_four_lane(static_cast<int>(std::min<int64_t>(3, m_all - m0)));
+          for (int64_t s = 0; s < ns; ++s)
+            four(xp + m0 * ldx, ldx, w + s * stripe_stride, K, cp + m0 * N + (s0 + s) * LANES,
+                 s == ns - 1 ? last_mask : static_cast<__mmask16>(0xFFFF), N);
+        }
       }
     }
   });
@@ -160,6 +214,6 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixkv, m) {
-  m.def("blocked_linear(Tensor x, Tensor packed, int out_features, int block) -> Tensor");
+  m.def("blocked_linear(Tensor x, Tensor packed, int out_features, int block, int blocked_rows) -> Tensor");
   m.impl("blocked_linear", c10::DispatchKey::CPU, TORCH_FN(blocked_linear));
 }

@@ -4,8 +4,8 @@ forward pass runs, so the cache manager's latency is off the critical path.
 At most one Step is in flight, so the cache manager applies them in order. Each engine step:
   1. collects the reply in flight if it has arrived, or waits for it when a running request has no
      block for its next token (or there is nothing else to run); then, when requests are waiting
-     and the step computes a long prompt (SYNC_ADMIT_TOKENS), sends a Step and waits for it, so
-     that what it admits joins this step;
+     and either the step computes a long prompt or the waiting requests are one (SYNC_ADMIT_TOKENS
+     each), sends a Step and waits for it, so that what it admits joins this step;
   2. builds the batch from the blocks at hand;
   3. when nothing is in flight, plans the Step for the step after this batch (finishes, releases and
      commits known now, extensions with lookahead, admissions) and sends it;
@@ -28,7 +28,10 @@ from model_service.scheduler import CachePlan, CacheReply, ScheduledBatch, Sched
 # A step that computes at least this many prompt tokens is long next to a cache round trip: if
 # requests are waiting, a Step is sent and awaited before its batch is built, so those it admits
 # (say, a prefix group's followers, once their leader's pages are committed) join this step
-# instead of the next one, a whole long step later.
+# instead of the next one, a whole long step later. Waiting requests of this many tokens are such
+# work themselves: a short step (decodes) waits for their admission too, rather than running
+# without them (4 groups x 8 sharing 1024 tokens, all sent at once: two decode steps of ~50 ms
+# each ran before followers that could have joined them).
 SYNC_ADMIT_TOKENS = 256
 
 ApplyReply = Callable[[CachePlan, CacheReply], None]
@@ -71,10 +74,11 @@ class CachePipeline:
         scheduler = self.scheduler
         if self._flight is not None and self._flight.generation != scheduler.generation:
             self._flight = None  # the pool was lost since it was sent: its reply means nothing now
-        if self._flight is not None and (self._flight.call.done() or scheduler.needs_reply()):
+        worth_waiting = self._admissions_worth_waiting()
+        if self._flight is not None and (self._flight.call.done() or scheduler.needs_reply() or worth_waiting):
             self.collect(apply)
-        if (self._flight is None and self.cache.registered and scheduler.waiting
-                and scheduler.num_prefill_tokens() >= SYNC_ADMIT_TOKENS):
+            worth_waiting = self._admissions_worth_waiting()
+        if self._flight is None and self.cache.registered and worth_waiting:
             self._step_now(apply)
         batch = scheduler.build_batch()
         if not batch.chunks and self._flight is not None:
@@ -87,6 +91,13 @@ class CachePipeline:
                                          time.perf_counter())
         if batch.chunks:
             execute(batch)
+
+    def _admissions_worth_waiting(self) -> bool:
+        """Whether requests wait that a Step now should admit into this step (see SYNC_ADMIT_TOKENS)."""
+        scheduler = self.scheduler
+        return bool(scheduler.waiting) and (
+            scheduler.num_prefill_tokens() >= SYNC_ADMIT_TOKENS
+            or scheduler.admissible_waiting_tokens(SYNC_ADMIT_TOKENS) >= SYNC_ADMIT_TOKENS)
 
     def _step_now(self, apply: ApplyReply) -> None:
         """A synchronous Step for the batch about to be built (nothing is in flight)."""

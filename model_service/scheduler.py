@@ -144,6 +144,7 @@ class Scheduler:
         self._pause_admission = False
         self._lookahead_paused = False  # a lookahead ask failed: ask for need only until space returns
         self._held_back_long = False  # the last batch left a long prefill out for short ones
+        self._admission_refused = False  # the pool had no room for an admission (until blocks return)
         self.num_preemptions = 0
         self.generation = 0  # bumped by reset(): replies to plans of an older generation are void
 
@@ -167,6 +168,19 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+
+    def admissible_waiting_tokens(self, limit: int) -> int:
+        """Tokens of the waiting requests (cache hits included) a Step could admit now, counted up
+        to `limit`: 0 while every sequence slot is taken, or after the pool refused an admission
+        until a finish or release returns blocks."""
+        if self._admission_refused or len(self.running) >= self.config.max_num_seqs:
+            return 0
+        total = 0
+        for request in self.waiting:
+            total += request.num_tokens
+            if total >= limit:
+                return limit
+        return total
 
     def num_prefill_tokens(self) -> int:
         """Prompt tokens the running requests still have to compute."""
@@ -214,6 +228,8 @@ class Scheduler:
         token will have one more (its sampled token), and extensions carry lookahead."""
         plan = CachePlan(releases=self.pending_releases,
                          finishes=[self._record(r) for r in self.pending_finishes])
+        if plan.releases or plan.finishes:
+            self._admission_refused = False
         self.pending_releases, self.pending_finishes = [], []
         bs = self.config.block_size
         budget = self.config.max_batch_tokens
@@ -302,6 +318,7 @@ class Scheduler:
             self._lookahead_paused = False
         for request, adm in zip(plan.admits, reply.admits, strict=True):
             if not adm.admitted:
+                self._admission_refused = not request.is_finished
                 break
             if request.is_finished:  # cancelled or aborted while its admission was in flight
                 request.block_table = list(adm.block_table)

@@ -15,13 +15,17 @@ not see. Two rewrites are exact by IEEE arithmetic: RoPE is applied to q and k i
 (elementwise over the heads of both), and `rotate_half(x) * sin` is computed as
 `cat(x2, x1) * cat(-sin1, sin2)` (negation commutes exactly with rounding). Residual adds are
 done in place (a + b == b + a bit for bit), as are RMSNorm's scaling by its weight and the
-product with `up` (products commute too). The products are the model's own (fused q/k/v and
+product with `up` (products commute too). In float32 each residual add and the RMSNorm after it
+are one native call (`native.add_rms_norm`, which sums the squares in torch's own order; probed
+at load, else torch's ops), and the last add and the final norm run only on the rows whose logits
+are wanted (both are per row). The products are the model's own (fused q/k/v and
 gate/up, short-input and packed bf16 paths: `model_linear`). The greedy-identity tests run the
 service on this path.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_service import native
 from model_service.attention.base import AttentionBackend
 from model_service.blocked_linear import BlockedWeight
 from model_service.fused_linear import FusedSlice
@@ -91,6 +96,25 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x.to(dtype)
 
 
+@functools.cache
+def native_norm_matches(hidden_size: int, eps: float) -> bool:
+    """Whether `native.add_rms_norm` gives `_rms_norm`'s bits here (torch's sum order is an
+    observation about this torch build: probed once per hidden size and eps, on random rows)."""
+    if not native.available():
+        return False
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows in (1, 3, 32, 257):
+            y, residual = (torch.randn(rows, hidden_size, generator=g) * 4 for _ in range(2))  # [rows, hidden]
+            weight = torch.randn(hidden_size, generator=g)
+            want_sum = y + residual
+            want = _rms_norm(want_sum, weight, eps)
+            got = native.add_rms_norm(y, residual, weight, eps)
+            if not (torch.equal(got, want) and torch.equal(y, want_sum)):
+                return False
+    return True
+
+
 def _activation(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """The MLP's activation: F.silu itself for SiLU modules (their forward is just that call)."""
     if type(module) is nn.SiLU or (type(module).__name__ == "SiLUActivation"
@@ -143,6 +167,7 @@ class DecoderForward:
         self.kv_cache = kv_cache
         first = inner.layers[0].self_attn
         self.head_dim = int(first.head_dim)
+        hidden_size = int(self.embed.shape[1])
         self.num_q_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(config.num_key_value_heads)
         self.layers = [
@@ -157,6 +182,22 @@ class DecoderForward:
             )
             for layer in inner.layers
         ]
+        # Residual add + RMSNorm in one native call where it is bitwise torch's ops (float32).
+        norms = [(w, e) for layer in self.layers for w, e in ((layer.input_norm, layer.input_eps),
+                                                              (layer.post_norm, layer.post_eps))]
+        norms.append((self.norm, self.norm_eps))
+        self.native_norm = (self.embed.dtype == torch.float32 and self.embed.device.type == "cpu"
+                            and all(w.dtype == torch.float32 and w.is_contiguous() for w, _ in norms)
+                            and all(native_norm_matches(hidden_size, e) for e in {e for _, e in norms}))
+
+    def _add_norm(self, y: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+        """y += residual (in place, when given), then RMSNorm(y) * weight as `_rms_norm` does."""
+        if self.native_norm and y.is_contiguous() and (residual is None or residual.is_contiguous()):
+            return native.add_rms_norm(y, residual, weight, eps)
+        if residual is not None:
+            y.add_(residual)  # a + b == b + a bit for bit
+        return _rms_norm(y, weight, eps)
 
     def _rope_tables(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos [T, 1, D] and the signed sin [T, 1, D] (first half negated) for `rotate`."""
@@ -181,16 +222,24 @@ class DecoderForward:
         hidden = F.embedding(input_ids, self.embed)  # [T, hidden]
         cos, signed_sin = self._rope_tables(hidden, positions)
         k_caches, v_caches = self.kv_cache.k, self.kv_cache.v
+        first = self.layers[0]
+        x = self._add_norm(hidden, None, first.input_norm, first.input_eps)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = _rms_norm(hidden, layer.input_norm, layer.input_eps)
             qkv = layer.qkv(x).view(num_tokens, hq + 2 * hkv, d)  # [T, Hq + 2 Hkv, D]
             qk = self._rotate(qkv[:, :hq + hkv], cos, signed_sin)  # [T, Hq + Hkv, D]
             attn = self.backend.forward(qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:], k_caches[i], v_caches[i],
                                         layer.scale)  # [T, Hq, D]
-            hidden = layer.o_proj(attn.reshape(num_tokens, hq * d)).add_(hidden)
-            x = _rms_norm(hidden, layer.post_norm, layer.post_eps)
+            out = layer.o_proj(attn.reshape(num_tokens, hq * d))  # [T, hidden]
+            x = self._add_norm(out, hidden, layer.post_norm, layer.post_eps)
+            hidden = out  # o_proj(attn) + the residual
             gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [T, intermediate] each
             act = layer.act(gate).mul_(up) if layer.act is F.silu else layer.act(gate) * up  # [T, intermediate]
-            hidden = layer.down(act).add_(hidden)
-        hidden = _rms_norm(hidden, self.norm, self.norm_eps)
-        return self.lm_head(hidden.index_select(0, logits_index))  # [K, vocab]
+            out = layer.down(act)
+            if i < last:
+                x = self._add_norm(out, hidden, self.layers[i + 1].input_norm, self.layers[i + 1].input_eps)
+                hidden = out
+        # The last residual add and the final norm are per row: only the rows whose logits are wanted.
+        x = self._add_norm(out.index_select(0, logits_index), hidden.index_select(0, logits_index),
+                           self.norm, self.norm_eps)
+        return self.lm_head(x)  # [K, vocab]

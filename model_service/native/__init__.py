@@ -107,6 +107,13 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.radixkv.argmax_rows(x)
 
 
+def add_rms_norm(y: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm of float32 rows in torch's own order (rms_norm.cpp), after `y += residual`
+    in place when residual is given. y [T, H] contiguous (and residual like it), weight [H].
+    Returns the normalized rows [T, H]; y then holds the sum."""
+    return torch.ops.radixkv.add_rms_norm(y, residual, weight, eps)
+
+
 def has_bf16_dot_products() -> bool:
     """Whether bfloat16 attention runs on AVX512-BF16 dot products here (else float32 FMAs)."""
     return bool(torch.ops.radixkv.has_bf16_dot_products())

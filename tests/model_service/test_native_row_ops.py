@@ -1,5 +1,5 @@
-"""The native row kernels against torch: argmax_rows (greedy sampling) and write_kv (a step's K/V
-into the paged caches)."""
+"""The native row kernels against torch: argmax_rows (greedy sampling), write_kv (a step's K/V
+into the paged caches) and add_rms_norm (a residual add and LlamaRMSNorm, in torch's order)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from model_service import native
+from model_service.decoder_forward import _rms_norm, native_norm_matches
 from model_service.sampler import _argmax
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
@@ -95,3 +96,45 @@ def test_write_kv_refuses_bad_input(change, message):
     (k_cache, v_cache), k, v, slots = _cases(torch.float32, 5, seed=2)
     with pytest.raises(RuntimeError, match=message):
         native.write_kv(*change(k, v, k_cache, v_cache, slots))
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.integers(0, 40), hidden=st.integers(1, 3000), residual=st.booleans(),
+       scale=st.sampled_from([1e-20, 1e-3, 1.0, 30.0, 1e20]), eps=st.sampled_from([1e-5, 1e-6, 0.0]),
+       seed=st.integers(0, 2**31 - 1))
+def test_add_rms_norm_is_torchs_ops(rows, hidden, residual, scale, eps, seed):
+    """Bit for bit `y += residual` and decoder_forward._rms_norm (LlamaRMSNorm's ops), over hidden
+    sizes that take every branch of torch's sum order (scalar rows under 8, cascade levels from
+    512, tails), and magnitudes that underflow or overflow the squares."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(rows, hidden, generator=g) * scale  # [rows, hidden]
+    res = torch.randn(rows, hidden, generator=g) * scale if residual else None
+    weight = torch.randn(hidden, generator=g)
+    want_sum = y + res if residual else y.clone()
+    want = _rms_norm(want_sum.clone(), weight, eps)
+    got = native.add_rms_norm(y, res, weight, eps)
+    assert torch.equal(y, want_sum)
+    assert torch.equal(got, want) or torch.equal(got.isnan(), want.isnan()) and torch.equal(
+        got.nan_to_num(), want.nan_to_num())
+
+
+def test_add_rms_norm_on_a_decode_and_a_prompt_of_the_bundled_size():
+    g = torch.Generator().manual_seed(3)
+    for rows in (1, 32, 1056):
+        y, res = torch.randn(rows, 576, generator=g), torch.randn(rows, 576, generator=g)
+        weight = torch.randn(576, generator=g)
+        assert torch.equal(native.add_rms_norm(y.clone(), res, weight, 1e-5), _rms_norm(y + res, weight, 1e-5))
+    assert native_norm_matches(576, 1e-5)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda y, r, w: (y.double(), r, w), "float32"),
+    (lambda y, r, w: (y.t(), r, w), "contiguous"),
+    (lambda y, r, w: (y, r, w[:-1]), "weight"),
+    (lambda y, r, w: (y, r[:, :-1].contiguous(), w), "residual"),
+    (lambda y, r, w: (y[0], r, w), "contiguous"),
+])
+def test_add_rms_norm_refuses_bad_input(change, message):
+    y, r, w = change(torch.randn(4, 8), torch.randn(4, 8), torch.randn(8))
+    with pytest.raises(RuntimeError, match=message):
+        native.add_rms_norm(y, r, w, 1e-5)

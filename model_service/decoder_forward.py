@@ -17,8 +17,9 @@ not see. Two rewrites are exact by IEEE arithmetic: RoPE is applied to q and k i
 done in place (a + b == b + a bit for bit), as are RMSNorm's scaling by its weight and the
 product with `up` (products commute too). In float32 each residual add and the RMSNorm after it
 are one native call (`native.add_rms_norm`, which sums the squares in torch's own order; probed
-at load, else torch's ops), and the last add and the final norm run only on the rows whose logits
-are wanted (both are per row). The products are the model's own (fused q/k/v and
+at load, else torch's ops), as is RoPE (`native.rope`: the same products and sum, rounded the
+same way); the last add and the final norm run only on the rows whose logits are wanted (both
+are per row). The products are the model's own (fused q/k/v and
 gate/up, short-input and packed bf16 paths: `model_linear`). The greedy-identity tests run the
 service on this path.
 """
@@ -186,6 +187,7 @@ class DecoderForward:
         norms = [(w, e) for layer in self.layers for w, e in ((layer.input_norm, layer.input_eps),
                                                               (layer.post_norm, layer.post_eps))]
         norms.append((self.norm, self.norm_eps))
+        self.native_rope = native.available() and self.embed.device.type == "cpu"
         self.native_norm = (self.embed.dtype == torch.float32 and self.embed.device.type == "cpu"
                             and all(w.dtype == torch.float32 and w.is_contiguous() for w, _ in norms)
                             and all(native_norm_matches(hidden_size, e) for e in {e for _, e in norms}))
@@ -200,18 +202,20 @@ class DecoderForward:
         return _rms_norm(y, weight, eps)
 
     def _rope_tables(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos [T, 1, D] and the signed sin [T, 1, D] (first half negated) for `rotate`."""
+        """cos [T, D] and the signed sin [T, D] (first half negated) for `_rotate`."""
         cos, sin = self.rotary(hidden.unsqueeze(0), positions.unsqueeze(0))  # [1, T, D] each
         half = self.head_dim // 2
         signed_sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
-        return cos[0].unsqueeze(1), signed_sin.unsqueeze(1)
+        return cos[0].contiguous(), signed_sin
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """x * cos + rotate_half(x) * sin. x: [T, H, D] -> new [T, H, D]."""
+        """x * cos + rotate_half(x) * sin. x: [T, H, D] -> new [T, H, D]; one native call in float32."""
+        if x.dtype == torch.float32 and cos.dtype == torch.float32 and self.native_rope:
+            return native.rope(x, cos, signed_sin)
         half = self.head_dim // 2
         swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # rotate_half(x) up to sign
-        out = x * cos
-        return out.add_(swapped.mul_(signed_sin))
+        out = x * cos.unsqueeze(1)
+        return out.add_(swapped.mul_(signed_sin.unsqueeze(1)))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 logits_index: torch.Tensor) -> torch.Tensor:

@@ -114,6 +114,13 @@ def add_rms_norm(y: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return torch.ops.radixkv.add_rms_norm(y, residual, weight, eps)
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + cat(x2, x1) * signed_sin for float32 x [T, H, D] (last dim contiguous) and
+    contiguous cos, signed_sin [T, D], each product and the sum rounded as torch's ops round them
+    (rope.cpp). Returns a new contiguous [T, H, D]."""
+    return torch.ops.radixkv.rope(x, cos, signed_sin)
+
+
 def has_bf16_dot_products() -> bool:
     """Whether bfloat16 attention runs on AVX512-BF16 dot products here (else float32 FMAs)."""
     return bool(torch.ops.radixkv.has_bf16_dot_products())

@@ -1,5 +1,5 @@
 """Builds the native CPU kernels (attention.cpp, linear.cpp, prompt_attention.cpp, kv_write.cpp,
-argmax.cpp, rms_norm.cpp) into a shared library next to this file.
+argmax.cpp, rms_norm.cpp, rope.cpp) into a shared library next to this file.
 
 `make install` runs `python -m model_service.native.build`; the library's name carries a hash of
 the source, the compiler flags and the torch version, so a stale build is never loaded. A build
@@ -22,7 +22,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 SOURCES = [HERE / "attention.cpp", HERE / "linear.cpp", HERE / "prompt_attention.cpp", HERE / "kv_write.cpp",
-           HERE / "argmax.cpp", HERE / "rms_norm.cpp"]
+           HERE / "argmax.cpp", HERE / "rms_norm.cpp", HERE / "rope.cpp"]
 # The kernels use AVX-512 F/BW/VL/DQ (the set torch calls "AVX512"); the library is only loaded
 # where torch reports that capability. AVX512-BF16 instructions run only where the CPU has them
 # (checked at run time, attention.cpp).

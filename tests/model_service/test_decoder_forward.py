@@ -61,6 +61,7 @@ def assert_lean_equals_transformers(runner: ModelRunner, vocab: int) -> None:
     assert lean is not None
     # float32 takes the native residual add + RMSNorm wherever the kernels run: these comparisons cover it.
     assert lean.native_norm == (native.available() and lean.embed.dtype == torch.float32)
+    assert lean.native_rope == native.available()
     for chunks in steps(vocab):
         runner.decoder = None  # transformers' forward (writes the same K/V to the same slots)
         want = runner.execute(chunks)

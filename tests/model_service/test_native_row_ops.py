@@ -1,5 +1,5 @@
 """The native row kernels against torch: argmax_rows (greedy sampling), write_kv (a step's K/V
-into the paged caches) and add_rms_norm (a residual add and LlamaRMSNorm, in torch's order)."""
+into the paged caches), add_rms_norm (a residual add and LlamaRMSNorm, in torch's order) and rope."""
 
 from __future__ import annotations
 
@@ -138,3 +138,48 @@ def test_add_rms_norm_refuses_bad_input(change, message):
     y, r, w = change(torch.randn(4, 8), torch.randn(4, 8), torch.randn(8))
     with pytest.raises(RuntimeError, match=message):
         native.add_rms_norm(y, r, w, 1e-5)
+
+
+def _torch_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """decoder_forward's torch ops for RoPE (x [T, H, D], tables [T, D])."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos.unsqueeze(1)).add_(swapped.mul_(signed_sin.unsqueeze(1)))
+
+
+@settings(max_examples=120, deadline=None)
+@given(tokens=st.integers(0, 40), heads=st.integers(1, 12), half=st.integers(1, 80), extra_heads=st.integers(0, 3),
+       seed=st.integers(0, 2**31 - 1))
+def test_rope_is_torchs_ops(tokens, heads, half, extra_heads, seed):
+    """Bit for bit, on a strided slice of a fused q/k/v-like tensor, for head_dims that take the
+    vector path (half a multiple of 16) and the scalar one."""
+    g = torch.Generator().manual_seed(seed)
+    d = 2 * half
+    fused = torch.randn(tokens, heads + extra_heads, d, generator=g) * 10  # [T, H + extra, D]
+    x = fused[:, :heads]
+    angles = torch.rand(tokens, half, generator=g) * 100
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1)
+    sin = torch.cat((angles.sin(), angles.sin()), dim=-1)
+    signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    got = native.rope(x, cos, signed_sin)
+    assert got.is_contiguous() and torch.equal(got, _torch_rope(x, cos, signed_sin))
+
+
+def test_rope_on_the_bundled_head_dim():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(32, 15, 64, generator=g)[:, :12]  # q and k heads of a fused q/k/v product
+    cos, signed_sin = torch.randn(32, 64, generator=g), torch.randn(32, 64, generator=g)
+    assert torch.equal(native.rope(x, cos, signed_sin), _torch_rope(x, cos, signed_sin))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda x, c, s: (x.double(), c, s), "float32"),
+    (lambda x, c, s: (x.transpose(1, 2), c, s), "contiguous last"),
+    (lambda x, c, s: (x[..., :7], c[:, :7].contiguous(), s[:, :7].contiguous()), "even"),
+    (lambda x, c, s: (x, c[:-1], s), "cos and signed_sin"),
+    (lambda x, c, s: (x, c, s.t().contiguous().t()), "cos and signed_sin"),
+])
+def test_rope_refuses_bad_input(change, message):
+    x, c, s = change(torch.randn(4, 3, 8), torch.randn(4, 8), torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match=message):
+        native.rope(x, c, s)

@@ -59,10 +59,14 @@ def step_and_wait(cache: CacheClient, plan: CachePlan, metrics: ModelMetrics) ->
 class CachePipeline:
     """Runs engine steps with the cache Step one step ahead (engine thread only)."""
 
-    def __init__(self, cache: CacheClient, scheduler: Scheduler, metrics: ModelMetrics) -> None:
+    def __init__(self, cache: CacheClient, scheduler: Scheduler, metrics: ModelMetrics,
+                 before_wait: Callable[[], None] = lambda: None) -> None:
+        """`before_wait`: called before the engine thread blocks on a Step's reply (the engine
+        hands its queued outputs over then, rather than holding them through the wait)."""
         self.cache = cache
         self.scheduler = scheduler
         self.metrics = metrics
+        self.before_wait = before_wait
         self._flight: _InFlight | None = None
 
     @property
@@ -103,6 +107,7 @@ class CachePipeline:
         """A synchronous Step for the batch about to be built (nothing is in flight)."""
         plan = self.scheduler.plan_cache_step()
         if not plan.is_empty:
+            self.before_wait()
             apply(plan, step_and_wait(self.cache, plan, self.metrics))
 
     def collect(self, apply: ApplyReply, idle: bool = False) -> None:
@@ -114,6 +119,7 @@ class CachePipeline:
         if idle or flight.call.done():
             reply = flight.call.result()
         else:
+            self.before_wait()
             started = time.perf_counter()
             reply = flight.call.result()
             self.metrics.observe_cache_wait(time.perf_counter() - started)

@@ -4,17 +4,23 @@ forward runs (model_service/cache_pipeline.py); off, it is waited for before the
 
 The gRPC servicer submits requests and receives `GenerationOutput`s through a sink callback
 (called from the engine thread); it may abort any live request by id and read the engine's
-load from any thread. Failures of the cache manager never fail a client: the engine
-re-registers its pool and recomputes in-flight requests.
+load from any thread. A step's outputs go to their sinks together, inside `output_batch()`,
+when the next forward begins (or before the engine thread waits on anything, or at once when no
+forward follows): the event loop that streams them then runs while the forward's threads are in
+torch ops, not while the engine thread needs the GIL for its own Python (4 x 8 requests sharing
+prefixes: ~5% faster, 4 interleaved runs). Failures of the cache manager never fail a client:
+the engine re-registers its pool and recomputes in-flight requests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -105,6 +111,9 @@ class Engine:
         self.metrics = metrics
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, OutputSink] = {}
+        self._outbox: list[tuple[OutputSink, GenerationOutput]] = []  # outputs not handed to sinks yet
+        # Entered around each hand-over of outputs (the servicer sets its LoopRelay's batch).
+        self.output_batch: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
         self._requests: dict[str, Request] = {}
         self._last_token_time: dict[str, float] = {}
         self._stopping = threading.Event()
@@ -117,7 +126,8 @@ class Engine:
         self._cached_prompt_tokens = 0
         # Replaced whole by the engine thread after every change, read by any thread.
         self.load = EngineLoad(num_blocks=cache.num_blocks, num_free_blocks=cache.num_blocks)
-        self._pipeline = CachePipeline(cache, scheduler, metrics) if config.cache_pipeline else None
+        self._pipeline = (CachePipeline(cache, scheduler, metrics, before_wait=self._flush_outputs)
+                          if config.cache_pipeline else None)
         self._thread = threading.Thread(target=self._run, name="radixkv-engine", daemon=True)
 
     # ------------------------------------------------------------------ API (any thread)
@@ -171,19 +181,27 @@ class Engine:
                 if self._stopping.is_set():
                     break
                 if not self.cache.registered:
+                    self._flush_outputs()  # not held through registration attempts
                     self._try_register()
-                    continue
-                # Renew the lease when due, busy or not: decode steps make no cache RPC until a
-                # request needs a new block or finishes, which can take longer than the lease.
-                self._heartbeat()
-                if self.cache.registered and self._has_work():
-                    self._step()
-                    self._publish_load()
+                else:
+                    # Renew the lease when due, busy or not: decode steps make no cache RPC until a
+                    # request needs a new block or finishes, which can take longer than the lease.
+                    self._heartbeat()
+                    if self.cache.registered and self._has_work():
+                        self._step()
+                        self._publish_load()
+                if self._outbox and not self._forward_next():
+                    self._flush_outputs()
         except Exception:
             log.exception("engine loop crashed")
             raise
         finally:
             self._abort_all("server shutting down")
+            self._flush_outputs()
+
+    def _forward_next(self) -> bool:
+        """Whether the next loop turn likely runs a forward (which hands over the outputs first)."""
+        return self.cache.registered and bool(self.scheduler.running)
 
     def _has_work(self) -> bool:
         return self.scheduler.has_work() or (self._pipeline is not None and self._pipeline.in_flight)
@@ -198,6 +216,7 @@ class Engine:
         plan = self.scheduler.plan_cache_step()
         reply = CacheReply([], [])
         if not plan.is_empty:
+            self._flush_outputs()  # not held through the wait
             try:
                 reply = step_and_wait(self.cache, plan, self.metrics)  # the synchronous path waits for every Step
             except CachePoolLost as e:
@@ -225,6 +244,7 @@ class Engine:
         self._sync_counts()
 
     def _execute(self, batch: ScheduledBatch) -> None:
+        self._flush_outputs()  # the last step's: streamed while this forward runs
         started = time.perf_counter()
         try:
             logits = self.runner.execute(batch.chunks)
@@ -293,7 +313,8 @@ class Engine:
         self._sync_counts(finished=request.request_id)
         self._last_token_time.pop(request.request_id, None)
         if sink is not None:
-            sink(GenerationOutput(request.request_id, text, token_ids or [], reason, matched_stop, usage, error))
+            self._outbox.append((sink, GenerationOutput(request.request_id, text, token_ids or [], reason,
+                                                        matched_stop, usage, error)))
 
     def _sync_counts(self, finished: str | None = None) -> None:
         """Keeps the counts `submit()` bounds the waiting queue with exact (engine thread only):
@@ -315,7 +336,16 @@ class Engine:
     def _emit(self, output: GenerationOutput) -> None:
         sink = self._sinks.get(output.request_id)
         if sink is not None:
-            sink(output)
+            self._outbox.append((sink, output))
+
+    def _flush_outputs(self) -> None:
+        """Hands the outputs queued so far to their sinks, in order, as one batch."""
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, []
+        with self.output_batch():
+            for sink, output in outbox:
+                sink(output)
 
     # ------------------------------------------------------------------ inbox, cache life
 

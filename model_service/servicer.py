@@ -108,6 +108,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
     def _relay_for(self, loop: asyncio.AbstractEventLoop) -> LoopRelay:
         if self._relay is None or self._relay.loop is not loop:
             self._relay = LoopRelay(loop)
+            self.engine.output_batch = self._relay.batch  # a step's outputs: one wake-up of the loop
         return self._relay
 
     def _check_limits(self, request: model_pb2.GenerateRequest | model_pb2.TokenizeRequest) -> None:

@@ -65,3 +65,43 @@ def test_a_closed_loop_raises_and_the_relay_stays_usable():
         with pytest.raises(RuntimeError):
             relay.put(queue, 1)
         assert relay._pending == []
+
+
+def test_a_batch_wakes_the_loop_once_when_it_ends():
+    async def main() -> tuple[list[int], int, int]:
+        loop = asyncio.get_running_loop()
+        relay = LoopRelay(loop)
+        wakeups = 0
+        drain = relay._drain
+
+        def counted_drain() -> None:
+            nonlocal wakeups
+            wakeups += 1
+            drain()
+
+        relay._drain = counted_drain  # type: ignore[method-assign]
+        q: asyncio.Queue[int] = asyncio.Queue()
+        seen_inside = -1
+
+        def engine() -> None:
+            nonlocal seen_inside
+            with relay.batch():
+                with relay.batch():  # nested: the outer block decides
+                    for i in range(10):
+                        relay.put(q, i)
+                for i in range(10, 32):
+                    relay.put(q, i)
+                seen_inside = len(relay._pending)  # nothing handed over inside the batch
+            with relay.batch():
+                pass  # an empty batch wakes nothing
+
+        thread = threading.Thread(target=engine)
+        thread.start()
+        thread.join()
+        got = [await asyncio.wait_for(q.get(), 5) for _ in range(32)]
+        await asyncio.sleep(0.01)
+        return got, wakeups, seen_inside
+
+    got, wakeups, seen_inside = asyncio.run(main())
+    assert got == list(range(32)) and seen_inside == 32
+    assert wakeups == 1

@@ -10,19 +10,23 @@ import pytest
 from model_service.loop_relay import LoopRelay
 
 
+def _counting_relay(loop: asyncio.AbstractEventLoop) -> tuple[LoopRelay, list[int]]:
+    """A relay whose wake-ups (drains on the loop) are counted in the returned [count]."""
+    relay, wakeups = LoopRelay(loop), [0]
+    drain = relay._drain
+
+    def counted_drain() -> None:
+        wakeups[0] += 1
+        drain()
+
+    relay._drain = counted_drain  # type: ignore[method-assign]
+    return relay, wakeups
+
+
 def test_items_from_a_thread_arrive_in_order_per_queue_with_one_wakeup_per_burst():
     async def main() -> tuple[list[list[int]], int]:
         loop = asyncio.get_running_loop()
-        relay = LoopRelay(loop)
-        wakeups = 0
-        drain = relay._drain
-
-        def counted_drain() -> None:
-            nonlocal wakeups
-            wakeups += 1
-            drain()
-
-        relay._drain = counted_drain  # type: ignore[method-assign]
+        relay, wakeups = _counting_relay(loop)
         queues: list[asyncio.Queue[int]] = [asyncio.Queue() for _ in range(4)]
         bursts, per_burst = 50, 4 * 8
         burst_done = threading.Event()
@@ -48,7 +52,7 @@ def test_items_from_a_thread_arrive_in_order_per_queue_with_one_wakeup_per_burst
                     items.append(await asyncio.wait_for(q.get(), 5))
             resume.set()
         thread.join()
-        return got, wakeups
+        return got, wakeups[0]
 
     got, wakeups = asyncio.run(main())
     for k, items in enumerate(got):
@@ -70,16 +74,7 @@ def test_a_closed_loop_raises_and_the_relay_stays_usable():
 def test_a_batch_wakes_the_loop_once_when_it_ends():
     async def main() -> tuple[list[int], int, int]:
         loop = asyncio.get_running_loop()
-        relay = LoopRelay(loop)
-        wakeups = 0
-        drain = relay._drain
-
-        def counted_drain() -> None:
-            nonlocal wakeups
-            wakeups += 1
-            drain()
-
-        relay._drain = counted_drain  # type: ignore[method-assign]
+        relay, wakeups = _counting_relay(loop)
         q: asyncio.Queue[int] = asyncio.Queue()
         seen_inside = -1
 
@@ -100,7 +95,7 @@ def test_a_batch_wakes_the_loop_once_when_it_ends():
         thread.join()
         got = [await asyncio.wait_for(q.get(), 5) for _ in range(32)]
         await asyncio.sleep(0.01)
-        return got, wakeups, seen_inside
+        return got, wakeups[0], seen_inside
 
     got, wakeups, seen_inside = asyncio.run(main())
     assert got == list(range(32)) and seen_inside == 32

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "model_service/native) or torch (torch's kernels only)")
     p.add_argument("--linear-kernels", choices=list(KERNEL_MODES), default="auto",
                    help="float32 linear layers on CPU with --fp32-gemm mkl: auto (radixkv's AVX-512 kernel for "
-                        "inputs of 16+ rows where a probe at start shows it bitwise F.linear; more weight memory) "
+                        "inputs of 2+ rows where a probe at start shows it bitwise F.linear; more weight memory) "
                         "or torch (F.linear only)")
     p.add_argument("--max-batch-tokens", type=positive_int, default=2048,
                    help="token budget per scheduler step (longer prompts are prefilled in chunks)")

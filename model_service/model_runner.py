@@ -71,7 +71,7 @@ class ModelRunner:
                  device: torch.device, fp32_gemm: str = "mkl", linear_kernels: str = "auto") -> None:
         """fp32_gemm: "mkl" (F.linear, float32 output bitwise transformers') or "onednn"
         (weights packed for oneDNN: faster on some CPUs, not bitwise; see packed_linear).
-        linear_kernels: with "mkl", "auto" computes float32 products of 16+ rows with radixkv's
+        linear_kernels: with "mkl", "auto" computes float32 products of 2+ rows with radixkv's
         AVX-512 kernel where it is bitwise F.linear (blocked_linear), "torch" never."""
         if fp32_gemm not in FP32_GEMMS:
             raise ValueError(f"fp32_gemm must be one of {', '.join(FP32_GEMMS)}, got {fp32_gemm!r}")

@@ -52,9 +52,17 @@ class BlockedWeight(NamedTuple):
     # (the others: the four-lane order) for F.linear's bits, or -1: the kernel does not take r rows.
     short_splits: tuple[int, ...] = ()
 
+    def split(self, rows: int) -> int | None:
+        """How many of an input's `rows` rows the blocked order sums for F.linear's bits (the
+        others: the four-lane order), or None where the kernel does not take that row count."""
+        if rows >= MIN_ROWS:
+            return rows
+        found = self.short_splits[rows] if rows < len(self.short_splits) else -1
+        return found if found >= 0 else None
+
     def takes(self, rows: int) -> bool:
         """Whether `blocked_linear` gives F.linear's bits for inputs of `rows` rows."""
-        return rows >= MIN_ROWS or (rows < len(self.short_splits) and self.short_splits[rows] >= 0)
+        return self.split(rows) is not None
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -72,9 +80,10 @@ def blocked_linear(x: torch.Tensor, weight: BlockedWeight, blocked_rows: int | N
     rows = x.reshape(-1, x.shape[-1])  # [rows, in]
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    n = rows.shape[0]
     if blocked_rows is None:
-        blocked_rows = weight.short_splits[n] if n < len(weight.short_splits) and weight.short_splits[n] >= 0 else n
+        blocked_rows = weight.split(rows.shape[0])
+        if blocked_rows is None:
+            blocked_rows = rows.shape[0]
     out = torch.ops.radixkv.blocked_linear(rows, weight.packed, weight.out_features, weight.block,
                                            blocked_rows)  # [rows, out]
     return out.view(*x.shape[:-1], weight.out_features)

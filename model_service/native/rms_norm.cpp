@@ -16,7 +16,8 @@
 // 2^max(4, ceil(log2(rows)) / 4), 4 levels); leftover vectors into the first accumulator; the 4
 // added left to right; then a scalar: the tail elements past the last whole vector, then the 8
 // lanes, in order. The mean divides by H; rsqrt is 1 / sqrt (both correctly rounded). Whether this
-// is the torch the service runs is probed at load (native/__init__.py); else torch's ops are kept.
+// is the torch the service runs is probed at load (decoder_forward.native_norm_matches); else torch's
+// ops are kept.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

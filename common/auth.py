@@ -4,14 +4,17 @@ Token file: one token per line, then optionally its roles and a namespace limit:
 
     # comment lines and blank lines are ignored
     s3cr3t-admin                        every role, every namespace
-    s3cr3t-replica replica              only RegisterPool, Step, Heartbeat
+    s3cr3t-replica-0 replica worker=model-0   only RegisterPool, Step, Heartbeat, as worker model-0
+    s3cr3t-router reader,router         Route that records decisions and pins prefixes
     s3cr3t-tenant-a reader ns=tenant-a|tenant-b
     s3cr3t-default reader ns=           reader of the default ("") namespace only
 
 Roles are comma separated (``reader,admin``); a line without roles has all of them. ``ns=`` takes
 ``|``-separated namespaces (an empty item is the default namespace ``""``) and limits what the
 token's cache-manager reads (Match, Route, WatchEvents) see; a line without ``ns=`` sees every
-namespace. A token is printable ASCII without spaces. The file is read at start and again on
+namespace. ``worker=`` takes ``|``-separated worker ids or fnmatch patterns (``model-*``) that the
+token may register pools as; a line without it may register any worker id not held by another
+principal. A token is printable ASCII without spaces. The file is read at start and again on
 SIGHUP (a file that no longer parses keeps the previous tokens, and says why in the log).
 
 The check is a grpc.aio server interceptor: every RPC but those of grpc.health.v1.Health needs
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import contextvars
+import fnmatch
 import hashlib
 import hmac
 import inspect
@@ -43,8 +47,9 @@ from common.grpc_server import HEALTH_SERVICE_NAME
 log = logging.getLogger(__name__)
 
 # Cache manager: replica (RegisterPool, Step, Heartbeat), reader (Match, Stats, WatchEvents,
-# Route), admin (Evict, Clear). Model service and router: client (all of their RPCs).
-ROLES = frozenset({"replica", "reader", "admin", "client"})
+# Route), router (Route that records its decision or pins a prefix), admin (Evict, Clear).
+# Model service and router: client (all of their RPCs).
+ROLES = frozenset({"replica", "reader", "router", "admin", "client"})
 UNAUTHENTICATED = "UNAUTHENTICATED"
 PERMISSION_DENIED = "PERMISSION_DENIED"
 
@@ -60,18 +65,28 @@ class AuthError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who a valid token is: `label` (file:line, for logs), its roles and readable namespaces
-    (None: all)."""
+    """Who a valid token is: `label` (file:line, for logs), its roles, readable namespaces and
+    worker ids it may register (None: all), and `key`, a stable identity (a digest of the token,
+    the same across reloads and line moves) that request ids and pools are scoped by. Never log
+    `key`."""
 
     label: str
     roles: frozenset[str] | None = None
     namespaces: frozenset[str] | None = None
+    workers: tuple[str, ...] | None = None
+    key: str = ""
 
     def has_role(self, role: str) -> bool:
         return self.roles is None or role in self.roles
 
     def may_read(self, namespace: str) -> bool:
         return self.namespaces is None or namespace in self.namespaces
+
+    def may_register(self, worker_id: str) -> bool:
+        """Whether this principal may register a pool as `worker_id` (its worker= patterns)."""
+        if self.workers is None:
+            return True
+        return any(fnmatch.fnmatchcase(worker_id, pattern) for pattern in self.workers)
 
 
 def parse_tokens(text: str, source: str = "token file") -> dict[str, Principal]:
@@ -89,11 +104,18 @@ def parse_tokens(text: str, source: str = "token file") -> dict[str, Principal]:
             raise ValueError(f"{where}: the same token is on an earlier line")
         roles: frozenset[str] | None = None
         namespaces: frozenset[str] | None = None
+        workers: tuple[str, ...] | None = None
         for field in fields:
             if field.startswith("ns="):
                 if namespaces is not None:
                     raise ValueError(f"{where}: ns= given twice")
                 namespaces = frozenset(field[3:].split("|"))
+            elif field.startswith("worker="):
+                if workers is not None:
+                    raise ValueError(f"{where}: worker= given twice")
+                workers = tuple(w for w in field[7:].split("|") if w)
+                if not workers:
+                    raise ValueError(f"{where}: worker= needs at least one worker id or pattern")
             else:
                 if roles is not None:
                     raise ValueError(f"{where}: roles given twice (write them comma separated: a,b)")
@@ -101,12 +123,17 @@ def parse_tokens(text: str, source: str = "token file") -> dict[str, Principal]:
                 unknown = ", ".join(sorted(roles - ROLES)) or (field if not roles else "")
                 if unknown:
                     raise ValueError(f"{where}: unknown role {unknown} (roles: {', '.join(sorted(ROLES))})")
-        tokens[token] = Principal(where, roles, namespaces)
+        tokens[token] = Principal(where, roles, namespaces, workers, principal_key(token))
     return tokens
 
 
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
+
+
+def principal_key(token: str) -> str:
+    """A token's stable identity: a keyed digest, so the key reveals nothing of the token."""
+    return hashlib.sha256(b"radixkv-principal\0" + token.encode()).hexdigest()[:32]
 
 
 class TokenStore:

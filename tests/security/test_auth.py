@@ -29,6 +29,7 @@ from common.auth import (
     first_token,
     metadata_token,
     parse_tokens,
+    principal_key,
 )
 from protos import cache_pb2 as pb
 from protos import cache_pb2_grpc, model_pb2
@@ -53,7 +54,7 @@ def store() -> TokenStore:
 def test_token_file_syntax():
     tokens = parse_tokens(TOKENS, "tokens")
     assert list(tokens) == ["all-roles", "the-replica", "the-reader", "the-admin", "default-ns"]
-    assert tokens["all-roles"] == Principal("tokens:4", None, None)
+    assert tokens["all-roles"] == Principal("tokens:4", None, None, None, principal_key("all-roles"))
     assert tokens["the-replica"].roles == {"replica"} and tokens["the-replica"].namespaces is None
     assert tokens["the-reader"].namespaces == {"tenant-a", "tenant-b"}
     assert tokens["the-admin"].roles == {"admin", "reader"}

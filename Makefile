@@ -38,7 +38,7 @@ proto: $(PROTO_OUT)
 $(PROTO_OUT) &: $(PROTO_SRC) $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
 
-# The model service's AVX-512 kernels: attention, float32 linear, K/V writes, argmax (model_service/native, g++ and torch's headers, ~1 min).
+# The model service's seven AVX-512 kernels (model_service/native/*.cpp: attention, prompt attention, float32 linear, K/V writes, argmax, RMSNorm, RoPE; one g++ call against torch's headers, ~40 s on 2 cores; docs/native-kernels.md).
 # Without a compiler it warns and the model service runs on torch's kernels.
 native: $(NATIVE_STAMP)
 

@@ -21,6 +21,8 @@ COPY common ./common
 COPY client ./client
 COPY protos ./protos
 COPY examples ./examples
+# scripts/make_tokens.py: `radixkv-entrypoint make-tokens DIR` (docker-compose.yml's token service)
+COPY scripts/__init__.py scripts/make_tokens.py ./scripts/
 COPY deploy/docker-entrypoint.sh /usr/local/bin/radixkv-entrypoint
 RUN apt-get update && apt-get install -y --no-install-recommends g++ \
  && pip install --upgrade pip \

@@ -18,6 +18,8 @@ import zlib
 from collections.abc import Iterator
 from typing import NamedTuple
 
+from common.private_files import open_private
+
 HEADER = struct.Struct("<IIB")
 MAX_RECORD_BYTES = 1 << 30
 
@@ -65,7 +67,7 @@ class Journal:
     @classmethod
     def open(cls, path: str) -> tuple[Journal, list[Record]]:
         """Open (creating) `path`, drop a torn tail; returns the journal and the intact records."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        fd = open_private(path, os.O_RDWR | os.O_APPEND)  # 0600: Steps hold tenants' token ids
         with open(path, "rb") as f:
             data = f.read()
         records = list(read_records(data))

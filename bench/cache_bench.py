@@ -32,6 +32,7 @@ from bench.tree_trace import bench_tree_trace
 from cache_service.pool import Pool
 from cache_service.pool_registry import PoolRegistry
 from cache_service.radix_tree import RadixTree
+from cache_service.registry_limits import RegistryLimits
 from cache_service.routing import RouteQuery
 from cache_service.schema import Admit, Extend, Finish, StepInput
 from common.token_bytes import encode_tokens
@@ -283,7 +284,7 @@ def bench_route(num_pools: int, num_sequences: int, num_calls: int) -> dict:
     (100 shared 256-token stems + unique tails); queries are 1k-token prompts on a stem."""
     rng = random.Random(5)
     stems = [tokens(rng, 256) for _ in range(100)]
-    registry = PoolRegistry(lease_seconds=3600)
+    registry = PoolRegistry(lease_seconds=3600, limits=RegistryLimits.unlimited())  # 64 pools of 1M blocks
     started = time.perf_counter()
     for p in range(num_pools):
         pool = registry.register(f"replica-{p}", 1 << 20, BS, "fp", 0, f"10.0.0.{p}:50052")

@@ -9,7 +9,7 @@ from cache_service.errors import InvalidArgument
 from cache_service.events import AllCleared, BlockRemoved, BlockStored, CacheEvent
 from cache_service.miss_reasons import MissBreakdown
 from cache_service.pool import Pool
-from cache_service.routing import RouteQuery, RouteResult, RouteWeights
+from cache_service.routing import RouteQuery, RouteResult, RouteWeights, visible_blocks
 from cache_service.schema import (
     Admit,
     Commit,
@@ -79,8 +79,9 @@ def step_input(msg: cache_pb2.StepRequest) -> StepInput:
 def _miss(miss: MissBreakdown | None) -> cache_pb2.MissBreakdown | None:
     if miss is None:
         return None
+    # other_namespace_tokens stays 0 (deprecated): other namespaces' pages are new to the caller.
     return cache_pb2.MissBreakdown(evicted_tokens=miss.evicted_tokens, other_replica_tokens=miss.other_replica_tokens,
-                                   other_namespace_tokens=miss.other_namespace_tokens, new_tokens=miss.new_tokens)
+                                   new_tokens=miss.new_tokens)
 
 
 def step_response(result: StepResult) -> cache_pb2.StepResponse:
@@ -142,12 +143,13 @@ def pool_stats(s: PoolStats) -> cache_pb2.PoolStats:
     )
 
 
-def route_query(msg: cache_pb2.RouteRequest) -> RouteQuery:
+def route_query(msg: cache_pb2.RouteRequest, all_namespaces: bool) -> RouteQuery:
+    """`all_namespaces`: the caller's token is not limited to namespaces (RouteQuery)."""
     defaults = RouteWeights()
     weights = RouteWeights(msg.prefill_weight or defaults.prefill_weight, msg.queue_weight or defaults.queue_weight,
                            msg.running_weight or defaults.running_weight)
     return RouteQuery(tuple(msg.token_ids), tuple(msg.page_hashes), msg.namespace, msg.model_fingerprint,
-                      msg.request_id, msg.reserve_ms, msg.max_candidates, msg.dry_run, weights)
+                      msg.request_id, msg.reserve_ms, msg.max_candidates, msg.dry_run, weights, all_namespaces)
 
 
 def route_response(result: RouteResult) -> cache_pb2.RouteResponse:
@@ -166,14 +168,16 @@ def route_response(result: RouteResult) -> cache_pb2.RouteResponse:
     )
 
 
-def pool_match(pool: Pool, found: MatchInfo) -> cache_pb2.PoolMatch:
+def pool_match(pool: Pool, found: MatchInfo, all_namespaces: bool) -> cache_pb2.PoolMatch:
+    """`all_namespaces`: free blocks as such; else cached blocks nobody holds count as free
+    (routing.visible_blocks: a namespace-limited caller)."""
     return cache_pb2.PoolMatch(
         pool_id=pool.pool_id,
         worker_id=pool.worker_id,
         matched_tokens=found.matched_tokens,
         block_ids=found.block_ids,
         num_private_blocks=pool.num_private_blocks,
-        num_free_blocks=pool.allocator.num_free_blocks,
+        num_free_blocks=visible_blocks(pool, all_namespaces)[0],
     )
 
 

@@ -10,10 +10,14 @@ logical, the allocator's free list ordered, epochs are recorded):
 - `RETIRE`: a pool retired (lease expired, re-registered, dropped);
 - `EVICT` / `CLEAR`: the admin calls;
 - `ROUTED` / `ROUTED_EXPIRED`: a Route decision a pool remembers (with the prefix its reservation
-  pinned) and routed requests ending by time, because a pin changes what an eviction may take.
+  pinned) and routed requests ending by time, because a pin changes what an eviction may take;
+- `TRACK`: namespaces whose events are counted from then on (the numbers of namespace-limited
+  WatchEvents streams, cache_service/events.py), so replay numbers their events as they were.
 
 Files in DIR: `snapshot.bin` (`[8s magic][u32 crc32][JSON]`, written to a temporary file, fsynced
 and renamed over the old one), `journal-<generation>.log` (cache_service/journal.py), `lock`.
+They hold tenants' token ids: the directory is kept 0700 and every file 0600
+(common/private_files.py), whatever the umask and whatever modes an older version left.
 A snapshot of generation G holds the state just before the first record of `journal-G.log`;
 recovery loads it and replays every log of generation >= G in order. A snapshot is taken when
 the current log passes `snapshot_bytes` (or twice the last snapshot's size, if larger; written by
@@ -34,6 +38,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import struct
 import threading
 import time
@@ -49,6 +54,7 @@ from cache_service.replay import STEP_HEADER, Kind, Replayer, path_tokens, step_
 from cache_service.routed import RoutedRequest
 from cache_service.schema import StepResult
 from cache_service.snapshot import FORMAT_VERSION, dump_pool, restore_pool
+from common.private_files import make_private_dir, open_private
 from protos import cache_pb2
 
 log = logging.getLogger(__name__)
@@ -58,6 +64,12 @@ SNAPSHOT_HEADER = struct.Struct("<8sI")
 SNAPSHOT_NAME = "snapshot.bin"
 DEFAULT_SNAPSHOT_BYTES = 16 * 1024 * 1024
 DEFAULT_FSYNC_SECONDS = 0.05
+_STATE_FILE = re.compile(r"^(lock|snapshot\.bin(\.tmp)?|journal-\d+\.log)$")
+
+
+def is_state_file(name: str) -> bool:
+    """Whether `name` is a file this module writes in the state dir (the only files it chmods)."""
+    return _STATE_FILE.match(name) is not None
 
 
 @dataclass(slots=True)
@@ -102,8 +114,10 @@ class DurableState:
         Raises RuntimeError when another process holds the state dir or its snapshot is corrupt.
         """
         started = time.perf_counter()
-        os.makedirs(self.state_dir, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(self.state_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        # Token ids of every tenant live here: the directory 0700, every file 0600 (also those an
+        # older version left readable), whatever the umask.
+        make_private_dir(self.state_dir, owns=is_state_file)
+        self._lock_fd = open_private(os.path.join(self.state_dir, "lock"), os.O_RDWR)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -185,6 +199,7 @@ class DurableState:
         events = registry.events
         events.last_sequence = max(events.last_sequence, int(snapshot["event_sequence"]))
         events.continued_epochs = [int(e) for e in snapshot.get("publisher_epochs", [])]
+        events.restore_counts(snapshot.get("namespace_sequences", {}), snapshot.get("cleared_sequence", 0))
         for pool_id, why in snapshot["tombstones"]:
             registry.remember_retired(pool_id, why)
         for data in snapshot["pools"]:
@@ -229,7 +244,7 @@ class DurableState:
             "worker_id": pool.worker_id, "num_blocks": pool.num_blocks, "block_size": pool.block_size,
             "model_fingerprint": pool.model_fingerprint, "vocab_size": pool.vocab_size,
             "serving_addr": pool.serving_addr, "incarnation": pool.incarnation, "epoch": pool.epoch,
-            "reattached": reattached,
+            "reattached": reattached, "owner": pool.owner,
         }).encode())
 
     def retired(self, pool_id: str, why: str) -> None:
@@ -239,6 +254,10 @@ class DurableState:
     def evicted(self, pool_id: str, num_blocks: int) -> None:
         """An admin Evict of up to `num_blocks` blocks."""
         self._append(Kind.EVICT, json.dumps({"pool_id": pool_id, "num_blocks": num_blocks}).encode())
+
+    def tracked(self, namespaces: list[str]) -> None:
+        """Namespaces whose events are counted from now on (WatchEvents views): replay counts alike."""
+        self._append(Kind.TRACK, json.dumps({"namespaces": namespaces}).encode())
 
     def cleared(self, pool_id: str) -> None:
         """An admin Clear."""
@@ -250,7 +269,7 @@ class DurableState:
             "pool_id": pool.pool_id, "request_id": entry.request_id, "page_hashes": entry.page_hashes,
             "prefill_tokens": entry.prefill_tokens, "expires_at": entry.expires_at,
             "pin": path_tokens(entry.pin) if entry.pin is not None else None,
-            "namespace": entry.pin.namespace if entry.pin is not None else "",
+            "namespace": entry.namespace,
             "pin_expires_at": entry.pin_expires_at,
         }).encode())
 
@@ -282,6 +301,9 @@ class DurableState:
             "event_sequence": registry.events.last_sequence,
             # This process's epoch and those it continues (bounded): resumable after a restart.
             "publisher_epochs": [*registry.events.continued_epochs, registry.events.epoch][-16:],
+            # Namespace views' numbers (tracked namespaces, zeros included) continue as event_sequence.
+            "namespace_sequences": dict(registry.events.namespace_counts),
+            "cleared_sequence": registry.events.cleared_count,
             "tombstones": registry.tombstones(),
             "pools": [dump_pool(pool) for pool in registry.pools.values()],
         }
@@ -299,7 +321,7 @@ class DurableState:
     def _persist(self, body: bytes, old: Journal | None, generation: int, started: float) -> None:
         try:
             tmp = os.path.join(self.state_dir, SNAPSHOT_NAME + ".tmp")
-            with open(tmp, "wb") as f:
+            with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_TRUNC), "wb") as f:
                 f.write(SNAPSHOT_HEADER.pack(SNAPSHOT_MAGIC, zlib.crc32(body)))
                 f.write(body)
                 f.flush()

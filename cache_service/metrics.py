@@ -42,6 +42,8 @@ class PoolCollector(Collector):
                 ("requests_admitted", "Requests admitted"),
                 ("requests_finished", "Requests finished"),
                 ("requests_released", "Requests released (preempted)"),
+                ("miss_other_namespace_tokens", "Prompt tokens of first admissions that missed but were "
+                 "cached in the pool under another namespace (aggregate only: never told to a caller)"),
             ]
         }
         for pool in pools:
@@ -65,6 +67,7 @@ class PoolCollector(Collector):
                 ("requests_admitted", s.num_admitted),
                 ("requests_finished", s.num_finished),
                 ("requests_released", s.num_released),
+                ("miss_other_namespace_tokens", pool.miss_other_namespace_tokens),
             ]:
                 counters[name].add_metric([pid], value)
         yield from (blocks, total, running, hit_rate, *counters.values())

@@ -1,9 +1,13 @@
-"""Why a prompt's uncached tokens missed: evicted here, cached elsewhere, kept apart, or new.
+"""Why a prompt's uncached tokens missed: evicted here, cached on another replica, or new.
 
 Pages after the cached prefix are classified in prompt order (see cache.proto MissBreakdown):
 first the run of pages this pool evicted earlier, then those another live pool of the same
-model has cached in the same namespace, then those this pool has cached under another
-namespace; the rest, with the partial last page and the last prompt token, are new.
+model has cached in the same namespace; the rest, with the partial last page and the last
+prompt token, are new. Every figure the caller is told depends on its own namespace only (the
+evicted page hashes are chained from the namespace, see page_hash.py): what other namespaces
+hold must not show, or a tenant could confirm guesses of another tenant's prompt page by page.
+Pages this pool holds under other namespaces are counted as new for the caller and reported
+apart (`MissClassification.other_namespace_tokens`) for the operator's aggregated metric only.
 """
 
 from __future__ import annotations
@@ -19,10 +23,20 @@ MAX_REMEMBERED_PAGES = 1 << 20
 
 
 class MissBreakdown(NamedTuple):
+    """What the caller is told (cache.proto MissBreakdown; its other_namespace_tokens is always 0)."""
+
     evicted_tokens: int
     other_replica_tokens: int
-    other_namespace_tokens: int
     new_tokens: int
+
+
+class MissClassification(NamedTuple):
+    """A first admission's miss breakdown, and what only the operator may see."""
+
+    miss: MissBreakdown  # for the caller
+    # Of miss.new_tokens, those this pool has cached under another namespace: summed into an
+    # operator metric, never sent with a request.
+    other_namespace_tokens: int
 
 
 class EvictedPages:
@@ -79,7 +93,7 @@ def classify_miss(
     num_cached_pages: int,
     parent_hash: int,
     encoded: bytes | None = None,
-) -> MissBreakdown:
+) -> MissClassification:
     """Break down the len(tokens) - cached tokens a first admission must compute.
 
     `parent_hash` is the hash of the last cached page (0 when nothing is cached); `encoded`, if
@@ -89,11 +103,11 @@ def classify_miss(
     uncached = len(tokens) - num_cached_pages * ps
     cacheable = (len(tokens) - 1) // ps  # pages that could have been hits
     if cacheable <= num_cached_pages:
-        return MissBreakdown(0, 0, 0, uncached)
+        return MissClassification(MissBreakdown(0, 0, uncached), 0)
     prefix = (encoded or encode_tokens(tokens))[: cacheable * ps * TOKEN_BYTES]  # once for every lookup
     covered = num_cached_pages
     evicted_pages = 0
-    if len(evicted):  # hashed page by page: most misses stop at the first page
+    if len(evicted):  # hashed page by page (chained from `namespace`): most misses stop at the first page
         for h in iter_page_hashes(parent_hash, namespace, prefix[covered * ps * TOKEN_BYTES :], ps):
             if h not in evicted:
                 break
@@ -103,6 +117,6 @@ def classify_miss(
     other_replica_pages = max(0, elsewhere - covered)
     covered += other_replica_pages
     other_namespace_pages = max(0, tree.peek_other_namespaces(prefix, namespace) // ps - covered)
-    explained = (evicted_pages + other_replica_pages + other_namespace_pages) * ps
-    return MissBreakdown(evicted_pages * ps, other_replica_pages * ps, other_namespace_pages * ps,
-                         uncached - explained)
+    explained = (evicted_pages + other_replica_pages) * ps
+    return MissClassification(MissBreakdown(evicted_pages * ps, other_replica_pages * ps, uncached - explained),
+                              other_namespace_pages * ps)

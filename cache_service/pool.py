@@ -31,7 +31,7 @@ from cache_service.errors import (
 from cache_service.events import AllCleared, BlockRemoved, EventLog, stored_from_node
 from cache_service.miss_reasons import EvictedPages, classify_miss
 from cache_service.radix_tree import EvictedNode, RadixTree, TreeNode
-from cache_service.routed import RoutedRequest, RoutedRequests
+from cache_service.routed import MIN_MAX_ROUTED_PAGES, RoutedRequest, RoutedRequests
 from cache_service.schema import (
     Admit,
     AdmitResult,
@@ -130,19 +130,27 @@ class Pool:
         self.num_admitted = 0
         self.num_finished = 0
         self.num_released = 0
+        # First-admission tokens counted as new for their caller that this pool held under another
+        # namespace (metrics.py; not in Stats or snapshots: a tenant must not read it per request).
+        self.miss_other_namespace_tokens = 0
         self.num_steps = 0  # Steps applied (restored ones included): re-attach checks it
         self._events = events
         self._finished_ids: OrderedDict[str, None] = OrderedDict()
         self._max_finished_ids = max_finished_ids
         self.serving_addr = serving_addr
         self.load = ReplicaLoad()
-        self.routed = RoutedRequests()
+        self.routed = RoutedRequests(max_pages=max(2 * num_blocks, MIN_MAX_ROUTED_PAGES))
+        # Blocks Route reservations may pin at once (set by the registry: --max-pinned-fraction).
+        self.max_pinned_blocks = num_blocks // 4
         self.evicted_pages = EvictedPages(2 * num_blocks)
         # Other live pools of the same model (set by the registry): for miss reasons.
         self.peers: Callable[[], Iterable[Pool]] = tuple
         # Durable cache manager (cache_service/durable.py): the replica's KV incarnation id, and
         # whether this pool was rebuilt from the state dir and waits for its replica to re-attach.
         self.incarnation = ""
+        # Who registered it (the registry's owner key; "" anonymous): only they may register its
+        # worker id again while it is live (cache_service/pool_registry.py).
+        self.owner = ""
         self.restored = False
         self.awaiting_reattach = False
         self.num_restored_cached_blocks = 0
@@ -295,13 +303,15 @@ class Pool:
             item.request_id, item.namespace, tokens, match.last_node, num_cached, table,
             num_needed_tokens=len(tokens) + min(item.num_lookahead_tokens, 1), prompt_bytes=key,
         )
-        self._unlock(self.routed.on_admit(item.request_id))  # our own lock holds the prefix now
+        # Our own lock holds the prefix now.
+        self._unlock(self.routed.on_admit(item.namespace, item.request_id))
         miss = None
         if not item.resumed:
             parent_hash = match.last_node.last_hash if match.last_node is not None else 0
             peers = (p.tree for p in self.peers() if p is not self)
-            miss = classify_miss(self.tree, self.evicted_pages, peers, tokens, item.namespace, num_cached,
-                                 parent_hash, key)
+            miss, other_namespace = classify_miss(self.tree, self.evicted_pages, peers, tokens, item.namespace,
+                                                  num_cached, parent_hash, key)
+            self.miss_other_namespace_tokens += other_namespace  # operator metric only, never per request
         self._finished_ids.pop(item.request_id, None)
         self.num_private_blocks += num_fresh
         self.num_admitted += 1
@@ -347,7 +357,8 @@ class Pool:
             raise IntegrityError(f"request {quote_id(req.request_id)}: locked prefix vanished from the tree")
         if result.new_node is not None and self._events is not None:
             self._events.publish(self.pool_id, stored_from_node(result.new_node, bs))
-        self._unlock(self.routed.drop(req.request_id))  # its prompt is cached: no longer a promise
+        # Its prompt is cached: no longer a promise.
+        self._unlock(self.routed.drop(req.namespace, req.request_id))
         shared = self.tree.path_blocks(result.last_node, full_pages - cached)
         # Pages [existing, full_pages) now belong to the tree and the request keeps a reference;
         # pages [cached, existing) were cached by another request first: share the tree's copy.
@@ -367,7 +378,7 @@ class Pool:
 
     def _finish(self, item: Finish, released: bool) -> None:
         req = self.requests.pop(item.request_id)
-        self._unlock(self.routed.drop(req.request_id))
+        self._unlock(self.routed.drop(req.namespace, req.request_id))
         bs = self.block_size
         table = req.block_table
         cached = req.num_cached_pages
@@ -420,7 +431,7 @@ class Pool:
             return False
         return True
 
-    def _evict(self, num_blocks: int, clearing: bool = False) -> int:
+    def _evict(self, num_blocks: int) -> int:
         evicted = self.tree.evict(num_blocks)
         if not evicted:
             return 0
@@ -429,16 +440,16 @@ class Pool:
         self.num_evicted_blocks += len(blocks)
         self.evicted_pages.add([h for node in evicted for h in node.hashes])
         if self._events is not None:
-            if clearing and self.tree.total_size == 0:
-                self._events.publish(self.pool_id, AllCleared())
-            else:  # one event per namespace of the batch (namespace-limited watchers filter by it)
-                by_namespace: dict[str, list[EvictedNode]] = {}
-                for node in evicted:
-                    by_namespace.setdefault(node.namespace, []).append(node)
-                for namespace, nodes in by_namespace.items():  # tuples: see events.py on the collector
-                    self._events.publish(self.pool_id, BlockRemoved(
-                        tuple(chain.from_iterable(n.hashes for n in nodes)),
-                        tuple(chain.from_iterable(n.block_ids for n in nodes)), namespace))
+            # One event per namespace of the batch (namespace-limited watchers get their own), even
+            # when a Clear empties the tree: an AllCleared then would tell a namespace's watcher
+            # whether other namespaces still held locked pages (AllCleared: the pool itself went).
+            by_namespace: dict[str, list[EvictedNode]] = {}
+            for node in evicted:
+                by_namespace.setdefault(node.namespace, []).append(node)
+            for namespace, nodes in by_namespace.items():  # tuples: see events.py on the collector
+                self._events.publish(self.pool_id, BlockRemoved(
+                    tuple(chain.from_iterable(n.hashes for n in nodes)),
+                    tuple(chain.from_iterable(n.block_ids for n in nodes)), namespace))
         log.debug("evict pool=%s blocks=%d", self.pool_id, len(blocks))
         return len(blocks)
 
@@ -450,7 +461,7 @@ class Pool:
 
     def clear(self) -> ClearResult:
         """Admin: evict every unlocked cached block."""
-        evicted = self._evict(self.tree.evictable_size, clearing=True)
+        evicted = self._evict(self.tree.evictable_size)
         return ClearResult(evicted, self.tree.protected_size)
 
     def retire(self) -> None:
@@ -476,8 +487,13 @@ class Pool:
             if node.in_tree:
                 self.tree.dec_lock_ref(node)
 
+    def may_pin(self, num_pages: int) -> bool:
+        """Whether a reservation of `num_pages` more pages stays within `max_pinned_blocks`."""
+        return self.routed.pinned_pages + num_pages <= self.max_pinned_blocks
+
     def pin_prefix(self, tokens: Sequence[int], namespace: str) -> TreeNode | None:
-        """Lock the cached prefix of `tokens` (a Route reservation); None when nothing is cached."""
+        """Lock the cached prefix of `tokens` (a Route reservation); None when nothing is cached.
+        The caller checks `may_pin` first (a journal replay does not: it repeats a decision)."""
         match = self.tree.match_prefix(tokens, namespace)
         if not match.num_tokens:
             return None

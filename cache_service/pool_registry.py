@@ -10,6 +10,14 @@ retired whole: its requests' locks and private blocks are reclaimed and its tree
 too, because the replica that held the KV tensors is presumed gone and must re-register
 (a new, empty pool) before it may write anything again. A tombstone remembers retired pool
 ids so late calls get FAILED_PRECONDITION rather than NOT_FOUND.
+
+Owners: every pool records who registered it (`owner`: a principal's key, a client
+certificate's digest, or "" anonymous; cache_service/replica_identity.py). While a pool is live
+(its lease, or a restored pool's wait for re-attach, has not run out) only its owner may
+register its worker id again; anyone else gets PERMISSION_DENIED and the pool stays as it was.
+Caps (cache_service/registry_limits.py) bound the pools and their memory: RESOURCE_EXHAUSTED.
+A refused registration changes nothing. Journal replay (`epoch` given) repeats past decisions
+and is refused by neither.
 """
 
 from __future__ import annotations
@@ -20,11 +28,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
-from cache_service.errors import FailedPrecondition, InvalidArgument, NotFound
+from cache_service.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from cache_service.events import EventLog
 from cache_service.pool import Pool
+from cache_service.registry_limits import RegistryLimits
 from cache_service.routed import RoutedRequest
-from cache_service.routing import RouteQuery, RouteResult, route
+from cache_service.routing import RouteQuery, RouteResult, check_route_size, route
 from cache_service.schema import ReplicaLoad
 from common.limits import quote_id
 
@@ -34,6 +43,7 @@ MAX_NUM_BLOCKS = 1 << 24
 MAX_BLOCK_SIZE = 1 << 16
 MAX_ADDR_LEN = 1024
 MAX_INCARNATION_LEN = 256
+DEFAULT_MAX_PINNED_FRACTION = 0.25
 
 
 class RegistryJournal(Protocol):
@@ -53,6 +63,20 @@ class Registration(NamedTuple):
     reattached: bool  # the replica's existing pool (same incarnation) was kept, with a new epoch
 
 
+def _check_shape(worker_id: str, num_blocks: int, block_size: int, vocab_size: int, serving_addr: str) -> None:
+    """InvalidArgument unless a registration's fields are in range."""
+    if not worker_id:
+        raise InvalidArgument("worker_id must be non-empty")
+    if not 0 < num_blocks <= MAX_NUM_BLOCKS:
+        raise InvalidArgument(f"num_blocks must be in [1, {MAX_NUM_BLOCKS}], got {num_blocks}")
+    if not 0 < block_size <= MAX_BLOCK_SIZE:
+        raise InvalidArgument(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
+    if vocab_size < 0:
+        raise InvalidArgument("vocab_size must be >= 0")
+    if len(serving_addr) > MAX_ADDR_LEN:
+        raise InvalidArgument(f"serving_addr longer than {MAX_ADDR_LEN} characters")
+
+
 class PoolRegistry:
     """All pools of one cache server, keyed by pool_id (== worker_id)."""
 
@@ -62,9 +86,18 @@ class PoolRegistry:
         events: EventLog | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_tombstones: int = 4096,
+        max_pinned_fraction: float = DEFAULT_MAX_PINNED_FRACTION,
+        limits: RegistryLimits | None = None,
     ) -> None:
+        """`max_pinned_fraction`: the share of each pool's blocks that Route reservations may pin
+        at once (a Route beyond it answers without pinning). `limits`: caps on pools and their
+        memory (None: the defaults of RegistryLimits; RegistryLimits.unlimited() for none)."""
         if lease_seconds <= 0:
             raise ValueError("lease_seconds must be > 0")
+        if not 0.0 <= max_pinned_fraction <= 1.0:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction}")
+        self.max_pinned_fraction = max_pinned_fraction
+        self.limits = limits if limits is not None else RegistryLimits()
         self.lease_seconds = lease_seconds
         self.events = events if events is not None else EventLog()
         self.pools: dict[str, Pool] = {}
@@ -97,10 +130,11 @@ class PoolRegistry:
         model_fingerprint: str = "",
         vocab_size: int = 0,
         serving_addr: str = "",
+        owner: str = "",
     ) -> Pool:
         """Create the pool of `worker_id`, retiring any previous one of the same worker."""
         return self.register_replica(worker_id, num_blocks, block_size, model_fingerprint, vocab_size,
-                                     serving_addr).pool
+                                     serving_addr, owner=owner).pool
 
     def register_replica(
         self,
@@ -113,6 +147,7 @@ class PoolRegistry:
         incarnation: str = "",
         epoch: int | None = None,
         num_steps_acknowledged: int = 0,
+        owner: str = "",
     ) -> Registration:
         """Register a replica's pool; re-attach to its existing one when the incarnation matches.
 
@@ -122,10 +157,18 @@ class PoolRegistry:
         lost its last records, say at a power loss, so blocks the replica wrote since may be cached
         here under other prefixes). Anything else retires the old pool and creates a new, empty one.
         `epoch`: replay of a journal only (the live decision is replayed as it was).
+        `owner`: who registers (see the module docstring). Raises InvalidArgument (bad shape),
+        PermissionDenied (the worker id's live pool has another owner) or ResourceExhausted (a
+        cap), in that order, having changed nothing.
         """
         if len(incarnation) > MAX_INCARNATION_LEN:
             raise InvalidArgument(f"incarnation longer than {MAX_INCARNATION_LEN} characters")
+        _check_shape(worker_id, num_blocks, block_size, vocab_size, serving_addr)
         old = self.pools.get(worker_id)
+        if epoch is None and old is not None and old.owner != owner and self._clock() < old.lease_deadline:
+            # Neither the owner nor anything about it is named: the caller learns only that the id is taken.
+            raise PermissionDenied(f"worker id {quote_id(worker_id)} is held by another principal; a live pool "
+                                   "is re-registered by the principal that registered it")
         if (old is not None and incarnation and old.incarnation == incarnation and old.num_blocks == num_blocks
                 and old.block_size == block_size and old.model_fingerprint == model_fingerprint
                 and old.vocab_size == vocab_size and len(serving_addr) <= MAX_ADDR_LEN
@@ -141,25 +184,18 @@ class PoolRegistry:
             log.info("pool re-attached pool=%s epoch=%d restored=%s running_requests=%d cached_blocks=%d",
                      worker_id, old.epoch, old.restored, len(old.requests), old.tree.total_size)
             return Registration(old, True)
+        if epoch is None:  # the pool this replaces (if any) gives its share back
+            self.limits.check((p for p in self.pools.values() if p is not old), owner, num_blocks, block_size)
         pool = self._create(worker_id, num_blocks, block_size, model_fingerprint, vocab_size, serving_addr,
                             epoch)
         pool.incarnation = incarnation
+        pool.owner = owner
         if self.journal is not None:
             self.journal.registered(pool, False)
         return Registration(pool, False)
 
     def _create(self, worker_id: str, num_blocks: int, block_size: int, model_fingerprint: str, vocab_size: int,
                 serving_addr: str, epoch: int | None) -> Pool:
-        if not worker_id:
-            raise InvalidArgument("worker_id must be non-empty")
-        if not 0 < num_blocks <= MAX_NUM_BLOCKS:
-            raise InvalidArgument(f"num_blocks must be in [1, {MAX_NUM_BLOCKS}], got {num_blocks}")
-        if not 0 < block_size <= MAX_BLOCK_SIZE:
-            raise InvalidArgument(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
-        if vocab_size < 0:
-            raise InvalidArgument("vocab_size must be >= 0")
-        if len(serving_addr) > MAX_ADDR_LEN:
-            raise InvalidArgument(f"serving_addr longer than {MAX_ADDR_LEN} characters")
         if worker_id in self.pools:
             self._retire(worker_id, "re-registered")
         if epoch is None:
@@ -200,6 +236,7 @@ class PoolRegistry:
         """Take a pool in (a new one, or one restored from a snapshot), with a fresh lease."""
         model_fingerprint = pool.model_fingerprint
         pool.peers = lambda: self.live_pools(model_fingerprint)
+        pool.max_pinned_blocks = int(self.max_pinned_fraction * pool.num_blocks)
         pool.lease_deadline = self._clock() + self.lease_seconds
         pool.route_journal = self._journal
         self.pools[pool.pool_id] = pool
@@ -248,6 +285,11 @@ class PoolRegistry:
     def route(self, query: RouteQuery) -> RouteResult:
         """Rank the live pools of the query's model for its prompt (see `routing.route`)."""
         return route(self.live_pools(query.model_fingerprint), query, self._clock())
+
+    def check_route_size(self, model_fingerprint: str, num_tokens: int, num_pages: int) -> None:
+        """InvalidArgument when a Route prompt is larger than the largest live pool of the model
+        holds (`route` checks it too; this lets a caller refuse before copying the prompt)."""
+        check_route_size(self.live_pools(model_fingerprint), num_tokens, num_pages)
 
     def expire_routed(self) -> None:
         """End reservations and routed requests whose time has come, in every pool."""

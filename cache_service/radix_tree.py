@@ -9,7 +9,9 @@ Page hashes (`page_hash`) are computed lazily: a node's `hashes` on first use (e
 hash chain, miss reasons), then kept. This is sound because the prefix a node object stands for
 never changes (a split keeps the tail's identity, a removed node is never changed again), so its
 hashes can be computed at any later time, even after it was evicted. The hash index behind
-`peek_hashes` is built on the first such call and kept up to date from then on.
+`peek_hashes` is built on the first such call and kept up to date from then on; it is kept per
+namespace, because the hash is public (anyone can compute another namespace's chain): a lookup
+can only ever find pages of the namespace it names.
 
 The tree does not own the allocator: `insert` reports how many pages were already present
 (the caller frees its duplicate blocks) and `evict` returns the evicted nodes' blocks (the
@@ -133,7 +135,9 @@ class RadixTree:
         self._seq = itertools.count()
         # First page of every root child -> the namespaces that have it (other-namespace lookups).
         self._first_pages: dict[bytes, set[str]] = {}
-        self._hash_index: set[int] | None = None  # every cached page's hash, once peek_hashes is used
+        # Namespace -> its cached pages' hashes, once peek_hashes is used (never one set for all:
+        # see the module docstring).
+        self._hash_index: dict[str, set[int]] | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -275,7 +279,7 @@ class RadixTree:
         first = key[pos : pos + ps]
         node.children[first] = leaf
         if self._hash_index is not None:
-            self._hash_index.update(leaf.hashes)
+            self._hash_index.setdefault(namespace, set()).update(leaf.hashes)
         if node.parent is None:
             self._first_pages.setdefault(first, set()).add(namespace)
         self.num_nodes += 1
@@ -296,14 +300,17 @@ class RadixTree:
             raise ValueError(f"path holds fewer than {num_pages} pages")
         return [b for part in reversed(parts) for b in part]
 
-    def peek_hashes(self, hashes: Sequence[int]) -> int:
-        """Leading pages of a page hash chain (see `page_hashes`) that are cached: read-only.
+    def peek_hashes(self, hashes: Sequence[int], namespace: str) -> int:
+        """Leading pages of a page hash chain (see `page_hashes`) cached in `namespace`: read-only.
 
+        Only `namespace`'s pages are looked at, whatever namespace the chain was computed for.
         The first call builds the hash index (hashing every cached page); it is kept from then on.
         """
-        index = self._hash_index
+        if self._hash_index is None:
+            self._hash_index = self._build_hash_index()
+        index = self._hash_index.get(namespace)
         if index is None:
-            index = self._hash_index = {h for node in self.iter_nodes() for h in node.hashes}
+            return 0
         n = 0
         for h in hashes:
             if h not in index:
@@ -311,10 +318,17 @@ class RadixTree:
             n += 1
         return n
 
+    def _build_hash_index(self) -> dict[str, set[int]]:
+        index: dict[str, set[int]] = {}
+        for node in self.iter_nodes():
+            index.setdefault(node.namespace, set()).update(node.hashes)
+        return index
+
     def peek_other_namespaces(self, tokens: Sequence[int] | bytes, namespace: str) -> int:
         """Longest cached page-aligned prefix of `tokens` in any namespace but `namespace`.
 
-        Only namespaces whose tree starts with the same first page are walked.
+        Only namespaces whose tree starts with the same first page are walked. For the operator's
+        aggregated metric only (miss_reasons.py): never answer a caller with it.
         """
         ps = self._page_bytes
         key = encode_tokens(tokens)
@@ -411,7 +425,10 @@ class RadixTree:
         del parent.children[first]
         node.in_tree = False
         if self._hash_index is not None:
-            self._hash_index.difference_update(node.hashes)
+            pages = self._hash_index[node.namespace]
+            pages.difference_update(node.hashes)
+            if not pages:
+                del self._hash_index[node.namespace]
         self.num_nodes -= 1
         self.evictable_size -= len(node.value)
         if parent.parent is None:
@@ -452,6 +469,10 @@ class RadixTree:
 
     def namespaces(self) -> list[str]:
         return list(self._roots)
+
+    def root(self, namespace: str) -> TreeNode | None:
+        """The root of a namespace's subtree (None while the namespace holds no page)."""
+        return self._roots.get(namespace)
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         """Every non-root node, parents before children."""
@@ -533,7 +554,7 @@ class RadixTree:
         if self._hash_index is not None:
             if any(node.computed_hashes is None for node in self.iter_nodes()):
                 raise IntegrityError("a node without page hashes while the hash index is kept")
-            if {h for node in self.iter_nodes() for h in node.hashes} != self._hash_index:
+            if self._build_hash_index() != self._hash_index:
                 raise IntegrityError("page hash index differs from the tree's pages")
         queued = {id(n) for stamp, _, n in self._heap if n.last_access == stamp}
         if any(id(leaf) not in queued for leaf in leaves):

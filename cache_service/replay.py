@@ -37,6 +37,7 @@ class Kind(IntEnum):
     CLEAR = 5
     ROUTED = 6  # a Route decision remembered by a pool (its reservation pin, if any)
     ROUTED_EXPIRED = 7  # routed requests / pins of a pool ended by time
+    TRACK = 8  # namespaces whose events are counted from here on (WatchEvents views, events.py)
 
 
 def step_digest(result: StepResult) -> int:
@@ -83,8 +84,10 @@ class Replayer:
             if r["reattached"] and r["worker_id"] in dropped:
                 return
             dropped.discard(r["worker_id"])
+            # "owner": absent from the records of older versions (read as anonymous)
             reg = registry.register_replica(r["worker_id"], r["num_blocks"], r["block_size"], r["model_fingerprint"],
-                                            r["vocab_size"], r["serving_addr"], r["incarnation"], r["epoch"])
+                                            r["vocab_size"], r["serving_addr"], r["incarnation"], r["epoch"],
+                                            owner=r.get("owner", ""))
             if reg.reattached != r["reattached"]:
                 self._drop(r["worker_id"], dropped, "re-attach did not replay")
             return
@@ -108,6 +111,9 @@ class Replayer:
                 return
             if step_digest(result) != digest:
                 self._drop(pool.pool_id, dropped, "step result differs on replay")
+            return
+        if kind == Kind.TRACK:
+            registry.events.track_namespaces(json.loads(payload)["namespaces"])
             return
         if kind in (Kind.EVICT, Kind.CLEAR, Kind.ROUTED, Kind.ROUTED_EXPIRED):
             r = json.loads(payload)
@@ -135,5 +141,6 @@ def _apply_pool_record(pool: Pool, kind: int, r: dict[str, Any]) -> None:
         pool.expire_routed(r["now"])
     else:
         pin = pool.pin_prefix(r["pin"], r["namespace"]) if r["pin"] is not None else None
-        pool.add_routed(RoutedRequest(r["request_id"], r["page_hashes"], r["prefill_tokens"], r["expires_at"],
-                                      pin, r["pin_expires_at"]))
+        # "namespace": the entry's (older journals wrote it only with a pin, else "").
+        pool.add_routed(RoutedRequest(r["request_id"], r["namespace"], r["page_hashes"], r["prefill_tokens"],
+                                      r["expires_at"], pin, r["pin_expires_at"]))

@@ -7,6 +7,12 @@ routed request is remembered with its prompt's page hashes (so a later prompt's 
 as about to be cached here) and its expected prefill tokens (counted as queued load until the
 pool admits it). A reservation additionally pins the pool's matched prefix (a lock ref on its
 tree node) until the request is admitted or the pin expires.
+
+Everything is kept per namespace: an entry is found by (namespace, request_id), and its pages
+are promised only to prompts of its own namespace, so neither a Route nor an admission of one
+namespace can read, replace or end another namespace's entries (page hashes are public, so
+hashes alone must never be the key). Memory is bounded: at most `max_entries` entries and
+`max_pages` remembered page hashes per pool, the oldest entries dropped first.
 """
 
 from __future__ import annotations
@@ -17,74 +23,127 @@ from dataclasses import dataclass
 from cache_service.radix_tree import TreeNode
 
 DEFAULT_ROUTED_TTL_SECONDS = 30.0
+DEFAULT_MAX_ROUTED_ENTRIES = 8192  # routed-but-not-cached requests remembered per pool
+MIN_MAX_ROUTED_PAGES = 65536  # page hashes remembered per pool: at least this, else 2 x its blocks
 
 
 @dataclass(slots=True)
 class RoutedRequest:
     request_id: str
+    namespace: str
     page_hashes: list[int]
     prefill_tokens: int  # what the pool was expected to compute for it when it was routed
     expires_at: float
     pin: TreeNode | None = None  # locked by a reservation, until pin_expires_at or admission
     pin_expires_at: float = 0.0
     admitted: bool = False
+    pin_pages: int = 0  # pages the pin holds (set by RoutedRequests.add)
+
+
+def path_pages(node: TreeNode | None) -> int:
+    """Pages from the root down to `node` (what locking `node` protects). A node's path length
+    never changes: a split keeps the tail's identity and its whole prefix."""
+    pages = 0
+    while node is not None and node.parent is not None:
+        pages += len(node.value)
+        node = node.parent
+    return pages
 
 
 class RoutedRequests:
     """The routed-but-not-cached requests of one pool (not thread-safe, like the pool)."""
 
-    def __init__(self) -> None:
-        self._entries: dict[str, RoutedRequest] = {}
-        self._hash_counts: dict[int, int] = {}
-        self._deadlines: list[tuple[float, str]] = []  # lazy: (time, request_id)
+    def __init__(self, max_entries: int = DEFAULT_MAX_ROUTED_ENTRIES, max_pages: int = MIN_MAX_ROUTED_PAGES) -> None:
+        if max_entries < 1 or max_pages < 1:
+            raise ValueError("max_entries and max_pages must be >= 1")
+        self.max_entries = max_entries
+        self.max_pages = max_pages
+        # (namespace, request_id) -> entry, oldest first (a re-added id moves to the end).
+        self._entries: dict[tuple[str, str], RoutedRequest] = {}
+        self._hash_counts: dict[str, dict[int, int]] = {}  # namespace -> page hash -> entries
+        self._deadlines: list[tuple[float, str, str]] = []  # lazy: (time, namespace, request_id)
         self.queued_tokens = 0  # prefill_tokens of routed requests not admitted yet
         self.num_pins = 0
+        self.pinned_pages = 0  # pages held by live pins (overlapping pins count each)
+        self.num_pages = 0  # page hashes remembered
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def add(self, entry: RoutedRequest) -> list[TreeNode]:
-        """Remember a routed request (replacing one of the same id); returns pins to unlock."""
-        unlock = self.drop(entry.request_id)
-        self._entries[entry.request_id] = entry
-        for h in entry.page_hashes:
-            self._hash_counts[h] = self._hash_counts.get(h, 0) + 1
+        """Remember a routed request (replacing one of the same namespace and id) and drop the
+        oldest entries beyond the bounds; returns pins to unlock. An entry longer than
+        `max_pages` keeps only its leading `max_pages` hashes."""
+        unlock = self.drop(entry.namespace, entry.request_id)
+        if len(entry.page_hashes) > self.max_pages:
+            entry.page_hashes = entry.page_hashes[: self.max_pages]
+        while self._entries and (len(self._entries) >= self.max_entries
+                                 or self.num_pages + len(entry.page_hashes) > self.max_pages):
+            namespace, request_id = next(iter(self._entries))
+            unlock.extend(self.drop(namespace, request_id))
+        key = (entry.namespace, entry.request_id)
+        self._entries[key] = entry
+        if entry.page_hashes:  # a namespace's counts exist while it has a hash (see drop)
+            counts = self._hash_counts.setdefault(entry.namespace, {})
+            for h in entry.page_hashes:
+                counts[h] = counts.get(h, 0) + 1
+        self.num_pages += len(entry.page_hashes)
         self.queued_tokens += entry.prefill_tokens
-        heapq.heappush(self._deadlines, (entry.expires_at, entry.request_id))
+        heapq.heappush(self._deadlines, (entry.expires_at, *key))
         if entry.pin is not None:
+            entry.pin_pages = path_pages(entry.pin)
             self.num_pins += 1
-            heapq.heappush(self._deadlines, (entry.pin_expires_at, entry.request_id))
+            self.pinned_pages += entry.pin_pages
+            heapq.heappush(self._deadlines, (entry.pin_expires_at, *key))
+        if len(self._deadlines) > 4 * len(self._entries) + 1024:
+            self._compact_deadlines()  # dropped and replaced entries leave stale deadlines behind
         return unlock
 
-    def promised_pages(self, page_hashes: list[int]) -> int:
-        """Leading pages of a prompt that a routed request will have cached here."""
+    def _compact_deadlines(self) -> None:
+        """Keep only the deadlines of remembered entries (amortized: the heap at least doubled)."""
+        deadlines = [(e.expires_at, *key) for key, e in self._entries.items()]
+        deadlines.extend((e.pin_expires_at, *key) for key, e in self._entries.items() if e.pin is not None)
+        heapq.heapify(deadlines)
+        self._deadlines = deadlines
+
+    def promised_pages(self, namespace: str, page_hashes: list[int]) -> int:
+        """Leading pages of a prompt of `namespace` that a routed request of the same namespace
+        will have cached here."""
+        counts = self._hash_counts.get(namespace)
+        if counts is None:
+            return 0
         n = 0
         for h in page_hashes:
-            if h not in self._hash_counts:
+            if h not in counts:
                 break
             n += 1
         return n
 
-    def on_admit(self, request_id: str) -> list[TreeNode]:
+    def on_admit(self, namespace: str, request_id: str) -> list[TreeNode]:
         """The pool admitted the request: its queued tokens and pin end (pins are returned)."""
-        entry = self._entries.get(request_id)
+        entry = self._entries.get((namespace, request_id))
         if entry is None or entry.admitted:
             return []
         entry.admitted = True
         self.queued_tokens -= entry.prefill_tokens
         return self._unpin(entry)
 
-    def drop(self, request_id: str) -> list[TreeNode]:
+    def drop(self, namespace: str, request_id: str) -> list[TreeNode]:
         """The request cached its prompt, ended, or expired: forget it; returns pins to unlock."""
-        entry = self._entries.pop(request_id, None)
+        entry = self._entries.pop((namespace, request_id), None)
         if entry is None:
             return []
-        for h in entry.page_hashes:
-            left = self._hash_counts[h] - 1
-            if left:
-                self._hash_counts[h] = left
-            else:
-                del self._hash_counts[h]
+        if entry.page_hashes:
+            counts = self._hash_counts[namespace]
+            for h in entry.page_hashes:
+                left = counts[h] - 1
+                if left:
+                    counts[h] = left
+                else:
+                    del counts[h]
+            if not counts:
+                del self._hash_counts[namespace]
+        self.num_pages -= len(entry.page_hashes)
         if not entry.admitted:
             self.queued_tokens -= entry.prefill_tokens
         return self._unpin(entry)
@@ -97,24 +156,24 @@ class RoutedRequests:
         """End every pin and entry whose time has come; returns the pins to unlock."""
         unlock: list[TreeNode] = []
         while self._deadlines and self._deadlines[0][0] <= now:
-            _, request_id = heapq.heappop(self._deadlines)
-            entry = self._entries.get(request_id)
+            _, namespace, request_id = heapq.heappop(self._deadlines)
+            entry = self._entries.get((namespace, request_id))
             if entry is None:
                 continue
             if entry.expires_at <= now:
-                unlock.extend(self.drop(request_id))
+                unlock.extend(self.drop(namespace, request_id))
             elif entry.pin is not None and entry.pin_expires_at <= now:
                 unlock.extend(self._unpin(entry))
         return unlock
 
     def entries(self) -> list[RoutedRequest]:
-        """Every remembered routed request (for snapshots)."""
+        """Every remembered routed request, oldest first (for snapshots)."""
         return list(self._entries.values())
 
     def drop_all(self) -> list[TreeNode]:
         unlock: list[TreeNode] = []
-        for request_id in list(self._entries):
-            unlock.extend(self.drop(request_id))
+        for namespace, request_id in list(self._entries):
+            unlock.extend(self.drop(namespace, request_id))
         self._deadlines.clear()
         return unlock
 
@@ -123,4 +182,5 @@ class RoutedRequests:
             return []
         pin, entry.pin = entry.pin, None
         self.num_pins -= 1
+        self.pinned_pages -= entry.pin_pages
         return [pin]

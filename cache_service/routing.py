@@ -14,6 +14,19 @@ a request where its prefix is costs the fleet only its suffix, recomputing it el
 whole prefix again, and every other request pays for that work.
 
 Each call reads one tree per candidate pool (a walk of the prompt, no scan of the tree).
+
+Namespaces: every lookup is made in the query's namespace only (the tree's root of that namespace,
+its page-hash index, its routed requests), so an answer never depends on what another namespace
+has cached, routed or pinned. Pool-wide numbers remain: the replica's reported load and the
+routed load. The block counts are shown as a namespace-limited caller may see them unless the
+query says `all_namespaces`: cached blocks nobody holds count as free (num_evictable_blocks 0),
+because how much other namespaces keep cached is theirs to know (free + evictable, what the
+score and the "pool full" test use, does not depend on it).
+
+Size: a Route takes at most as many token ids (page hashes) as the largest live pool of the
+model holds tokens (blocks): `check_route_size`. A routed request is remembered with at most
+its pool's number of pages, within the pool's bounded routed memory (routed.py), and a
+reservation pins only while the pool's pinned pages stay within its cap (`Pool.may_pin`).
 """
 
 from __future__ import annotations
@@ -31,6 +44,8 @@ from common.token_bytes import TOKEN_BYTES, encode_tokens
 
 POOL_FULL_PENALTY = 1e9
 MAX_RESERVE_MS = 60_000
+# The size limit of a Route when no live pool of its model is registered (the answer is empty then).
+DEFAULT_MAX_ROUTE_TOKENS = 1 << 16
 
 
 @dataclass(slots=True)
@@ -51,6 +66,9 @@ class RouteQuery:
     max_candidates: int = 0
     dry_run: bool = False
     weights: RouteWeights | None = None
+    # The caller may see every namespace (a token without ns=): block counts split free and
+    # evictable. False: the namespace-limited view (see the module docstring).
+    all_namespaces: bool = False
 
 
 class RouteCandidate(NamedTuple):
@@ -74,8 +92,36 @@ class RouteResult(NamedTuple):
     num_prompt_pages: int
 
 
+def route_size_limits(pools: Iterable[Pool]) -> tuple[int, int]:
+    """(token ids, page hashes) a Route over `pools` may carry: the largest pool's tokens and
+    blocks (DEFAULT_MAX_ROUTE_TOKENS for both when there is no pool)."""
+    max_tokens = max_pages = 0
+    for pool in pools:
+        max_tokens = max(max_tokens, pool.num_blocks * pool.block_size)
+        max_pages = max(max_pages, pool.num_blocks)
+    if not max_pages:
+        return DEFAULT_MAX_ROUTE_TOKENS, DEFAULT_MAX_ROUTE_TOKENS
+    return max_tokens, max_pages
+
+
+def check_route_size(pools: Iterable[Pool], num_tokens: int, num_pages: int) -> None:
+    """InvalidArgument when a prompt of `num_tokens` token ids / `num_pages` page hashes is
+    larger than any of `pools` (the live pools of its model) could hold."""
+    pools = list(pools)
+    max_tokens, max_pages = route_size_limits(pools)
+    why = "the largest live pool of this model" if pools else "no live pool of this model: the default"
+    if num_tokens > max_tokens:
+        raise InvalidArgument(f"token_ids has {num_tokens} ids; Route takes at most {max_tokens} token ids "
+                              f"({why})")
+    if num_pages > max_pages:
+        raise InvalidArgument(f"page_hashes has {num_pages} hashes; Route takes at most {max_pages} page hashes "
+                              f"({why})")
+
+
 def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
     """Rank `pools` (the live ones; those without a serving address are skipped)."""
+    pools = list(pools)
+    check_route_size(pools, len(query.token_ids), len(query.page_hashes))
     if bool(query.token_ids) == bool(query.page_hashes):
         raise InvalidArgument("give either token_ids or page_hashes (exactly one of them, non-empty)")
     if query.reserve_ms < 0 or query.reserve_ms > MAX_RESERVE_MS:
@@ -97,7 +143,8 @@ def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
     encoded = encode_tokens(query.token_ids) if query.token_ids else b""  # encoded once for all pools
     wp, wq, wr = weights.prefill_weight, weights.queue_weight, weights.running_weight
     num_pages = 0
-    scored: list[tuple[float, int, str, Pool, int, int, int]] = []
+    # (score, -free, pool_id, pool, matched tokens, promised tokens, prefill tokens, evictable)
+    scored: list[tuple[float, int, str, Pool, int, int, int, int]] = []
     for pool in candidates:
         routed = pool.routed
         if routed.next_deadline <= now:
@@ -113,25 +160,26 @@ def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
         else:
             num_tokens = len(query.page_hashes) * bs
             max_cached = len(query.page_hashes)
-            matched = pool.tree.peek_hashes(query.page_hashes)
+            matched = pool.tree.peek_hashes(query.page_hashes, query.namespace)
         num_pages = max(num_pages, num_tokens // bs)
         effective = matched
         if len(routed):
-            effective = max(matched, min(routed.promised_pages(chain(bs)[:max_cached]), max_cached))
+            effective = max(matched, min(routed.promised_pages(query.namespace, chain(bs)[:max_cached]), max_cached))
         prefill = num_tokens - effective * bs
-        free = pool.allocator.num_free_blocks
+        free, evictable = visible_blocks(pool, query.all_namespaces)
         load = pool.load
         score = wp * prefill + wq * (load.num_waiting_tokens + routed.queued_tokens) + wr * load.num_running_requests
-        if -(-(num_tokens + 1) // bs) - matched > free + pool.tree.evictable_size:
+        if -(-(num_tokens + 1) // bs) - matched > free + evictable:
             score += POOL_FULL_PENALTY
-        scored.append((score, -free, pool.pool_id, pool, matched * bs, (effective - matched) * bs, prefill))
+        scored.append((score, -free, pool.pool_id, pool, matched * bs, (effective - matched) * bs, prefill,
+                       evictable))
     scored.sort(key=lambda item: item[:3])
     if query.max_candidates:
         scored = scored[: query.max_candidates]
     ranked = [
         RouteCandidate(pool.pool_id, pool.worker_id, pool.serving_addr, matched, promised, prefill, pool.load,
-                       pool.routed.queued_tokens, -neg_free, pool.tree.evictable_size, pool.num_blocks, score)
-        for score, neg_free, _, pool, matched, promised, prefill in scored
+                       pool.routed.queued_tokens, -neg_free, evictable, pool.num_blocks, score)
+        for score, neg_free, _, pool, matched, promised, prefill, evictable in scored
     ]
     if ranked and query.request_id and not query.dry_run:
         pool = scored[0][3]
@@ -139,16 +187,24 @@ def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
     return RouteResult(ranked, num_pages)
 
 
+def visible_blocks(pool: Pool, all_namespaces: bool) -> tuple[int, int]:
+    """(free, evictable) blocks of `pool` as a caller sees them: apart when it may see every
+    namespace, else cached blocks nobody holds count as free (see the module docstring)."""
+    free, evictable = pool.allocator.num_free_blocks, pool.tree.evictable_size
+    return (free, evictable) if all_namespaces else (free + evictable, 0)
+
+
 def _record(pool: Pool, best: RouteCandidate, query: RouteQuery, hashes: Sequence[int],
             now: float) -> RouteCandidate:
     """Count the request as routed to `pool`; pin its matched prefix when asked to (token ids
-    only: a hash chain names no tree node to lock)."""
+    only: a hash chain names no tree node to lock) and the pool's pin cap allows it."""
     bs = pool.block_size
     max_cached = (len(query.token_ids) - 1) // bs if query.token_ids else len(hashes)
+    max_cached = min(max_cached, pool.num_blocks)  # the pool can never cache more of it
     pin = None
-    if query.reserve_ms and best.matched_tokens and query.token_ids:
+    if query.reserve_ms and best.matched_tokens and query.token_ids and pool.may_pin(best.matched_tokens // bs):
         pin = pool.pin_prefix(query.token_ids[: best.matched_tokens], query.namespace)
-    entry = RoutedRequest(query.request_id, list(hashes[:max_cached]), best.prefill_tokens,
+    entry = RoutedRequest(query.request_id, query.namespace, list(hashes[:max_cached]), best.prefill_tokens,
                           now + max(DEFAULT_ROUTED_TTL_SECONDS, query.reserve_ms / 1000), pin,
                           now + query.reserve_ms / 1000)
     pool.add_routed(entry)

@@ -15,11 +15,15 @@ from grpc_health.v1 import health
 from cache_service.durable import DEFAULT_FSYNC_SECONDS, DEFAULT_SNAPSHOT_BYTES, DurableState
 from cache_service.events import DEFAULT_BUFFER_BYTES, EventLog
 from cache_service.metrics import Metrics
-from cache_service.pool_registry import PoolRegistry
+from cache_service.pool_registry import DEFAULT_MAX_PINNED_FRACTION, PoolRegistry
+from cache_service.registry_limits import RegistryLimits
 from cache_service.servicer import METHOD_ROLES, SERVICE_NAME, CacheManagerServicer
+from cache_service.stream_slots import DEFAULT_MAX_WATCH_STREAMS
+from cache_service.watch import follow_token_namespaces
 from common.auth import TokenStore, reload_on_sighup, server_interceptors
 from common.grpc_server import add_health_and_reflection, add_servicer, format_address, new_server, set_health
 from common.limits import ServerLimits, id_error
+from common.metrics_server import DEFAULT_METRICS_HOST
 from common.security import ServerTLS, add_port
 from protos import cache_pb2
 
@@ -36,11 +40,15 @@ async def create_server(
     tokens: TokenStore | None = None,
     limits: ServerLimits | None = None,
     durable: DurableState | None = None,
+    worker_san_check: bool = False,
+    max_watch_streams: int = DEFAULT_MAX_WATCH_STREAMS,
 ) -> tuple[grpc.aio.Server, int]:
     """Build (not start) a server bound to `address`; returns it and the bound port.
 
     Port 0 picks a free port. `credentials`: TLS (plaintext when None); `tokens`: require a
-    bearer token with the method's role (common/auth.py) on every call but health. Raises RuntimeError when the address cannot be bound (in use).
+    bearer token with the method's role (common/auth.py) on every call but health.
+    `worker_san_check` (mutual TLS only): RegisterPool's worker id must be a DNS or URI subject
+    alternative name of the client's certificate. Raises RuntimeError when the address cannot be bound (in use).
     Call from inside a running event loop.
     """
     registry = registry if registry is not None else PoolRegistry()
@@ -49,7 +57,10 @@ async def create_server(
     # gRPC's default 4 MiB request limit, so the default is 64 MiB. Requests are parsed in the
     # handler: bytes that are not the message, or ids over MAX_ID_BYTES, are INVALID_ARGUMENT.
     server = new_server(limits or ServerLimits(), server_interceptors(tokens, {SERVICE_NAME: METHOD_ROLES}))
-    servicer = CacheManagerServicer(registry, metrics, watch_queue_size, durable)
+    servicer = CacheManagerServicer(registry, metrics, watch_queue_size, durable, worker_san_check,
+                                    max_watch_streams=max_watch_streams)
+    if tokens is not None:  # number the views of ns= tokens (after a durable recovery: it replays them)
+        follow_token_namespaces(registry.events, tokens, durable)
     add_servicer(server, servicer, cache_pb2.DESCRIPTOR.services_by_name["CacheManager"], id_error)
     add_health_and_reflection(server, SERVICE_NAME, health_servicer)
     await set_health(health_servicer, [SERVICE_NAME])
@@ -89,13 +100,23 @@ async def serve(
     state_dir: str | None = None,
     snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES,
     fsync_seconds: float = DEFAULT_FSYNC_SECONDS,
+    metrics_host: str = DEFAULT_METRICS_HOST,
+    max_pinned_fraction: float = DEFAULT_MAX_PINNED_FRACTION,
+    registry_limits: RegistryLimits | None = None,
+    worker_san_check: bool = True,
+    max_watch_streams: int = DEFAULT_MAX_WATCH_STREAMS,
 ) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code.
 
     `state_dir`: durable mode (cache_service/durable.py): rebuild every pool from it first, then
-    journal every applied change there.
+    journal every applied change there. `registry_limits`: caps on pools and their memory (None:
+    the defaults). `worker_san_check`: with mutual TLS (`tls.client_ca`), bind worker ids to
+    the client certificates' subject alternative names.
     """
-    registry = PoolRegistry(lease_seconds=lease_seconds, events=EventLog(max_bytes=event_buffer_bytes))
+    registry_limits = registry_limits if registry_limits is not None else RegistryLimits()
+    worker_san_check = worker_san_check and tls is not None and tls.client_ca is not None
+    registry = PoolRegistry(lease_seconds=lease_seconds, events=EventLog(max_bytes=event_buffer_bytes),
+                            max_pinned_fraction=max_pinned_fraction, limits=registry_limits)
     durable = None
     if state_dir is not None:
         durable = DurableState(state_dir, registry, snapshot_bytes, fsync_seconds)
@@ -110,17 +131,20 @@ async def serve(
     try:
         server, bound = await create_server(address, registry, metrics, health_servicer,
                                             credentials=tls.credentials() if tls is not None else None,
-                                            tokens=tokens, limits=limits, durable=durable)
+                                            tokens=tokens, limits=limits, durable=durable,
+                                            worker_san_check=worker_san_check,
+                                            max_watch_streams=max_watch_streams)
     except RuntimeError as err:
         print(f"cache_service: cannot listen on {address} (port in use?): {err}", file=sys.stderr, flush=True)
         return 1
     if metrics is not None:
         try:
-            metrics_bound = metrics.serve(metrics_port, host)
+            metrics_bound = metrics.serve(metrics_port, metrics_host)  # not --host: private by default
         except OSError as err:
-            print(f"cache_service: cannot serve metrics on port {metrics_port}: {err}", file=sys.stderr, flush=True)
+            print(f"cache_service: cannot serve metrics on {format_address(metrics_host, metrics_port)}: {err}",
+                  file=sys.stderr, flush=True)
             return 1
-        log.info("metrics on http://%s/metrics", format_address(host, metrics_bound))
+        log.info("metrics on http://%s/metrics", format_address(metrics_host, metrics_bound))
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -133,9 +157,12 @@ async def serve(
     try:
         await server.start()
         print(f"cache_service listening on {format_address(host, bound)}", flush=True)
-        log.info("lease_seconds=%s tls=%s auth=%s", lease_seconds,
+        log.info("lease_seconds=%s tls=%s auth=%s worker_san_check=%s max_pools=%d max_pools_per_principal=%d "
+                 "max_cache_memory_mib=%d", lease_seconds,
                  "off" if tls is None else "mutual" if tls.client_ca else "on",
-                 "off" if tokens is None else f"{len(tokens)} tokens")
+                 "off" if tokens is None else f"{len(tokens)} tokens", "on" if worker_san_check else "off",
+                 registry_limits.max_pools, registry_limits.max_pools_per_owner,
+                 registry_limits.max_memory_bytes >> 20)
         await stop.wait()
         log.info("shutting down")
     finally:

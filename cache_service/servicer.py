@@ -6,7 +6,6 @@ locks and no call interleaves with another.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import time
@@ -17,11 +16,13 @@ import grpc
 
 from cache_service import convert
 from cache_service.durable import DurableState
-from cache_service.errors import CacheError, InvalidArgument, PermissionDenied, ResourceExhausted
-from cache_service.events import BlockRemoved, BlockStored, CacheEvent, tree_snapshot
+from cache_service.errors import CacheError, InvalidArgument, PermissionDenied
 from cache_service.metrics import Metrics
 from cache_service.pool_registry import PoolRegistry
-from common.auth import Principal, current_principal
+from cache_service.replica_identity import certificate_names, owner_key
+from cache_service.stream_slots import DEFAULT_MAX_WATCH_STREAMS, StreamSlots
+from cache_service.watch import Watch, WatchRequest
+from common.auth import current_principal
 from common.grpc_server import request_bytes
 from common.limits import quote_id
 from protos import cache_pb2, cache_pb2_grpc
@@ -60,14 +61,36 @@ def _check_namespace(namespace: str) -> None:
         raise PermissionDenied(f"this token may not read namespace {quote_id(namespace)}")
 
 
-def visible(event: CacheEvent, principal: Principal | None) -> bool:
-    """Whether a watcher with this token sees the event (AllCleared: always)."""
-    if principal is None or principal.namespaces is None:
-        return True
-    payload = event.payload
-    if isinstance(payload, BlockStored | BlockRemoved):
-        return principal.may_read(payload.namespace)
-    return True
+def _sees_all_namespaces() -> bool:
+    """Whether the caller's token may see every namespace (no token file, or a line without ns=)."""
+    principal = current_principal()
+    return principal is None or principal.namespaces is None
+
+
+def _check_route_records(request: cache_pb2.RouteRequest) -> None:
+    """A Route that records its decision or pins a prefix changes the pool (routed load, pinned
+    blocks): it needs the router role; a dry run is a read."""
+    if request.dry_run or not (request.request_id or request.reserve_ms):
+        return
+    principal = current_principal()
+    if principal is not None and not principal.has_role("router"):
+        raise PermissionDenied("a Route that records its decision (request_id without dry_run) or pins a prefix "
+                               "(reserve_ms) needs a token with the 'router' role; without it, set dry_run")
+
+
+def _registering_owner(worker_id: str, auth_context, worker_san_check: bool) -> str:
+    """Who registers `worker_id` (the pool's owner key), after checking that they may: the token's
+    worker= patterns, and under mutual TLS with `worker_san_check` a DNS or URI subject
+    alternative name of the client certificate equal to the worker id. Never the serving_addr a
+    replica reports: that is not an identity."""
+    principal = current_principal()
+    if worker_id and principal is not None and not principal.may_register(worker_id):
+        raise PermissionDenied(f"this token may not register worker id {quote_id(worker_id)} "
+                               "(not matched by the worker= of its line in the token file)")
+    if worker_id and worker_san_check and worker_id not in certificate_names(auth_context):
+        raise PermissionDenied(f"worker id {quote_id(worker_id)} is not a DNS or URI subject alternative name "
+                               "of this client's certificate")
+    return owner_key(principal, auth_context)
 
 
 def _rpc(method: Handler) -> Handler:
@@ -98,11 +121,15 @@ def _rpc(method: Handler) -> Handler:
 
 class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
     def __init__(self, registry: PoolRegistry, metrics: Metrics | None = None, watch_queue_size: int = 65536,
-                 durable: DurableState | None = None):
+                 durable: DurableState | None = None, worker_san_check: bool = False,
+                 max_watch_streams: int = DEFAULT_MAX_WATCH_STREAMS):
         self.registry = registry
         self.metrics = metrics
         self.watch_queue_size = watch_queue_size
+        self.watch_slots = StreamSlots(max_watch_streams)  # per principal (--max-watch-streams)
         self.durable = durable  # --state-dir: every applied change is journaled before the reply
+        # Mutual TLS (--worker-san-check): a worker id must be a DNS / URI SAN of the client's certificate.
+        self.worker_san_check = worker_san_check
 
     def _count_error(self, method: str, code: grpc.StatusCode) -> None:
         if self.metrics is not None:
@@ -110,10 +137,20 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
 
     @_rpc
     async def RegisterPool(self, request: cache_pb2.RegisterPoolRequest, context) -> cache_pb2.RegisterPoolResponse:
-        reg = self.registry.register_replica(
-            request.worker_id, request.num_blocks, request.block_size, request.model_fingerprint, request.vocab_size,
-            request.serving_addr, request.incarnation, num_steps_acknowledged=request.num_steps_acknowledged,
-        )
+        owner = _registering_owner(request.worker_id, context.auth_context(), self.worker_san_check)
+        try:
+            reg = self.registry.register_replica(
+                request.worker_id, request.num_blocks, request.block_size, request.model_fingerprint,
+                request.vocab_size, request.serving_addr, request.incarnation,
+                num_steps_acknowledged=request.num_steps_acknowledged, owner=owner,
+            )
+        except PermissionDenied:
+            # The caller is told nothing about the holder; the operator learns who tried (never a key).
+            principal = current_principal()
+            log.warning("RegisterPool of live pool %s by another principal refused (caller: %s, peer %s)",
+                        quote_id(request.worker_id), principal.label if principal is not None else "no token",
+                        context.peer())
+            raise
         return convert.register_response(reg.pool, reg.reattached, self.registry.lease_seconds)
 
     @_rpc
@@ -140,8 +177,9 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
             fingerprint = request.model_fingerprint
             pools = [p for p in self.registry.pools.values() if not fingerprint or p.model_fingerprint == fingerprint]
         matches = []
+        all_namespaces = _sees_all_namespaces()
         for pool in pools:
-            matches.append(convert.pool_match(pool, pool.match(request.token_ids, request.namespace)))
+            matches.append(convert.pool_match(pool, pool.match(request.token_ids, request.namespace), all_namespaces))
         matches.sort(key=lambda m: (-m.matched_tokens, m.num_private_blocks, m.pool_id))
         return cache_pb2.MatchResponse(matches=matches)
 
@@ -155,10 +193,16 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
     @_rpc
     async def Route(self, request: cache_pb2.RouteRequest, context) -> cache_pb2.RouteResponse:
         _check_namespace(request.namespace)
-        return convert.route_response(self.registry.route(convert.route_query(request)))
+        _check_route_records(request)
+        # Before the prompt is copied out of the message: an oversized one costs nothing more.
+        self.registry.check_route_size(request.model_fingerprint, len(request.token_ids), len(request.page_hashes))
+        return convert.route_response(self.registry.route(convert.route_query(request, _sees_all_namespaces())))
 
     @_rpc
     async def Stats(self, request: cache_pb2.StatsRequest, context) -> cache_pb2.StatsResponse:
+        if not _sees_all_namespaces():  # before the pool lookup: not even which pools exist
+            raise PermissionDenied("Stats counts every namespace's activity: it needs a reader token without ns= "
+                                   "(this token is limited to namespaces)")
         pools = [self.registry.peek(request.pool_id)] if request.pool_id else list(self.registry.pools.values())
         reply = cache_pb2.StatsResponse(
             pools=[convert.pool_stats(p.stats(self.registry.lease_remaining(p))) for p in pools]
@@ -188,60 +232,45 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
     async def WatchEvents(
         self, request: cache_pb2.WatchEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[cache_pb2.CacheEvent]:
-        """Backlog (snapshot or replay) then live events, with no gap and no duplicate.
+        """Backlog (snapshot or replay) then live events, with no gap and no duplicate
+        (cache_service/watch.py: cursors on the replay buffer, lazy snapshots, view numbers).
 
-        The backlog is taken and the subscription made without yielding to the event loop in
-        between, so no event can slip past. A watcher more than `watch_queue_size` events
-        behind is cut off with RESOURCE_EXHAUSTED (reconnect with snapshot or start_sequence).
-        A namespace-limited reader token sees the BlockStored / BlockRemoved events of its
-        namespaces only.
+        At most `watch_slots.limit` streams per principal; a watcher more than `watch_queue_size`
+        events of its own behind, or whose next event left the replay buffer, is cut off with
+        RESOURCE_EXHAUSTED (reconnect with snapshot or start_sequence). A namespace-limited
+        reader token gets the events of its namespaces (and AllCleared), numbered in its view.
         """
-        events = self.registry.events
-        pool_id = request.pool_id
         principal = current_principal()
-        queue: asyncio.Queue[CacheEvent | None] = asyncio.Queue()
-        unsubscribe: Callable[[], object] | None = None
-
-        def on_event(event: CacheEvent) -> None:
-            if (pool_id and event.pool_id != pool_id) or not visible(event, principal):
-                return
-            if queue.qsize() >= self.watch_queue_size:
-                if unsubscribe is not None:
-                    unsubscribe()
-                queue.put_nowait(None)
-                return
-            queue.put_nowait(event)
-
+        key = principal.key if principal is not None else ""  # anonymous callers: one principal
+        pool_id = request.pool_id
+        try:
+            self.watch_slots.acquire(key)
+        except CacheError as err:
+            await self._end_watch(context, err)
+            return
+        watch: Watch | None = None
         try:
             if request.snapshot and request.start_sequence:
                 raise InvalidArgument("ask for either a snapshot or a start_sequence, not both")
             pools = [self.registry.peek(pool_id)] if pool_id else list(self.registry.pools.values())
-            backlog: list[CacheEvent] = []
-            if request.snapshot:
-                seq, now = events.last_sequence, events.now()
-                for pool in pools:
-                    backlog.extend(tree_snapshot(pool.pool_id, pool.tree, seq, now, events.epoch))
-            elif request.start_sequence:
-                backlog = events.replay(request.start_sequence, pool_id, request.publisher_epoch)
-            backlog = [event for event in backlog if visible(event, principal)]
-            unsubscribe = events.subscribe(on_event)
+            view = principal.namespaces if principal is not None else None
+            watch = Watch(self.registry.events, pools, WatchRequest(
+                pool_id, request.snapshot, request.start_sequence, request.publisher_epoch, view),
+                self.watch_queue_size)
+            log.info("watcher subscribed pool=%s snapshot=%s from=%d", pool_id or "*", request.snapshot,
+                     request.start_sequence)
+            async for event in watch.stream():
+                yield convert.cache_event(event)
         except CacheError as err:
-            self._count_error("WatchEvents", _status(err))
-            log.info("WatchEvents rejected code=%s %s", err.code, err)
-            await context.abort(_status(err), str(err))
-            return
-        log.info("watcher subscribed pool=%s snapshot=%s backlog=%d", pool_id or "*", request.snapshot, len(backlog))
-        try:
-            for event in backlog:
-                yield convert.cache_event(event)
-            while True:
-                event = await queue.get()
-                if event is None:
-                    err = ResourceExhausted("watcher fell too far behind; reconnect with snapshot")
-                    self._count_error("WatchEvents", _status(err))
-                    await context.abort(_status(err), str(err))
-                    return
-                yield convert.cache_event(event)
+            await self._end_watch(context, err)
         finally:
-            unsubscribe()
-            log.info("watcher unsubscribed pool=%s", pool_id or "*")
+            if watch is not None:
+                watch.close()
+                log.info("watcher unsubscribed pool=%s", pool_id or "*")
+            self.watch_slots.release(key)
+
+    async def _end_watch(self, context: grpc.aio.ServicerContext, err: CacheError) -> None:
+        code = _status(err)
+        self._count_error("WatchEvents", code)
+        log.info("WatchEvents ended code=%s %s", code.name, err)
+        await context.abort(code, str(err))

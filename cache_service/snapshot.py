@@ -98,14 +98,15 @@ def dump_pool(pool: Pool) -> dict[str, Any]:
         "vocab_size": pool.vocab_size,
         "serving_addr": pool.serving_addr,
         "incarnation": pool.incarnation,
+        "owner": pool.owner,
         "counters": {name: getattr(pool, name) for name in _COUNTERS},
         "load": [load.num_waiting_requests, load.num_waiting_tokens, load.num_running_requests],
         "free": _pack(pool.allocator.free_block_ids()),
         "nodes": node_rows,
         "requests": requests,
         "routed": [[e.request_id, _pack(e.page_hashes, "Q"), e.prefill_tokens, e.expires_at,
-                    e.pin.value[-1] if e.pin is not None else -1, e.pin_expires_at, e.admitted]
-                   for e in pool.routed.entries()],
+                    e.pin.value[-1] if e.pin is not None else -1, e.pin_expires_at, e.admitted, e.namespace]
+                   for e in pool.routed.entries()],  # oldest first: restored in that order
         "finished_ids": pool.finished_ids(),
         "evicted_pages": _pack(pool.evicted_pages.hashes(), "Q"),
     }
@@ -123,6 +124,7 @@ def _restore(data: dict[str, Any], events: EventLog | None) -> Pool:
     pool = Pool(data["pool_id"], int(data["epoch"]), int(data["num_blocks"]), int(data["block_size"]),
                 data["model_fingerprint"], int(data["vocab_size"]), events, serving_addr=data["serving_addr"])
     pool.incarnation = data["incarnation"]
+    pool.owner = data.get("owner", "")  # absent from the snapshots of older versions: anonymous
     bs = pool.block_size
     tree = pool.tree
     rows = [[parent, ns, _unpack(tokens), _unpack(blocks), rank] for parent, ns, tokens, blocks, rank in data["nodes"]]
@@ -164,14 +166,15 @@ def _restore(data: dict[str, Any], events: EventLog | None) -> Pool:
             refcounts[b] += 1
         private += len(table) - num_cached
         pool.requests[fields["request_id"]] = RequestState(last_node=last_node, **fields)
-    for rid, hashes, prefill, expires_at, pin_block, pin_expires_at, admitted in data["routed"]:
+    for rid, hashes, prefill, expires_at, pin_block, pin_expires_at, admitted, *rest in data["routed"]:
+        namespace = rest[0] if rest else ""  # older snapshots: no namespace (the default one)
         pin = None
         if pin_block >= 0:
             pin = by_last_block.get(pin_block)
             if pin is None:
                 raise IntegrityError(f"snapshot reservation {rid!r}: its pinned prefix is not a node")
             tree.inc_lock_ref(pin)
-        entry = RoutedRequest(rid, _unpack(hashes, "Q"), prefill, expires_at, pin, pin_expires_at)
+        entry = RoutedRequest(rid, namespace, _unpack(hashes, "Q"), prefill, expires_at, pin, pin_expires_at)
         pool.routed.add(entry)
         if admitted:  # as RoutedRequests.on_admit left it (its pin already ended then)
             entry.admitted = True
@@ -202,7 +205,8 @@ def canonical(pool: Pool) -> dict[str, Any]:
     data["requests"] = sorted(data["requests"], key=lambda row: row["request_id"])
     data["finished_ids"] = sorted(data["finished_ids"])
     data["routed"] = sorted(data["routed"])
-    data["routed_totals"] = [pool.routed.queued_tokens, pool.routed.num_pins, len(pool.routed)]
+    data["routed_totals"] = [pool.routed.queued_tokens, pool.routed.num_pins, len(pool.routed),
+                             pool.routed.pinned_pages, pool.routed.num_pages]
     data["evicted_pages"] = sorted(_unpack(data["evicted_pages"], "Q"))
     data.pop("epoch")
     return data

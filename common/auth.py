@@ -9,10 +9,13 @@ Token file: one token per line, then optionally its roles and a namespace limit:
     s3cr3t-tenant-a reader ns=tenant-a|tenant-b
     s3cr3t-default reader ns=           reader of the default ("") namespace only
 
-Roles are comma separated (``reader,admin``); a line without roles has all of them. ``ns=`` takes
+Roles are comma separated (``reader,admin``); a line without roles has all of them. At the cache
+manager, ``reader`` reads (Match, Stats, WatchEvents, and Route with ``dry_run``); a Route that
+records its decision (``request_id`` without ``dry_run``) or pins a prefix (``reserve_ms``) also
+needs ``router`` (what a fleet router's token has: ``reader,router``). ``ns=`` takes
 ``|``-separated namespaces (an empty item is the default namespace ``""``) and limits what the
-token's cache-manager reads (Match, Route, WatchEvents) see; a line without ``ns=`` sees every
-namespace. ``worker=`` takes ``|``-separated worker ids or fnmatch patterns (``model-*``) that the
+token's cache-manager reads (Match, Route, WatchEvents) see; Stats, which counts every namespace,
+is refused to such a token. A line without ``ns=`` sees every namespace. ``worker=`` takes ``|``-separated worker ids or fnmatch patterns (``model-*``) that the
 token may register pools as; a line without it may register any worker id not held by another
 principal. A token is printable ASCII without spaces. The file is read at start and again on
 SIGHUP (a file that no longer parses keeps the previous tokens, and says why in the log).
@@ -142,6 +145,9 @@ class TokenStore:
     def __init__(self, path: Path | str | None = None, tokens: Mapping[str, Principal] | None = None) -> None:
         self.path = Path(path) if path is not None else None
         self._entries: list[tuple[bytes, Principal]] = []
+        self._limited_namespaces: frozenset[str] = frozenset()
+        # Called after every reload that replaced the tokens (before any call can use a new one).
+        self.on_reload: list[Callable[[], None]] = []
         if tokens is not None:
             self._set(tokens)
         elif self.path is not None:
@@ -160,6 +166,12 @@ class TokenStore:
 
     def _set(self, tokens: Mapping[str, Principal]) -> None:
         self._entries = [(_digest(t), p) for t, p in tokens.items()]
+        self._limited_namespaces = frozenset(ns for p in tokens.values() if p.namespaces is not None
+                                             for ns in p.namespaces)
+
+    def limited_namespaces(self) -> frozenset[str]:
+        """Every namespace some ns= line names (the cache manager numbers their views)."""
+        return self._limited_namespaces
 
     def reload(self) -> bool:
         """Rereads the file; on any error keeps the tokens it had (logged). True when replaced."""
@@ -172,6 +184,8 @@ class TokenStore:
             log.warning("token file %s has no tokens now: every authenticated call is refused", self.path)
         self._set(tokens)
         log.info("token file %s reloaded: %d tokens", self.path, len(tokens))
+        for callback in self.on_reload:
+            callback()
         return True
 
     def authenticate(self, token: str | None) -> Principal:
@@ -337,7 +351,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 def add_auth_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auth-token-file", type=Path, metavar="PATH",
                         help="require 'authorization: Bearer TOKEN' on every RPC but health; one token per "
-                             "line, optionally followed by its roles (see README, Security); reread on SIGHUP")
+                             "line, optionally followed by its roles (see docs/security.md); reread on SIGHUP")
 
 
 def token_store_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> TokenStore | None:

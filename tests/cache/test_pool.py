@@ -192,10 +192,12 @@ def test_events_stored_removed_cleared(make_pool) -> None:
     finish(pool, "a", computed=9)
     admit(pool, "b", [1] * 16)  # evicts both cached pages
     finish(pool, "b", computed=16)
-    pool.clear()
+    pool.clear()  # empties the tree: still one BlockRemoved per namespace (AllCleared: the pool went)
+    pool.retire()
     kinds = [type(e.payload) for e in seen]
-    assert kinds == [BlockStored, BlockRemoved, BlockStored, AllCleared]
-    assert [e.sequence for e in seen] == [1, 2, 3, 4]
+    assert kinds == [BlockStored, BlockRemoved, BlockStored, BlockRemoved, AllCleared]
+    assert [e.sequence for e in seen] == [1, 2, 3, 4, 5]
+    assert seen[3].payload.block_hashes == seen[2].payload.block_hashes and pool.tree.total_size == 0
     stored = seen[0].payload
     assert list(stored.block_ids) == a.block_table[:2] and list(stored.token_ids) == list(range(8))
     assert stored.parent_block_hash == 0

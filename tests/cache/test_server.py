@@ -191,7 +191,10 @@ def test_watch_events_replay_live_and_snapshot(server) -> None:
     assert stored2.WhichOneof("event") == "stored"
     assert stored2.stored.parent_block_hash == stored.stored.block_hashes[0]
     assert list(stored2.stored.block_hashes)[0] == stored.stored.block_hashes[1]  # same prefix, same hash
-    assert cleared.WhichOneof("event") == "cleared"
+    # A Clear that empties the tree still says which pages left, per namespace (AllCleared: the
+    # pool itself went): here both pages of the prompt, cached again.
+    assert cleared.WhichOneof("event") == "removed"
+    assert sorted(cleared.removed.block_hashes) == sorted(stored.stored.block_hashes)
     sequences = [e.sequence for e in (stored, removed, stored2, cleared)]
     assert sequences == sorted(set(sequences))
     assert all(e.pool_id == reg.pool_id for e in (stored, removed, stored2, cleared))

@@ -102,7 +102,10 @@ def test_current_tree_behaves_like_the_previous_one(page_size: int, ops: list[tu
         elif kind == "peek_hashes":
             ns, pages = args
             tokens = tokens_of(pages)
-            assert new.peek_hashes(page_hashes(0, ns, tokens, page_size)) == old.peek_prefix(tokens, ns).num_tokens // page_size
+            chain = page_hashes(0, ns, tokens, page_size)
+            assert new.peek_hashes(chain, ns) == old.peek_prefix(tokens, ns).num_tokens // page_size
+            # The chain names a namespace, but the lookup is made in the one asked for only.
+            assert all(new.peek_hashes(chain, other) == 0 for other in NAMESPACES if other != ns)
         new.check_integrity()
         old.check_integrity()
         assert (new.evictable_size, new.protected_size, new.num_nodes) == (

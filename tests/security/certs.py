@@ -1,11 +1,13 @@
 """A throwaway certificate authority for the security tests, made with `cryptography` at test time
 (nothing is committed): a CA, a server certificate for localhost / 127.0.0.1, and client
-certificates signed by that CA or by a stranger CA."""
+certificates signed by that CA or by a stranger CA; `client_cert` issues more client certificates
+of the CA, with subject alternative names (a replica's worker id under mutual TLS)."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +29,7 @@ class Pki:
     server: KeyPair  # localhost, 127.0.0.1, ::1
     client: KeyPair  # signed by `ca`
     stranger: KeyPair  # a client certificate signed by another CA
+    ca_key: Path | None = None  # the CA's private key (client_cert signs with it)
 
 
 def _name(common_name: str) -> x509.Name:
@@ -67,7 +70,7 @@ def _ca(directory: Path, name: str) -> tuple[x509.Certificate, ec.EllipticCurveP
 
 
 def _leaf(directory: Path, name: str, ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey],
-          server: bool) -> KeyPair:
+          server: bool, dns: Sequence[str] = (), uris: Sequence[str] = ()) -> KeyPair:
     ca_cert, ca_key = ca
     key = ec.generate_private_key(ec.SECP256R1())
     builder = (_builder(name, ca_cert.subject, key.public_key())
@@ -80,6 +83,9 @@ def _leaf(directory: Path, name: str, ca: tuple[x509.Certificate, ec.EllipticCur
         builder = builder.add_extension(x509.SubjectAlternativeName([
             x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
             x509.IPAddress(ipaddress.ip_address("::1"))]), critical=False)
+    elif dns or uris:
+        builder = builder.add_extension(x509.SubjectAlternativeName(
+            [x509.DNSName(d) for d in dns] + [x509.UniformResourceIdentifier(u) for u in uris]), critical=False)
     cert = builder.sign(ca_key, hashes.SHA256())
     return KeyPair(_write_cert(cert, directory / f"{name}.pem"), _write_key(key, directory / f"{name}-key.pem"))
 
@@ -93,4 +99,14 @@ def make_pki(directory: Path) -> Pki:
         server=_leaf(directory, "server", ca, server=True),
         client=_leaf(directory, "client", ca, server=False),
         stranger=_leaf(directory, "stranger-client", stranger_ca, server=False),
+        ca_key=_write_key(ca[1], directory / "radixkv-test-ca-key.pem"),
     )
+
+
+def client_cert(pki: Pki, name: str, dns: Sequence[str] = (), uris: Sequence[str] = ()) -> KeyPair:
+    """Another client certificate of `pki`'s CA (common name `name`), with these DNS and URI
+    subject alternative names, written next to the CA certificate."""
+    assert pki.ca_key is not None, "a Pki from make_pki"
+    ca_cert = x509.load_pem_x509_certificate(pki.ca.read_bytes())
+    ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
+    return _leaf(pki.ca.parent, name, (ca_cert, ca_key), server=False, dns=dns, uris=uris)

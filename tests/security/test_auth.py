@@ -12,10 +12,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cache_service.events import AllCleared, BlockRemoved, BlockStored, CacheEvent
+from cache_service.events import AllCleared, BlockRemoved, BlockStored, CacheEvent, event_in_view
 from cache_service.pool_registry import PoolRegistry
 from cache_service.server import create_server
-from cache_service.servicer import METHOD_ROLES, SERVICE_NAME, visible
+from cache_service.servicer import METHOD_ROLES, SERVICE_NAME
 from common.auth import (
     PERMISSION_DENIED,
     ROLES,
@@ -140,17 +140,19 @@ def test_role_tables_cover_every_method():
 
 
 def test_watch_visibility_by_namespace():
-    limited = Principal("x", frozenset({"reader"}), frozenset({"a"}))
+    """What a watcher limited to namespace "a" gets (cache_service/watch.py): the events of "a"
+    counted in views (its namespace was tracked when published), and AllCleared."""
+    view = frozenset({"a"})
 
-    def event(payload) -> CacheEvent:
-        return CacheEvent(1, "p", 0.0, payload)
+    def event(payload, in_views: bool = True) -> CacheEvent:
+        return CacheEvent(1, "p", 0.0, payload, in_views=in_views)
 
-    assert visible(event(BlockStored([1], 0, [1], 1, "a", [0])), limited)
-    assert not visible(event(BlockStored([1], 0, [1], 1, "b", [0])), limited)
-    assert visible(event(BlockRemoved([1], [0], "a")), limited)
-    assert not visible(event(BlockRemoved([1], [0], "")), limited)
-    assert visible(event(AllCleared()), limited)
-    assert visible(event(BlockRemoved([1], [0], "b")), None)
+    assert event_in_view(event(BlockStored([1], 0, [1], 1, "a", [0])), view)
+    assert not event_in_view(event(BlockStored([1], 0, [1], 1, "b", [0])), view)
+    assert event_in_view(event(BlockRemoved([1], [0], "a")), view)
+    assert not event_in_view(event(BlockRemoved([1], [0], "")), view)
+    assert not event_in_view(event(BlockRemoved([1], [0], "a"), in_views=False), view)
+    assert event_in_view(event(AllCleared()), view)
 
 
 def test_http_door_check():

@@ -31,7 +31,7 @@ from client import AsyncRadixKVClient, RadixKVClient
 from common.security import channel_credentials
 from protos import cache_pb2 as pb
 from protos import cache_pb2_grpc, model_pb2, model_pb2_grpc
-from tests.security.certs import Pki, make_pki
+from tests.security.certs import KeyPair, Pki, client_cert, make_pki
 from tests.services import Running, launch_model, start_cache, start_router
 from tests.tiny_model import save_tiny_llama
 
@@ -42,7 +42,7 @@ CACHE_TOKENS = """\
 # the cache manager's tokens
 admin-tok admin,reader
 replica-tok replica
-router-tok reader
+router-tok reader,router
 reader-tok reader
 tenant-tok reader ns=tenant-a|tenant-b
 doomed-tok reader
@@ -57,9 +57,11 @@ class SecureFleet:
     model: Running
     router: Running
     cache_tokens: Path
+    replica: KeyPair  # the replica's client certificate: its worker ids as DNS names (--worker-san-check)
 
     def cache_stub(self) -> cache_pb2_grpc.CacheManagerStub:
-        """A mutual-TLS stub of the cache manager (no token: give metadata per call)."""
+        """A mutual-TLS stub of the cache manager, with the replica's certificate (no token: give
+        metadata per call)."""
         return cache_pb2_grpc.CacheManagerStub(self._channel(self.cache.addr, mutual=True))
 
     def model_stub(self, addr: str) -> model_pb2_grpc.ModelServiceStub:
@@ -67,7 +69,8 @@ class SecureFleet:
 
     def _channel(self, addr: str, mutual: bool) -> grpc.Channel:
         pki = self.pki
-        creds = channel_credentials(pki.ca, pki.client.cert, pki.client.key) if mutual else channel_credentials(pki.ca)
+        creds = (channel_credentials(pki.ca, self.replica.cert, self.replica.key) if mutual
+                 else channel_credentials(pki.ca))
         channel = grpc.secure_channel(addr, creds)
         self._channels.append(channel)
         return channel
@@ -104,13 +107,17 @@ def fleet(tmp_path_factory) -> Iterator[SecureFleet]:
     server_tls = ["--tls-cert", str(pki.server.cert), "--tls-key", str(pki.server.key)]
     to_cache = ["--cache-tls-ca", str(pki.ca), "--cache-tls-cert", str(pki.client.cert),
                 "--cache-tls-key", str(pki.client.key)]
+    # Under mutual TLS a worker id must be a SAN of the registering client's certificate.
+    replica = client_cert(pki, "secure-replica", dns=["secure-replica", "ns-pool"])
+    replica_to_cache = ["--cache-tls-ca", str(pki.ca), "--cache-tls-cert", str(replica.cert),
+                        "--cache-tls-key", str(replica.key)]
     cache = start_cache([*server_tls, "--tls-client-ca", str(pki.ca), "--auth-token-file", str(tmp / "cache-tokens")],
                         credentials=channel_credentials(pki.ca, pki.client.cert, pki.client.key))
     started: list[Running] = [cache]
     try:
         model = launch_model(cache.addr, "--model", str(tiny), "--worker-id", "secure-replica", "--num-threads", "1",
                              "--num-blocks", "64", *server_tls, "--auth-token-file", str(tmp / "serving-tokens"),
-                             *to_cache, "--cache-token-file", str(tmp / "model-to-cache"),
+                             *replica_to_cache, "--cache-token-file", str(tmp / "model-to-cache"),
                              credentials=channel_credentials(pki.ca)).wait()
         started.append(model)
         # No --replica: the router learns the replica from the cache manager's Stats.
@@ -120,7 +127,7 @@ def fleet(tmp_path_factory) -> Iterator[SecureFleet]:
                               "--replica-token-file", str(tmp / "router-to-replica"),
                               credentials=channel_credentials(pki.ca))
         started.append(router)
-        running = SecureFleet(pki, cache, model, router, tmp / "cache-tokens")
+        running = SecureFleet(pki, cache, model, router, tmp / "cache-tokens", replica)
         yield running
         running.close()
     finally:
@@ -144,7 +151,8 @@ def test_python_client_generates_over_tls_with_a_token_directly_and_through_the_
     stats = fleet.cache_stub().Stats(pb.StatsRequest(pool_id="secure-replica"), metadata=md("admin-tok"), timeout=10)
     (pool,) = stats.pools
     assert pool.serving_addr == fleet.model.addr and pool.num_admitted >= 3 and pool.queried_tokens > 0
-    # The router routed by the cache manager's Route (reader token) all along, never by fallback.
+    # The router routed by the cache manager's Route (reader,router token: it records and pins) all
+    # along, never by fallback.
     assert "cache manager unreachable" not in fleet.router.output()
     assert "UNAUTHENTICATED" not in fleet.model.output() + fleet.router.output()
 

@@ -40,11 +40,11 @@ class Usage:
     total_time: float = 0.0
     num_preemptions: int = 0
     # Why the uncached prompt tokens missed, at first admission (they add up to
-    # prompt_tokens - cached_prompt_tokens): pages this replica evicted, pages cached on another
-    # replica, pages cached here under another namespace, never seen.
+    # prompt_tokens - cached_prompt_tokens): pages of the request's namespace this replica
+    # evicted, pages of its namespace cached on another replica, new to the namespace.
     miss_evicted_tokens: int = 0
     miss_other_replica_tokens: int = 0
-    miss_other_namespace_tokens: int = 0
+    miss_other_namespace_tokens: int = 0  # deprecated: always 0 (other namespaces never show)
     miss_new_tokens: int = 0
     served_by: str = ""  # the serving address of the replica that ran the request
 

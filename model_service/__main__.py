@@ -18,6 +18,7 @@ from common.limits import (
     request_limits_from_args,
     server_limits_from_args,
 )
+from common.metrics_server import add_metrics_args
 from common.parent_death import die_with_parent_if_asked
 from common.security import (
     add_client_tls_args,
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=positive_int, default=None,
                    help="torch CPU threads (default: torch's choice, one per core); use fewer when the "
                         "cores are shared with other busy processes")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (off when not given)")
+    add_metrics_args(p)
     add_grace_arg(p)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_server_tls_args(p)
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory, device=args.device, dtype=args.dtype,
         attention=args.attention, attention_kernels=args.attention_kernels, fp32_gemm=args.fp32_gemm,
         linear_kernels=args.linear_kernels, max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
-        max_waiting=args.max_waiting, metrics_port=args.metrics_port, worker_id=args.worker_id,
+        max_waiting=args.max_waiting, metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host, worker_id=args.worker_id,
         cache_timeout=args.cache_timeout, cache_pipeline=args.cache_pipeline == "on",
         lookahead_blocks=args.lookahead_blocks, advertise_addr=args.advertise_addr, tls=tls, tokens=tokens,
         cache_tls=cache_tls, cache_token=cache_token, limits=limits, request_limits=request_limits,

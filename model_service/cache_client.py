@@ -247,4 +247,6 @@ def _miss(result: cache_pb2.AdmitResult) -> MissBreakdown | None:
     if not result.HasField("miss"):
         return None
     m = result.miss
-    return MissBreakdown(m.evicted_tokens, m.other_replica_tokens, m.other_namespace_tokens, m.new_tokens)
+    # other_namespace_tokens is deprecated (0 from this cache manager); an older one's figure is
+    # folded into new_tokens, so no caller learns what other namespaces hold.
+    return MissBreakdown(m.evicted_tokens, m.other_replica_tokens, m.new_tokens + m.other_namespace_tokens)

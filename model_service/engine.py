@@ -3,8 +3,9 @@ With the cache pipeline on (default), that Step is the next step's, in flight wh
 forward runs (model_service/cache_pipeline.py); off, it is waited for before the forward.
 
 The gRPC servicer submits requests and receives `GenerationOutput`s through a sink callback
-(called from the engine thread); it may abort any live request by id and read the engine's
-load from any thread. A step's outputs go to their sinks together, inside `output_batch()`,
+(called from the engine thread); it may abort a caller's live request by the caller's id (ids
+are scoped to the caller, model_service/request_ids.py) and read the engine's load from any
+thread. A step's outputs go to their sinks together, inside `output_batch()`,
 when the next forward begins (or before the engine thread waits on anything, or at once when no
 forward follows): one wake-up of the event loop that streams them, which then runs while the
 forward's threads are in torch ops rather than while the engine thread needs the GIL for its own
@@ -25,21 +26,17 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from common.limits import quote_id
 from model_service.cache_client import CacheClient, CachePoolLost
 from model_service.cache_pipeline import CachePipeline, step_and_wait
 from model_service.metrics import ModelMetrics
 from model_service.model_runner import ModelRunner
 from model_service.reattach import reconcile
 from model_service.request import FinishReason, MissBreakdown, Request
+from model_service.request_ids import LiveRequests
 from model_service.sampler import Sampler
 from model_service.scheduler import CachePlan, CacheReply, QueueFullError, ScheduledBatch, Scheduler
 
 log = logging.getLogger(__name__)
-
-
-class DuplicateRequestError(Exception):
-    """A request with this id is already live (submitted and not finished)."""
 
 
 class Usage(NamedTuple):
@@ -52,7 +49,6 @@ class Usage(NamedTuple):
     # Why the uncached prompt tokens missed, at first admission (zeros when never admitted).
     miss_evicted_tokens: int = 0
     miss_other_replica_tokens: int = 0
-    miss_other_namespace_tokens: int = 0
     miss_new_tokens: int = 0
 
 
@@ -121,7 +117,7 @@ class Engine:
         self._count_lock = threading.Lock()
         self._num_in_flight = 0  # submitted, not finished
         self._num_running = 0  # len(scheduler.running), kept in sync by the engine thread
-        self._live_ids: set[str] = set()  # submitted, not finished (guarded by _count_lock)
+        self._live = LiveRequests()  # submitted, not finished, by caller (guarded by _count_lock)
         self._num_free_blocks = cache.num_blocks
         self._prompt_tokens = 0
         self._cached_prompt_tokens = 0
@@ -143,34 +139,38 @@ class Engine:
         self._thread.join(timeout)
 
     def submit(self, request: Request, sink: OutputSink) -> None:
-        """Queues a request (never blocks). Raises DuplicateRequestError when a live request has
-        its id, QueueFullError when the waiting queue is full."""
+        """Queues a request (never blocks) and sets its `request_id` to the unique id it runs
+        under (its client id unless another caller's live request holds that). Raises
+        DuplicateRequestError when its owner has a live request with its client id,
+        QueueFullError when the waiting queue is full; either way nothing is kept."""
         with self._count_lock:
-            if request.request_id in self._live_ids:
-                raise DuplicateRequestError(f"request id {quote_id(request.request_id)} is already in use by a live request")
+            self._live.check_free(request)
             if self._num_in_flight - self._num_running >= self.scheduler.config.max_waiting:
                 raise QueueFullError(f"waiting queue is full ({self.scheduler.config.max_waiting} requests)")
+            self._live.add(request)
             self._num_in_flight += 1
-            self._live_ids.add(request.request_id)
+            self.metrics.live_request_ids.set(len(self._live))
             self._inbox.put(("add", request, sink))  # under the lock: an abort() for it comes after
 
     def cancel(self, request: Request) -> None:
         """Ends `request` (its client went away) without a final output; no-op once it finished."""
         self._inbox.put(("cancel", request))
 
-    def is_live(self, request_id: str) -> bool:
-        """True while a request with this id is submitted and not finished."""
+    def is_live(self, owner: str, client_request_id: str) -> bool:
+        """True while `owner` has a submitted, unfinished request with this client id."""
         with self._count_lock:
-            return request_id in self._live_ids
+            return self._live.get(owner, client_request_id) is not None
 
-    def abort(self, request_id: str) -> bool:
-        """Ends the live request with this id, whoever submitted it: its sink gets a final output
-        with FinishReason.ABORT and usage (no error), its blocks go back to the cache. Returns
-        False when no live request has this id."""
+    def abort(self, owner: str, client_request_id: str) -> bool:
+        """Ends `owner`'s live request with this client id: its sink gets a final output with
+        FinishReason.ABORT and usage (no error), its blocks go back to the cache. Returns False
+        when `owner` has no live request with this id (another owner's request is never
+        touched)."""
         with self._count_lock:
-            if request_id not in self._live_ids:
+            request = self._live.get(owner, client_request_id)
+            if request is None:
                 return False
-            self._inbox.put(("abort", request_id))
+            self._inbox.put(("abort", request))  # the object: never a later request with its id
         return True
 
     # ------------------------------------------------------------------ loop
@@ -304,26 +304,27 @@ class Engine:
             num_preemptions=request.num_preemptions,
             miss_evicted_tokens=miss.evicted_tokens,
             miss_other_replica_tokens=miss.other_replica_tokens,
-            miss_other_namespace_tokens=miss.other_namespace_tokens,
             miss_new_tokens=miss.new_tokens,
         )
         # The id is free before the final output goes out: a client that reuses it as soon as it
         # sees the end of its stream must not be refused as a duplicate.
         sink = self._sinks.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
-        self._sync_counts(finished=request.request_id)
+        self._sync_counts(finished=request)
         self._last_token_time.pop(request.request_id, None)
         if sink is not None:
             self._outbox.append((sink, GenerationOutput(request.request_id, text, token_ids or [], reason,
                                                         matched_stop, usage, error)))
 
-    def _sync_counts(self, finished: str | None = None) -> None:
+    def _sync_counts(self, finished: Request | None = None) -> None:
         """Keeps the counts `submit()` bounds the waiting queue with exact (engine thread only):
-        call after every change to the running set, with the id of a request that finished."""
+        call after every change to the running set, with a request that finished (its ids are
+        freed here, on every way a request ends: they all go through `_finish`)."""
         with self._count_lock:
             if finished is not None:
                 self._num_in_flight -= 1
-                self._live_ids.discard(finished)
+                self._live.remove(finished)
+                self.metrics.live_request_ids.set(len(self._live))
             self._num_running = len(self.scheduler.running)
 
     def _publish_load(self) -> None:
@@ -368,20 +369,21 @@ class Engine:
             elif kind == "cancel":
                 request = item[1]
                 if self._requests.get(request.request_id) is request:  # not a later one with its id
-                    log.info("request %s cancelled by the client", request.request_id)
+                    log.info("request %s cancelled by the client", request.log_id)
                     self._sinks.pop(request.request_id, None)
                     self._finish(request, FinishReason.CANCELLED, "")
             elif kind == "abort":
-                request = self._requests.get(item[1])
-                if request is not None:
-                    log.info("request %s aborted", request.request_id)
+                request = item[1]
+                if self._requests.get(request.request_id) is request:  # not a later one with its id
+                    log.info("request %s aborted", request.log_id)
                     self._finish(request, FinishReason.ABORT, request.detokenizer.finish())
 
     def _try_register(self) -> None:
         try:
             registration = self.cache.register()
         except CachePoolLost as e:
-            log.warning("cache manager at %s not reachable (%s); retrying", self.cache.address, e)
+            # Down, or refusing this replica (PERMISSION_DENIED, RESOURCE_EXHAUSTED): the status says which.
+            log.warning("registering with the cache manager at %s failed (%s); retrying", self.cache.address, e)
             self._stopping.wait(self.config.register_retry_seconds)
             return
         if registration.restored:  # the pool was kept: continue what still agrees (model_service/reattach.py)

@@ -24,6 +24,8 @@ class ModelMetrics(MetricsServer):
                                    registry=r)
         self.waiting = Gauge("radixkv_model_waiting_requests", "Requests waiting for admission", registry=r)
         self.running = Gauge("radixkv_model_running_requests", "Requests running", registry=r)
+        self.live_request_ids = Gauge("radixkv_model_live_request_ids",
+                                      "Request ids held by live requests (submitted, not finished)", registry=r)
         self.ttft = Histogram("radixkv_model_time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.inter_token = Histogram("radixkv_model_inter_token_latency_seconds", "Time between tokens",

@@ -27,11 +27,11 @@ class FinishReason(enum.Enum):
 
 
 class MissBreakdown(NamedTuple):
-    """Why a prompt's uncached tokens missed at first admission (cache.proto MissBreakdown)."""
+    """Why a prompt's uncached tokens missed at first admission (cache.proto MissBreakdown; each
+    figure is of the request's own namespace)."""
 
     evicted_tokens: int = 0
     other_replica_tokens: int = 0
-    other_namespace_tokens: int = 0
     new_tokens: int = 0
 
 
@@ -42,6 +42,10 @@ class Request:
     The request computes tokens [num_computed_tokens, num_tokens): a prefill (or a chunk of it)
     when several are left, a decode when one is. KV for position p sits in
     block_table[p // block_size].
+
+    `request_id` is the id the engine, the scheduler and the cache manager know it by, unique
+    among live requests (model_service/request_ids.py); the caller's own id is
+    `client_request_id`, unique per `owner` (the caller's principal key, "" when anonymous).
     """
 
     request_id: str
@@ -66,6 +70,19 @@ class Request:
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None
     matched_stop: str = ""
+    client_request_id: str = ""  # the caller's id (echoed, logged, aborted by); "" = request_id
+    owner: str = ""  # principal key of the caller (common.auth.Principal.key); "" when anonymous
+
+    def __post_init__(self) -> None:
+        if not self.client_request_id:
+            self.client_request_id = self.request_id
+
+    @property
+    def log_id(self) -> str:
+        """The caller's id for logs, with the internal id when they differ."""
+        if self.client_request_id == self.request_id:
+            return self.client_request_id
+        return f"{self.client_request_id} (as {self.request_id})"
 
     @property
     def all_token_ids(self) -> list[int]:

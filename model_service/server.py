@@ -16,6 +16,7 @@ import torch
 from common.auth import ClientToken, TokenStore, reload_on_sighup, server_interceptors
 from common.grpc_server import add_health_and_reflection, add_servicer, format_address, new_server, set_health
 from common.limits import RequestLimits, ServerLimits, id_error
+from common.metrics_server import DEFAULT_METRICS_HOST
 from common.security import ClientTLS, ServerTLS, add_port
 from model_service import native
 from model_service.attention import AttentionBackend, TorchAttentionBackend, create_attention_backend
@@ -64,6 +65,7 @@ class ModelServiceConfig:
     max_num_seqs: int = 64
     max_waiting: int = 1024
     metrics_port: int | None = None
+    metrics_host: str = DEFAULT_METRICS_HOST  # not `host`: the token-less metrics stay private by default
     worker_id: str | None = None
     cache_timeout: float = 10.0
     # Overlap each cache Step with the previous forward pass; lookahead blocks per request then.
@@ -194,12 +196,12 @@ async def serve(config: ModelServiceConfig) -> int:
     engine.cache.serving_addr = serving_addr  # before engine.start(): the pool registers with it
     if config.metrics_port is not None:
         try:
-            metrics_bound = engine.metrics.serve(config.metrics_port, config.host)
+            metrics_bound = engine.metrics.serve(config.metrics_port, config.metrics_host)
         except OSError as e:
-            print(f"model_service: cannot serve metrics on port {config.metrics_port}: {e.strerror}",
-                  file=sys.stderr, flush=True)
+            print(f"model_service: cannot serve metrics on {format_address(config.metrics_host, config.metrics_port)}: "
+                  f"{e.strerror or e}", file=sys.stderr, flush=True)
             return 1
-        log.info("metrics on http://%s/metrics", format_address(config.host, metrics_bound))
+        log.info("metrics on http://%s/metrics", format_address(config.metrics_host, metrics_bound))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

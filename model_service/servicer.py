@@ -1,5 +1,9 @@
 """gRPC ModelService: validates requests, translates proto <-> engine objects, streams outputs,
-aborts requests by id and reports the replica's load."""
+aborts requests by id and reports the replica's load.
+
+Callers are kept apart by their principal (common.auth.current_principal(); one anonymous caller
+without --auth-token-file): request ids are the caller's own (model_service/request_ids.py), and a
+token limited by ns= may only Generate in its namespaces."""
 
 from __future__ import annotations
 
@@ -11,13 +15,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.auth import one_role
+from common.auth import current_principal, one_role
 from common.limits import RequestLimits, quote_id, request_limit_error
 from model_service.detokenizer import IncrementalDetokenizer
-from model_service.engine import DuplicateRequestError, Engine, GenerationOutput
+from model_service.engine import Engine, GenerationOutput
 from model_service.loop_relay import LoopRelay
 from model_service.model_loader import LoadedModel
 from model_service.request import FinishReason, Request
+from model_service.request_ids import DuplicateRequestError
 from model_service.sampler import SamplingOptions, make_generator
 from model_service.scheduler import QueueFullError
 from protos import model_pb2, model_pb2_grpc
@@ -77,10 +82,11 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
     async def Generate(self, request: model_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.monotonic()
         try:
-            engine_request = self._build_request(request, arrival)
+            owner = _caller_key(request.namespace)
+            engine_request = self._build_request(request, arrival, owner)
         except InvalidRequest as e:
             await context.abort(e.code, str(e))
-        request_id = engine_request.request_id
+        request_id = engine_request.client_request_id  # echoed; the engine may run it under another
         outputs: asyncio.Queue[GenerationOutput] = asyncio.Queue()
         relay = self._relay_for(asyncio.get_running_loop())
         try:
@@ -89,8 +95,8 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except QueueFullError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        log.info("request %s: %d prompt tokens, max_tokens %d", request_id, len(engine_request.prompt_token_ids),
-                 engine_request.max_tokens)
+        log.info("request %s: %d prompt tokens, max_tokens %d", engine_request.log_id,
+                 len(engine_request.prompt_token_ids), engine_request.max_tokens)
         finished = False
         try:
             while not finished:
@@ -116,7 +122,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         if why is not None:
             raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, why)
 
-    def _build_request(self, request: model_pb2.GenerateRequest, arrival: float) -> Request:
+    def _build_request(self, request: model_pb2.GenerateRequest, arrival: float, owner: str) -> Request:
         self._check_limits(request)
         prompt_ids = self._prompt_token_ids(request)
         sampling = request.sampling
@@ -133,9 +139,13 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, "stop strings must not be empty")
         self._check_vocab(sampling.stop_token_ids, "stop_token_ids")
         max_tokens = self._max_tokens(sampling, len(prompt_ids))
+        client_id = request.request_id or uuid.uuid4().hex
         return Request(
-            # The client's id when given (a router aborts by it), unique among live requests.
-            request_id=request.request_id or uuid.uuid4().hex,
+            # The client's id when given (a router aborts by it), unique among the caller's live
+            # requests; Engine.submit picks the id the request runs under (request_ids.py).
+            request_id=client_id,
+            client_request_id=client_id,
+            owner=owner,
             prompt_token_ids=prompt_ids,
             sampling=options,
             max_tokens=max_tokens,
@@ -245,7 +255,8 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
     async def Abort(self, request: model_pb2.AbortRequest, context: grpc.aio.ServicerContext):
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
-        if not self.engine.abort(request.request_id):
+        # Only the caller's own requests: another caller's id gets the answer of an unknown one.
+        if not self.engine.abort(_caller_key(None), request.request_id):
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"no live request with id {quote_id(request.request_id)} (unknown or already finished)")
         log.info("request %s: abort requested", request.request_id)
@@ -268,6 +279,19 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         )
 
 
+def _caller_key(namespace: str | None) -> str:
+    """The calling principal's key ("" without --auth-token-file). With a `namespace` to use,
+    raises InvalidRequest(PERMISSION_DENIED) when the caller's token may not use it (the message
+    names only that namespace, never those the token may use)."""
+    principal = current_principal()
+    if principal is None:
+        return ""
+    if namespace is not None and not principal.may_read(namespace):  # ns= of the token line
+        raise InvalidRequest(grpc.StatusCode.PERMISSION_DENIED,
+                             f"this token may not use namespace {quote_id(namespace)}")
+    return principal.key
+
+
 def _response(request_id: str, out: GenerationOutput, served_by: str) -> model_pb2.GenerateResponse:
     response = model_pb2.GenerateResponse(request_id=request_id, text=out.text, token_ids=out.token_ids)
     if out.finish_reason is not None:
@@ -279,6 +303,6 @@ def _response(request_id: str, out: GenerationOutput, served_by: str) -> model_p
             completion_tokens=u.completion_tokens, time_to_first_token=u.time_to_first_token,
             total_time=u.total_time, num_preemptions=u.num_preemptions,
             miss_evicted_tokens=u.miss_evicted_tokens, miss_other_replica_tokens=u.miss_other_replica_tokens,
-            miss_other_namespace_tokens=u.miss_other_namespace_tokens, miss_new_tokens=u.miss_new_tokens,
+            miss_new_tokens=u.miss_new_tokens,  # miss_other_namespace_tokens: deprecated, always 0
             served_by=served_by))
     return response

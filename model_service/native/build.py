@@ -3,7 +3,7 @@ argmax.cpp, rms_norm.cpp, rope.cpp) into a shared library next to this file.
 
 `make install` runs `python -m model_service.native.build`; the library's name carries a hash of
 the source, the compiler flags and the torch version, so a stale build is never loaded. A build
-needs g++ and torch's headers (in the torch wheel); it takes about ten seconds. Without it the
+needs g++ and torch's headers (in the torch wheel); it takes about 40 seconds on 2 cores. Without it the
 model service runs on torch's kernels (model_service/native/__init__.py says why at start-up).
 """
 

@@ -429,7 +429,7 @@ def test_miss_breakdown_is_kept_from_the_first_admission_only(scheduler):
     request = make_request("r0", 40)
     scheduler.add(request)
     plan = scheduler.plan_cache_step()
-    miss = MissBreakdown(evicted_tokens=16, other_replica_tokens=8, other_namespace_tokens=0, new_tokens=16)
+    miss = MissBreakdown(evicted_tokens=16, other_replica_tokens=8, new_tokens=16)
     reply = admit_all(plan)
     reply = reply._replace(admits=[reply.admits[0]._replace(miss=miss)])
     scheduler.apply_cache_reply(plan, reply)

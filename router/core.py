@@ -4,13 +4,24 @@ It speaks to the replicas and the cache manager through two small ports (`Replic
 `CachePort`; router/upstream.py implements them over gRPC, tests with fakes) and raises
 `RouterError` with a gRPC status name, so nothing here depends on gRPC.
 
-Generate: the prompt is tokenized once (a live replica's Tokenize; token ids pass through), the
-policy orders the candidate replicas (router/policy.py), and the stream is proxied from the first
-candidate that produces a first message, the request sent as token ids under the request's id
-(the client's, or a fresh one) so the cache manager's reservation and a later Abort match it.
-A candidate failing before its first message with a status of RETRYABLE_BEFORE_FIRST_MESSAGE is
-skipped for the next one; any other status is the client's answer as it is. A failure once
-output has been streamed ends the stream with UNAVAILABLE saying so: it is never replayed.
+Generate: the prompt is tokenized once (a live replica's Tokenize; token ids pass through) and
+checked against the model's context (before Route: a prompt the model cannot take never adds
+queued load anywhere), the policy orders the candidate replicas (router/policy.py), and the
+stream is proxied from the first candidate that produces a first message, the request sent as
+token ids. A candidate failing before its first message with a status of
+RETRYABLE_BEFORE_FIRST_MESSAGE is skipped for the next one; any other status is the client's
+answer as it is. A failure once output has been streamed ends the stream with UNAVAILABLE
+saying so: it is never replayed.
+
+Request ids belong to the caller (the principal of its token; "" without tokens): the router
+keys its in-flight requests by (principal key, client id), refuses a second live request of the
+same pair with ALREADY_EXISTS before doing anything else, and treats another principal's id as
+unknown (Abort: NOT_FOUND; the same id is free for reuse). Upstream, every request carries a
+fresh id of the router's own (Route's request_id and the replica's), so ids of different
+callers never meet at a replica; the client's id is put back on every message.
+
+Replicas are only ever the operator's (router/trust.py): addresses the cache manager reports
+(Stats, Route candidates) outside the trust are skipped, logged once, counted, never called.
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from common.limits import quote_id
 from protos import cache_pb2, model_pb2
@@ -40,10 +51,34 @@ from router.policy import (
     least_loaded,
 )
 from router.replicas import Load, ReplicaSet
+from router.trust import resolve
+
+if TYPE_CHECKING:
+    from common.auth import Principal
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# Untrusted addresses remembered so that each is logged once (bounded: the set is cleared when
+# full, an address may then be logged again).
+MAX_LOGGED_UNTRUSTED = 4096
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+@dataclass(slots=True)
+class InFlight:
+    """One Generate this router is serving: its upstream id, the replica it is at now (None
+    while tokenizing / routing, between attempts), and whether the client aborted it."""
+
+    upstream_id: str
+    addr: str | None = None
+    aborted: bool = False
+
+
+def _owner(principal: Principal | None) -> str:
+    return principal.key if principal is not None else ""
 
 
 class ReplicaPort(Protocol):
@@ -88,7 +123,8 @@ class CoreConfig:
 
 class RouterCore:
     def __init__(self, config: CoreConfig, replicas: ReplicaSet, upstream: ReplicaPort, cache: CachePort,
-                 metrics: RouterMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 metrics: RouterMetrics | None = None, clock: Callable[[], float] = time.monotonic,
+                 resolver: Resolver | None = None) -> None:
         self.config = config
         self.replicas = replicas
         self.upstream = upstream
@@ -99,8 +135,11 @@ class RouterCore:
         self._unary_rotation = Rotation()  # Tokenize, ModelInfo
         self._cache_skip_until = 0.0
         self.cache_up: bool | None = None
-        # request id -> (replica address, owner token) of every stream this router has open.
-        self._inflight: dict[str, tuple[str, object]] = {}
+        # (principal key, client request id) -> every Generate this router is serving.
+        self._inflight: dict[tuple[str, str], InFlight] = {}
+        self._resolver: Resolver = resolver if resolver is not None else resolve
+        self._untrusted_logged: set[str] = set()
+        self._dns_failing: set[tuple[str, int]] = set()
 
     # ------------------------------------------------------------------ helpers
 
@@ -125,10 +164,24 @@ class RouterCore:
         self.cache_up = up
         self.metrics.cache_manager_up.set(1 if up else 0)
 
-    def inflight(self, request_id: str) -> str | None:
-        """The replica serving `request_id` through this router now, if any."""
-        entry = self._inflight.get(request_id)
-        return entry[0] if entry else None
+    def inflight(self, request_id: str, principal_key: str = "") -> str | None:
+        """The replica serving the principal's `request_id` through this router now, if any."""
+        entry = self._inflight.get((principal_key, request_id))
+        return entry.addr if entry is not None else None
+
+    def _trusted(self, addr: str, source: str) -> bool:
+        """Whether the router may call `addr`, which the cache manager's `source` (stats, route)
+        reported; an untrusted one is counted, and logged once."""
+        if self.replicas.trust.trusted(addr):
+            return True
+        self.metrics.untrusted_addrs.labels(source).inc()
+        if addr not in self._untrusted_logged:
+            if len(self._untrusted_logged) >= MAX_LOGGED_UNTRUSTED:
+                self._untrusted_logged.clear()
+            self._untrusted_logged.add(addr)
+            log.warning("replica address %s (the cache manager's %s) is not trusted: never called (trust it with "
+                        "--replica, --replica-dns or --replica-allow)", quote_id(addr), source)
+        return False
 
     def _failed_before_first_message(self, addr: str, error: UpstreamError, failures: list[str]) -> str:
         """A replica failed before answering: raise the client's error unless the next replica may
@@ -183,13 +236,15 @@ class RouterCore:
             else:
                 self._mark_cache(True)
                 now = self._clock()
-                for c in response.candidates:
-                    if c.serving_addr:
-                        self.replicas.learn(c.serving_addr, pool_id=c.pool_id, load=Load(
-                            c.load.num_running_requests, c.load.num_waiting_requests,
-                            c.load.num_waiting_tokens + c.routed_tokens, now))
+                # Untrusted candidates are dropped from the plan (never called, whatever their rank).
+                candidates = [c for c in response.candidates
+                              if c.serving_addr and self._trusted(c.serving_addr, "route")]
+                for c in candidates:
+                    self.replicas.learn(c.serving_addr, pool_id=c.pool_id, load=Load(
+                        c.load.num_running_requests, c.load.num_waiting_requests,
+                        c.load.num_waiting_tokens + c.routed_tokens, now))
                 live = self.replicas.live()
-                plan = kv_plan(response.candidates, self.replicas, least_loaded(live, self._rotation))
+                plan = kv_plan(candidates, self.replicas, least_loaded(live, self._rotation))
                 if plan.addrs:
                     return plan
                 return RoutePlan(least_loaded(live, self._rotation), LEAST_LOADED)
@@ -213,76 +268,116 @@ class RouterCore:
             lambda addr, timeout: self.upstream.tokenize(addr, tokenize, timeout), deadline, "Tokenize")
         return list(response.token_ids)
 
-    async def generate(self, request: model_pb2.GenerateRequest,
-                       deadline: float | None = None) -> AsyncIterator[model_pb2.GenerateResponse]:
-        """Proxies one Generate stream (see the module docstring). Raises RouterError."""
-        arrival = self._clock()
-        upstream = model_pb2.GenerateRequest()
-        upstream.CopyFrom(request)
-        request_id = upstream.request_id = request.request_id or uuid.uuid4().hex
-        token_ids = await self._prompt_ids(request, deadline)
-        if token_ids is not None and request.WhichOneof("input") != "token_ids":
-            upstream.token_ids.CopyFrom(model_pb2.TokenIds(ids=token_ids))  # clears prompt / chat
-        plan = await self.plan(token_ids or [], request.namespace, request_id, deadline)
-        if not plan.addrs:
-            raise RouterError(errors.UNAVAILABLE, "no model replica is reachable")
-        self.metrics.decisions.labels(plan.reason).inc()
-        self.metrics.routing_seconds.observe(self._clock() - arrival)
-        failures: list[str] = []
-        code = errors.UNAVAILABLE
-        for attempt, addr in enumerate(plan.addrs):
-            if attempt:
-                self.metrics.decisions.labels(RETRY).inc()
-                log.info("request %s: retrying on %s after %s", request_id, addr, failures[-1])
-            stream = self.upstream.generate(addr, upstream, self._timeout(deadline))
-            owner = object()
-            self._inflight[request_id] = (addr, owner)
-            replica = self.replicas.get(addr)
-            if replica is not None:
-                replica.inflight += 1
-                replica.requests += 1
-            outcome = errors.UNKNOWN
-            try:
-                try:
-                    message = await anext(stream)
-                except StopAsyncIteration:
-                    message = None
-                    error = UpstreamError(errors.UNAVAILABLE, "the stream ended without a message")
-                except UpstreamError as e:
-                    message, error = None, e
-                if message is None:
-                    outcome = error.code
-                    code = self._failed_before_first_message(addr, error, failures)
-                    continue
-                self.metrics.first_message_seconds.observe(self._clock() - arrival)
-                async for forwarded in self._forward(addr, message, stream):
-                    yield forwarded
-                outcome = errors.OK
-                return
-            except RouterError as e:
-                outcome = e.code
-                raise
-            except (asyncio.CancelledError, GeneratorExit):
-                outcome = errors.CANCELLED
-                raise
-            finally:
-                await stream.aclose()
-                if replica is not None:
-                    replica.inflight -= 1
-                if self._inflight.get(request_id, (None, None))[1] is owner:
-                    del self._inflight[request_id]
-                self.metrics.requests.labels(addr, outcome).inc()
-        raise RouterError(code, f"no replica could take the request ({len(plan.addrs)} tried): "
-                          + "; ".join(failures))
+    async def _check_context(self, num_prompt: int, sampling: model_pb2.SamplingParams,
+                             deadline: float | None) -> None:
+        """INVALID_ARGUMENT, with the replica's own message, for a prompt the model's context
+        cannot take (alone, or with its max_tokens)."""
+        context = (await self.served_model(deadline)).max_context_tokens
+        if not context:
+            return
+        if num_prompt >= context:
+            raise RouterError(errors.INVALID_ARGUMENT,
+                              f"prompt has {num_prompt} tokens; the model's context is {context} tokens")
+        max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else 0
+        if max_tokens > 0 and num_prompt + max_tokens > context:
+            raise RouterError(errors.INVALID_ARGUMENT,
+                              f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                              f"context of {context} tokens")
 
-    async def _forward(self, addr: str, first: model_pb2.GenerateResponse,
+    async def generate(self, request: model_pb2.GenerateRequest, deadline: float | None = None,
+                       principal: Principal | None = None) -> AsyncIterator[model_pb2.GenerateResponse]:
+        """Proxies one Generate stream of `principal` (None: the router runs without tokens; see
+        the module docstring). Raises RouterError."""
+        arrival = self._clock()
+        client_id = request.request_id or uuid.uuid4().hex
+        slot = (_owner(principal), client_id)
+        if slot in self._inflight:  # refused before anything else: the live one is left as it is
+            raise RouterError(errors.ALREADY_EXISTS, f"request {quote_id(client_id)} is already in flight at this "
+                              "router")
+        if principal is not None and not principal.may_read(request.namespace):
+            raise RouterError(errors.PERMISSION_DENIED,
+                              f"this token may not use the namespace {quote_id(request.namespace)}")
+        entry = self._inflight[slot] = InFlight(uuid.uuid4().hex)
+        try:
+            token_ids = await self._prompt_ids(request, deadline)
+            if token_ids is not None:
+                await self._check_context(len(token_ids), request.sampling, deadline)
+            upstream = model_pb2.GenerateRequest()
+            upstream.CopyFrom(request)
+            upstream.request_id = entry.upstream_id
+            if token_ids is not None and request.WhichOneof("input") != "token_ids":
+                upstream.token_ids.CopyFrom(model_pb2.TokenIds(ids=token_ids))  # clears prompt / chat
+            plan = RoutePlan([], LEAST_LOADED)
+            if not entry.aborted:
+                plan = await self.plan(token_ids or [], request.namespace, entry.upstream_id, deadline)
+                if not plan.addrs:
+                    raise RouterError(errors.UNAVAILABLE, "no model replica is reachable")
+                self.metrics.decisions.labels(plan.reason).inc()
+                self.metrics.routing_seconds.observe(self._clock() - arrival)
+            failures: list[str] = []
+            code = errors.UNAVAILABLE
+            for attempt, addr in enumerate(plan.addrs):
+                if entry.aborted:
+                    break
+                if attempt:
+                    self.metrics.decisions.labels(RETRY).inc()
+                    log.info("request %s: retrying on %s after %s", entry.upstream_id, addr, failures[-1])
+                stream = self.upstream.generate(addr, upstream, self._timeout(deadline))
+                entry.addr = addr
+                replica = self.replicas.get(addr)
+                if replica is not None:
+                    replica.inflight += 1
+                    replica.requests += 1
+                outcome = errors.UNKNOWN
+                try:
+                    try:
+                        message = await anext(stream)
+                    except StopAsyncIteration:
+                        message = None
+                        error = UpstreamError(errors.UNAVAILABLE, "the stream ended without a message")
+                    except UpstreamError as e:
+                        message, error = None, e
+                    if message is None:
+                        outcome = error.code
+                        code = self._failed_before_first_message(addr, error, failures)
+                        continue
+                    self.metrics.first_message_seconds.observe(self._clock() - arrival)
+                    async for forwarded in self._forward(addr, client_id, message, stream):
+                        yield forwarded
+                    outcome = errors.OK
+                    return
+                except RouterError as e:
+                    outcome = e.code
+                    raise
+                except (asyncio.CancelledError, GeneratorExit):
+                    outcome = errors.CANCELLED
+                    raise
+                finally:
+                    entry.addr = None
+                    await stream.aclose()
+                    if replica is not None:
+                        replica.inflight -= 1
+                    self.metrics.requests.labels(addr, outcome).inc()
+            if entry.aborted:  # aborted before a replica had it: it ends here, as the replica's would
+                yield model_pb2.GenerateResponse(request_id=client_id, finish_reason=model_pb2.FINISH_REASON_ABORT,
+                                                 usage=model_pb2.Usage(prompt_tokens=len(token_ids or ())))
+                return
+            raise RouterError(code, f"no replica could take the request ({len(plan.addrs)} tried): "
+                              + "; ".join(failures))
+        finally:
+            if self._inflight.get(slot) is entry:
+                del self._inflight[slot]
+
+    async def _forward(self, addr: str, client_id: str, first: model_pb2.GenerateResponse,
                        stream: AsyncIterator[model_pb2.GenerateResponse]) -> AsyncIterator[model_pb2.GenerateResponse]:
-        """The replica's messages from `first` on, Usage.served_by filled in; a failure after output
-        was streamed becomes UNAVAILABLE (DEADLINE_EXCEEDED stays itself)."""
+        """The replica's messages from `first` on, under the client's request id, Usage.served_by
+        filled in; a failure after output was streamed becomes UNAVAILABLE (DEADLINE_EXCEEDED
+        stays itself)."""
         message: model_pb2.GenerateResponse | None = first
         sent_tokens = 0
         finished = False
         while message is not None:
+            message.request_id = client_id
             if message.HasField("usage") and not message.usage.served_by:
                 message.usage.served_by = addr
             finished = message.finish_reason != model_pb2.FINISH_REASON_UNSPECIFIED
@@ -327,21 +422,40 @@ class RouterCore:
         return answer
 
     async def served_model(self, deadline: float | None = None) -> model_pb2.ModelInfoResponse:
-        """The served model's info, from the last check when known (no call)."""
+        """The served model's info (a replica's ModelInfo): from the last check when known, else
+        asked of a live replica and kept."""
         info = self.replicas.model_info()
         if isinstance(info, model_pb2.ModelInfoResponse):
             return info
-        return await self.model_info(deadline)
+        answered: list[str] = []
 
-    async def abort(self, request_id: str, deadline: float | None = None) -> model_pb2.AbortResponse:
-        """Forwards Abort to the replica serving `request_id`; NOT_FOUND when none is."""
-        addr = self.inflight(request_id)
-        if addr is None:
+        async def ask(addr: str, timeout: float | None) -> model_pb2.ModelInfoResponse:
+            answer = await self.upstream.model_info(addr, timeout)
+            answered.append(addr)
+            return answer
+
+        info = await self._any_replica(ask, deadline, "ModelInfo")
+        self.replicas.set_info(answered[-1], info, info.model_fingerprint)
+        return info
+
+    async def abort(self, request_id: str, deadline: float | None = None,
+                    principal: Principal | None = None) -> model_pb2.AbortResponse:
+        """Aborts the principal's `request_id`: forwarded to the replica serving it (under its
+        upstream id), or, before a replica has it, ended by the router. NOT_FOUND when the
+        principal has no such request in flight here (another principal's id included)."""
+        entry = self._inflight.get((_owner(principal), request_id))
+        if entry is None:
             raise RouterError(errors.NOT_FOUND, f"no request {quote_id(request_id)} is in flight at this router")
+        entry.aborted = True  # no further replica is tried, and one not called yet never is
+        if entry.addr is None:
+            return model_pb2.AbortResponse()
         try:
-            return await self.upstream.abort(addr, model_pb2.AbortRequest(request_id=request_id),
+            return await self.upstream.abort(entry.addr, model_pb2.AbortRequest(request_id=entry.upstream_id),
                                              self._timeout(deadline, self.config.call_timeout_s))
         except UpstreamError as e:
+            if e.code == errors.NOT_FOUND:  # it just ended there; the replica's message names the upstream id
+                raise RouterError(errors.NOT_FOUND,
+                                  f"no request {quote_id(request_id)} is in flight at this router") from None
             raise RouterError(e.code, e.message) from None
 
     async def get_load(self, deadline: float | None = None) -> model_pb2.GetLoadResponse:
@@ -379,6 +493,7 @@ class RouterCore:
         """One round of background checks: the cache manager's pools (replicas and their load),
         then every known replica's health, load and (once) ModelInfo. Returns whether some
         replica is reachable."""
+        await self._discover()
         try:
             stats = await self.cache.stats(self.config.route_timeout_s)
         except UpstreamError as e:
@@ -387,7 +502,7 @@ class RouterCore:
             self._mark_cache(True)
             now = self._clock()
             for pool in stats.pools:
-                if pool.serving_addr:
+                if pool.serving_addr and self._trusted(pool.serving_addr, "stats"):
                     self.replicas.learn(pool.serving_addr, pool_id=pool.pool_id, fingerprint=pool.model_fingerprint,
                                         load=Load(pool.load.num_running_requests, pool.load.num_waiting_requests,
                                                   pool.load.num_waiting_tokens, now))
@@ -397,6 +512,33 @@ class RouterCore:
         reachable = sum(1 for r in self.replicas.all() if r.reachable)
         self.metrics.replicas_reachable.set(reachable)
         return reachable > 0
+
+    async def _discover(self) -> None:
+        """Resolves every --replica-dns name: its addresses are trusted and held as replicas;
+        addresses a name no longer gives are dropped (unless trusted otherwise). A failed lookup
+        keeps the name's previous addresses (a DNS hiccup must not empty the fleet)."""
+        trust = self.replicas.trust
+        if not trust.dns_names:
+            return
+        timeout = self.config.call_timeout_s
+        answers = await asyncio.gather(*(asyncio.wait_for(self._resolver(host, port), timeout)
+                                         for host, port in trust.dns_names), return_exceptions=True)
+        for (host, port), answer in zip(trust.dns_names, answers, strict=True):
+            if isinstance(answer, BaseException) and not isinstance(answer, Exception):
+                raise answer
+            if isinstance(answer, Exception) or not answer:
+                if (host, port) not in self._dns_failing:
+                    self._dns_failing.add((host, port))
+                    log.warning("--replica-dns %s:%d: lookup failed (%s); keeping its previous addresses",
+                                host, port, answer or "no address")
+                continue
+            if (host, port) in self._dns_failing:
+                self._dns_failing.discard((host, port))
+                log.info("--replica-dns %s:%d resolves again", host, port)
+            trust.set_resolved(host, port, answer)
+        self.replicas.sync_dns(trust.resolved())
+        for addr in self.replicas.retain_trusted():
+            log.info("dropped replica %s: no --replica-dns name resolves to it any more", addr)
 
     async def _check(self, addr: str) -> None:
         timeout = self.config.call_timeout_s

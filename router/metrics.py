@@ -38,6 +38,12 @@ class RouterMetrics(MetricsServer):
         self.cache_manager_up = Gauge("radixkv_router_cache_manager_up",
                                       "1 while the cache manager answers, else 0 (routing falls back to load)",
                                       registry=r)
+        self.untrusted_addrs = Counter(
+            "radixkv_router_untrusted_addrs", "serving_addrs the cache manager listed (Stats) or offered (Route) "
+            "outside the router's trust (--replica, --replica-dns, --replica-allow): skipped, never called",
+            ["source"], registry=r)
+        for source in ("stats", "route"):
+            self.untrusted_addrs.labels(source)
         self.http_requests = Counter("radixkv_router_http_requests", "OpenAI HTTP requests by path and status",
                                      ["path", "status"], registry=r)
 

@@ -5,16 +5,28 @@ The translation is pure (request JSON -> GenerateRequest, GenerateResponse messa
 JSON), and the handlers call the same RouterCore.generate the gRPC servicer does.
 
 Parameters: max_tokens (chat: max_completion_tokens first), temperature, top_p, seed, stop (a
-string or a list), n / best_of = 1 only, user ignored; the extensions vLLM also takes: top_k,
-ignore_eos, stop_token_ids, and ``cache_salt`` (the request's cache namespace: prefixes are
-never shared across salts). Unsupported features (echo, logprobs, penalties, logit_bias, tools,
-non-text content, several prompts) are a 400, never silently dropped. Completions default to
-max_tokens 16 as OpenAI's do; chat defaults to the model service's (128, capped by the context).
-An ``X-Request-Id`` header sets the request id (for Abort over gRPC); responses echo it.
+string or a list), n / best_of = 1 only; the extensions vLLM also takes: top_k, ignore_eos,
+stop_token_ids, and ``cache_salt`` (the request's cache namespace: prefixes are never shared
+across salts). Unsupported features (echo, logprobs, penalties, logit_bias, tools, non-text
+content, several prompts) are a 400. Any other field (a misspelling, another server's
+extension, OpenAI's ``user``) is accepted as vLLM accepts it, but never silently: the response
+lists it in ``X-Ignored-Fields`` and the router logs a warning (router/ignored_fields.py).
+Completions default to max_tokens 16 as OpenAI's do; chat defaults to the model service's (128,
+capped by the context). An ``X-Request-Id`` header sets the request id (for Abort over gRPC,
+with the same token: ids are the token's own); responses echo it. A token limited to namespaces
+(``ns=``) may only use those as ``cache_salt`` (else 403).
+
+Bodies: at most --max-http-body-mb (default 16 MiB; 413 ``request_too_large``, the connection
+closed, at once when Content-Length says so), JSON objects at most 64 levels deep with at most
+100,000 arrays and objects, no NaN / Infinity (router/http_body.py); any of that, a number out
+of its field's range or a lone surrogate is a 400, never a 500.
 
 With the router's --auth-token-file, every path but /health needs ``Authorization: Bearer TOKEN``
 (a token of that file with the ``client`` role): 401 when missing or unknown, 403 without the
-role, both as OpenAI error JSON (code ``invalid_api_key`` / ``permission_denied``).
+role, both as OpenAI error JSON (code ``invalid_api_key`` / ``permission_denied``). /health is
+open (200 ``{"status": "ok"}``, 503 when no replica is reachable) but its details (the replicas'
+addresses, the cache manager's state) need such a token; without a token file the whole door,
+details included, is open.
 
 Errors are OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``: 400 invalid, 404
 unknown model or path, 429 replica queue full, 503 no replica, 504 deadline, 500 otherwise. Once
@@ -24,11 +36,14 @@ a stream has started, an error arrives as one ``data: {"error": ...}`` event bef
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
+import math
+import reprlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,21 +51,33 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from common.auth import UNAUTHENTICATED, AuthError, TokenStore, bearer_token
+from common.auth import UNAUTHENTICATED, AuthError, Principal, TokenStore, bearer_token
 from protos import model_pb2
 from router import errors
 from router.core import RouterCore
 from router.errors import RouterError
+from router.http_body import (
+    DEFAULT_MAX_BODY_BYTES,
+    BodyError,
+    check_content_length,
+    parse_object,
+    read_limited,
+)
+from router.ignored_fields import HEADER as IGNORED_HEADER
+from router.ignored_fields import IgnoredFieldsLog, header_value, ignored_fields
 
 log = logging.getLogger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+INT32_MAX = 2**31 - 1
 
 _HTTP_STATUS = {
     errors.INVALID_ARGUMENT: 400,
     errors.FAILED_PRECONDITION: 400,
     "OUT_OF_RANGE": 400,
+    errors.PERMISSION_DENIED: 403,  # a namespace (cache_salt) the token may not use
     errors.NOT_FOUND: 404,
     "ALREADY_EXISTS": 409,  # an X-Request-Id still in flight
     errors.RESOURCE_EXHAUSTED: 429,
@@ -58,8 +85,15 @@ _HTTP_STATUS = {
     errors.UNAVAILABLE: 503,
     errors.DEADLINE_EXCEEDED: 504,
 }
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
-                503: "service_unavailable_error", 504: "timeout_error"}
+_ERROR_TYPES = {400: "invalid_request_error", 403: "permission_error", 404: "not_found_error",
+                413: "invalid_request_error",
+                429: "rate_limit_error", 503: "service_unavailable_error", 504: "timeout_error"}
+
+# Client values quoted in error messages: a few elements, a few dozen characters (a body may
+# hold megabytes in the field that is wrong).
+_short = reprlib.Repr()
+_short.maxlevel, _short.maxlist, _short.maxdict, _short.maxstring, _short.maxother = 2, 4, 4, 60, 60
+_short.maxlong = 60
 _FINISH_REASONS = {
     model_pb2.FINISH_REASON_STOP: "stop",
     model_pb2.FINISH_REASON_LENGTH: "length",
@@ -104,9 +138,19 @@ def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str) ->
     if value is None:
         return None
     if isinstance(value, bool) and bool not in kinds:  # bool is an int in Python
-        raise invalid(f"'{name}' must be {what}, got {value!r}", name)
+        raise invalid(f"'{name}' must be {what}, got {_short.repr(value)}", name)
     if not isinstance(value, kinds):
-        raise invalid(f"'{name}' must be {what}, got {value!r}", name)
+        raise invalid(f"'{name}' must be {what}, got {_short.repr(value)}", name)
+    if isinstance(value, float) and not math.isfinite(value):  # 1e400 parses as inf
+        raise invalid(f"'{name}' must be a finite number, got {value!r}", name)
+    return value
+
+
+def _int32(body: dict[str, Any], name: str) -> int | None:
+    """An integer field of a protobuf int32: a 400 naming it when out of range (not a 500)."""
+    value = _get(body, name, (int,), "an integer")
+    if value is not None and not -INT32_MAX - 1 <= value <= INT32_MAX:
+        raise invalid(f"'{name}' must be at most {INT32_MAX} in magnitude, got {_short.repr(value)}", name)
     return value
 
 
@@ -120,7 +164,7 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...], default_m
               ) -> model_pb2.SamplingParams:
     sampling = model_pb2.SamplingParams()
     for name in max_tokens_names:
-        value = _get(body, name, (int,), "an integer")
+        value = _int32(body, name)
         if value is not None:
             sampling.max_tokens = value
             break
@@ -133,7 +177,7 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...], default_m
     top_p = _get(body, "top_p", (int, float), "a number")
     if top_p is not None:
         sampling.top_p = top_p
-    top_k = _get(body, "top_k", (int,), "an integer")
+    top_k = _int32(body, "top_k")
     if top_k is not None:
         if top_k == -1:  # vLLM's "disabled"
             top_k = 0
@@ -141,13 +185,13 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...], default_m
     seed = _get(body, "seed", (int,), "an integer")
     if seed is not None:
         if not 0 <= seed < 2**64:
-            raise invalid(f"'seed' must be in [0, 2**64), got {seed}", "seed")
+            raise invalid(f"'seed' must be in [0, 2**64), got {_short.repr(seed)}", "seed")
         sampling.seed = seed
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise invalid(f"'stop' must be a string or a list of strings, got {stop!r}", "stop")
+        raise invalid(f"'stop' must be a string or a list of strings, got {_short.repr(stop)}", "stop")
     sampling.stop.extend(stop or [])
     stop_token_ids = body.get("stop_token_ids")
     if stop_token_ids is not None:
@@ -182,6 +226,25 @@ def _common(body: dict[str, Any]) -> tuple[str, bool, bool]:
     return namespace, stream, include_usage
 
 
+_Translation = Callable[[dict[str, Any]], tuple[model_pb2.GenerateRequest, bool, bool]]
+
+
+def _valid_unicode(translate: _Translation) -> _Translation:
+    """A lone UTF-16 surrogate ("\\ud800" in JSON) cannot be encoded into the protobuf request:
+    a 400 saying so, not a 500."""
+
+    @functools.wraps(translate)
+    def checked(body: dict[str, Any]) -> tuple[model_pb2.GenerateRequest, bool, bool]:
+        try:
+            return translate(body)
+        except UnicodeEncodeError:
+            raise invalid("the request holds a lone UTF-16 surrogate (\\ud800-\\udfff): not valid Unicode",
+                          code="invalid_unicode") from None
+
+    return checked
+
+
+@_valid_unicode
 def completion_request(body: dict[str, Any]) -> tuple[model_pb2.GenerateRequest, bool, bool]:
     """POST /v1/completions body -> (GenerateRequest, stream, include_usage). Raises OpenAIError."""
     namespace, stream, include_usage = _common(body)
@@ -224,6 +287,7 @@ def _content(message: dict[str, Any], index: int) -> str:
     raise invalid("'content' must be a string or a list of text parts", f"messages[{index}].content")
 
 
+@_valid_unicode
 def chat_request(body: dict[str, Any]) -> tuple[model_pb2.GenerateRequest, bool, bool]:
     """POST /v1/chat/completions body -> (GenerateRequest, stream, include_usage). Raises OpenAIError."""
     namespace, stream, include_usage = _common(body)
@@ -331,46 +395,77 @@ def sse(data: dict[str, Any] | str) -> bytes:
 # ---------------------------------------------------------------------- the app
 
 
-def _error_response(error: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+def _error_response(error: OpenAIError, headers: dict[str, str] | None = None) -> Response:
+    """The error as OpenAI's JSON, ASCII only (messages quote client input, which may hold lone
+    surrogates); a 413 closes the connection (the rest of the body is never read)."""
+    if error.status == 413:
+        headers = {**(headers or {}), "connection": "close"}
+    return Response(json.dumps(error.body(), separators=(",", ":")), status_code=error.status, headers=headers,
+                    media_type="application/json")
+
+
+def _body_error(error: BodyError) -> OpenAIError:
+    return OpenAIError(error.status, error.message, code=error.code)
+
+
+def announced_body_error(content_length: str | None, limit: int) -> Response | None:
+    """The 413 to a request whose Content-Length passes `limit`: sent before reading any of the
+    body, closing the connection."""
+    try:
+        check_content_length(content_length, limit)
+    except BodyError as e:
+        return _error_response(_body_error(e))
+    return None
 
 
 OPEN_PATHS = frozenset({"/health"})
 
 
-def auth_error(tokens: TokenStore, authorization: str | None) -> JSONResponse | None:
-    """The 401 / 403 answer to a request whose Authorization header the token file refuses."""
+def authenticate(tokens: TokenStore, authorization: str | None) -> tuple[Principal | None, Response | None]:
+    """(the caller's Principal, None), or (None, the 401 / 403 answer) when the token file
+    refuses the request's Authorization header."""
     try:
-        tokens.authorize(bearer_token(authorization), "client", "this API")
+        return tokens.authorize(bearer_token(authorization), "client", "this API"), None
     except AuthError as e:
         if e.code == UNAUTHENTICATED:
-            return _error_response(OpenAIError(401, f"{e.message} (send 'Authorization: Bearer <token>')",
-                                               code="invalid_api_key", type_="invalid_request_error"),
-                                   {"www-authenticate": "Bearer"})
-        return _error_response(OpenAIError(403, e.message, code="permission_denied", type_="permission_error"))
-    return None
+            return None, _error_response(OpenAIError(401, f"{e.message} (send 'Authorization: Bearer <token>')",
+                                                     code="invalid_api_key", type_="invalid_request_error"),
+                                         {"www-authenticate": "Bearer"})
+        return None, _error_response(OpenAIError(403, e.message, code="permission_denied",
+                                                 type_="permission_error"))
 
 
-def build_app(core: RouterCore, tokens: TokenStore | None = None) -> FastAPI:
-    """The HTTP door; with `tokens`, every path but /health needs a bearer token with role client."""
+def auth_error(tokens: TokenStore, authorization: str | None) -> Response | None:
+    """The 401 / 403 answer to a request whose Authorization header the token file refuses."""
+    return authenticate(tokens, authorization)[1]
+
+
+def build_app(core: RouterCore, tokens: TokenStore | None = None, *,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The HTTP door; with `tokens`, every path but /health needs a bearer token with role client
+    (/health's details too); request bodies over `max_body_bytes` are a 413."""
     app = FastAPI(title="radixkv router", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = core.metrics
+    ignored_log = IgnoredFieldsLog()
 
     @app.middleware("http")
     async def count(request: Request, call_next):
         refused = None
+        request.state.principal = None  # the caller (request ids, Abort and namespaces are its own)
         if tokens is not None and request.url.path not in OPEN_PATHS:
-            refused = auth_error(tokens, request.headers.get("authorization"))
+            request.state.principal, refused = authenticate(tokens, request.headers.get("authorization"))
+        if refused is None:
+            refused = announced_body_error(request.headers.get("content-length"), max_body_bytes)
         response = refused if refused is not None else await call_next(request)
-        metrics.http_requests.labels(request.url.path, str(response.status_code)).inc()
+        metrics.http_requests.labels(_metric_path(request.url.path), str(response.status_code)).inc()
         return response
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> Response:
         return _error_response(OpenAIError(exc.status_code, str(exc.detail)))
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(_request: Request, exc: RequestValidationError) -> Response:
         return _error_response(invalid(str(exc)))
 
     async def served_model() -> model_pb2.ModelInfoResponse:
@@ -380,30 +475,35 @@ def build_app(core: RouterCore, tokens: TokenStore | None = None) -> FastAPI:
             raise OpenAIError.from_router(e) from None
 
     async def read_body(request: Request) -> dict[str, Any]:
+        """The body's JSON object: at most max_body_bytes read (413 past them), hostile JSON a 400
+        (router/http_body.py)."""
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise invalid(f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise invalid("the request body must be a JSON object")
-        return body
+            return parse_object(await read_limited(request.stream(), max_body_bytes))
+        except BodyError as e:
+            raise _body_error(e) from None
+        except ClientDisconnect:  # the client left mid-body: nobody reads this answer
+            raise invalid("the client closed the connection before the whole body arrived") from None
 
     async def generate(request: Request, chat: bool) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         headers = {"x-request-id": request_id}
         try:
             body = await read_body(request)
+            ignored = ignored_fields(body, chat)
+            if ignored:  # on every answer from here on, errors and streams included
+                headers[IGNORED_HEADER] = header_value(ignored)
+                ignored_log.warn(request.url.path, ignored)
             generate_request, stream, include_usage = (chat_request if chat else completion_request)(body)
             model = _get(body, "model", (str,), "a string")
             if not model:
                 raise invalid("'model' is required", "model")
             info = await served_model()
             if model != info.model_name:
-                raise OpenAIError(404, f"the model '{model}' does not exist (this server serves "
+                raise OpenAIError(404, f"the model {_short.repr(model)} does not exist (this server serves "
                                   f"'{info.model_name}')", "model", "model_not_found")
             generate_request.request_id = request_id
             reply = Reply(chat, model, request_id)
-            messages = core.generate(generate_request)
+            messages = core.generate(generate_request, principal=request.state.principal)
             try:
                 first = await anext(messages)  # routing, retries: errors here are HTTP statuses
             except StopAsyncIteration:
@@ -455,17 +555,32 @@ def build_app(core: RouterCore, tokens: TokenStore | None = None) -> FastAPI:
         return JSONResponse(_model_card(info))
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
+        """Status for anyone (probes carry no token); the replicas' addresses and the cache
+        manager's state only for a caller the door would serve (a client token; anyone
+        without a token file)."""
         reachable = [r.addr for r in core.replicas.all() if r.reachable]
-        status = 200 if reachable else 503
-        return JSONResponse({"status": "ok" if reachable else "no replica reachable", "replicas": reachable,
-                             "cache_manager_up": bool(core.cache_up)}, status_code=status)
+        body: dict[str, Any] = {"status": "ok" if reachable else "no replica reachable"}
+        if tokens is None or auth_error(tokens, request.headers.get("authorization")) is None:
+            body.update(replicas=reachable, cache_manager_up=bool(core.cache_up))
+        return JSONResponse(body, status_code=200 if reachable else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.text(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+# The paths the metrics label as they are; anything else (404s) is one "other" series, so that
+# requests to made-up paths cannot grow the metrics without bound.
+_METRIC_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+
+
+def _metric_path(path: str) -> str:
+    if path in _METRIC_PATHS:
+        return path
+    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 
 def _model_card(info: model_pb2.ModelInfoResponse) -> dict[str, Any]:

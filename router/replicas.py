@@ -2,9 +2,12 @@
 load, their model. Plain state, updated by the background checks and by every call's outcome;
 no gRPC here.
 
-Replicas come from three places: ``--replica`` (static, never forgotten), the cache manager's
-Stats (each live pool's serving_addr) and Route answers. A learnt replica that has been neither
-reachable nor listed by the cache manager for ``forget_after_s`` is dropped.
+Replicas come from four places: ``--replica`` (static, never forgotten), the addresses of the
+``--replica-dns`` names (kept while a name resolves to them), the cache manager's Stats (each
+live pool's serving_addr) and Route answers. Only addresses the operator trusts are ever held
+(router/trust.py): a learnt address outside the trust is refused by `learn`. A learnt replica
+that has been neither reachable nor listed by the cache manager for ``forget_after_s`` is
+dropped.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+from router.trust import ReplicaTrust
 
 
 @dataclass(slots=True)
@@ -32,6 +37,8 @@ class Load:
 class Replica:
     addr: str
     static: bool = False
+    # One of the addresses a --replica-dns name resolves to now (not forgotten while it does).
+    dns: bool = False
     pool_id: str = ""
     # Model fingerprint (ModelInfo, or the pool's registration).
     fingerprint: str = ""
@@ -58,8 +65,13 @@ class Replica:
 
 
 class ReplicaSet:
+    """The replicas this router may call. `trust` (default: the static addresses and loopback)
+    decides which learnt addresses are held at all."""
+
     def __init__(self, static: Iterable[str] = (), forget_after_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, trust: ReplicaTrust | None = None) -> None:
+        static = list(static)
+        self.trust = trust if trust is not None else ReplicaTrust(static)
         self._clock = clock
         self.forget_after_s = forget_after_s
         self._replicas: dict[str, Replica] = {}
@@ -78,10 +90,14 @@ class ReplicaSet:
     def all(self) -> list[Replica]:
         return list(self._replicas.values())
 
-    def learn(self, addr: str, *, pool_id: str = "", fingerprint: str = "", load: Load | None = None) -> Replica:
-        """A replica the cache manager listed (Stats, Route): added if new, its facts refreshed."""
+    def learn(self, addr: str, *, pool_id: str = "", fingerprint: str = "",
+              load: Load | None = None) -> Replica | None:
+        """A replica the cache manager listed (Stats, Route): added if new, its facts refreshed.
+        None, and nothing held, when the address is not trusted."""
         replica = self._replicas.get(addr)
         if replica is None:
+            if not self.trust.trusted(addr):
+                return None
             replica = self._replicas[addr] = Replica(addr)
         replica.last_seen = self._clock()
         if pool_id:
@@ -111,11 +127,29 @@ class ReplicaSet:
             replica.info = info
             replica.fingerprint = fingerprint
 
+    def sync_dns(self, addrs: Iterable[str]) -> None:
+        """The addresses the --replica-dns names resolve to now: added if new; those no longer
+        among them become learnt ones (forgotten when stale, dropped by `retain_trusted` when
+        nothing else trusts them)."""
+        current = set(addrs)
+        for replica in self._replicas.values():
+            replica.dns = replica.addr in current
+        for addr in current - self._replicas.keys():
+            self._replicas[addr] = Replica(addr, dns=True, last_seen=self._clock())
+
+    def retain_trusted(self) -> list[str]:
+        """Drops replicas the trust no longer covers (an address gone from a DNS name); returns
+        their addresses."""
+        gone = [a for a, r in self._replicas.items() if not r.static and not self.trust.trusted(a)]
+        for addr in gone:
+            del self._replicas[addr]
+        return gone
+
     def forget_stale(self) -> list[str]:
         """Drops learnt replicas unseen for forget_after_s; returns their addresses."""
         now = self._clock()
         gone = [a for a, r in self._replicas.items()
-                if not r.static and not r.reachable and now - r.last_seen > self.forget_after_s]
+                if not r.static and not r.dns and not r.reachable and now - r.last_seen > self.forget_after_s]
         for addr in gone:
             del self._replicas[addr]
         return gone

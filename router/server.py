@@ -24,12 +24,15 @@ from common.grpc_server import (
     set_health,
 )
 from common.limits import ServerLimits, id_error
+from common.metrics_server import DEFAULT_METRICS_HOST
 from common.security import ClientTLS, ServerTLS, add_port
 from protos import model_pb2
 from router.core import CoreConfig, RouterCore
+from router.http_body import DEFAULT_MAX_BODY_BYTES
 from router.metrics import RouterMetrics
 from router.replicas import ReplicaSet
 from router.servicer import METHOD_ROLES, RouterServicer
+from router.trust import ReplicaTrust
 from router.upstream import CacheManagerClient, ReplicaClients
 
 log = logging.getLogger(__name__)
@@ -45,7 +48,12 @@ class RouterConfig:
     policy: str = "kv"
     http_port: int | None = None
     metrics_port: int | None = None
+    metrics_host: str = DEFAULT_METRICS_HOST  # not `host`: the token-less metrics stay private by default
     replicas: list[str] = field(default_factory=list)
+    # Which replica addresses the router may call besides `replicas` (router/trust.py): DNS names
+    # whose addresses are trusted, and an allowlist of networks / host globs (None: loopback).
+    replica_dns: list[str] = field(default_factory=list)
+    replica_allow: list[str] | None = None
     advertise_addr: str | None = None
     check_interval_s: float = 1.0
     reserve_ms: int = 2000
@@ -61,6 +69,7 @@ class RouterConfig:
     replica_tls: ClientTLS | None = None
     replica_token: ClientToken = field(default_factory=lambda: ClientToken(None))
     limits: ServerLimits = field(default_factory=ServerLimits)  # of the gRPC port (common/limits.py)
+    max_http_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # of the HTTP door: 413 past it (router/http_body.py)
 
 
 def _bind_http(host: str, port: int) -> socket.socket:
@@ -103,9 +112,14 @@ async def serve(config: RouterConfig) -> int:
     """Runs until SIGTERM/SIGINT; returns the process exit code."""
     address = format_address(config.host, config.port)
     metrics = RouterMetrics()
-    replicas = ReplicaSet(config.replicas)
+    try:
+        trust = ReplicaTrust(config.replicas, config.replica_allow, config.replica_dns)
+    except ValueError as e:
+        print(f"router: {e}", file=sys.stderr, flush=True)
+        return 2
+    replicas = ReplicaSet(config.replicas, trust=trust)
     upstream = ReplicaClients(config.replica_tls.credentials() if config.replica_tls is not None else None,
-                              config.replica_token)
+                              config.replica_token, trust)
     cache = CacheManagerClient(config.cache_addr,
                                config.cache_tls.credentials() if config.cache_tls is not None else None,
                                config.cache_token)
@@ -137,17 +151,17 @@ async def serve(config: RouterConfig) -> int:
         except OSError as e:
             print(f"router: cannot serve HTTP on port {config.http_port}: {e.strerror}", file=sys.stderr, flush=True)
             return 1
-        http = _http_server(build_app(core, config.tokens), sock, config.log_level, config.tls,
-                            config.grace_seconds)
+        app = build_app(core, config.tokens, max_body_bytes=config.max_http_body_bytes)
+        http = _http_server(app, sock, config.log_level, config.tls, config.grace_seconds)
         http_addr = format_address(config.host, sock.getsockname()[1])
     if config.metrics_port is not None:
         try:
-            metrics_bound = metrics.serve(config.metrics_port, config.host)
+            metrics_bound = metrics.serve(config.metrics_port, config.metrics_host)
         except OSError as e:
-            print(f"router: cannot serve metrics on port {config.metrics_port}: {e.strerror}", file=sys.stderr,
-                  flush=True)
+            print(f"router: cannot serve metrics on {format_address(config.metrics_host, config.metrics_port)}: "
+                  f"{e.strerror or e}", file=sys.stderr, flush=True)
             return 1
-        print(f"router metrics on http://{format_address(config.host, metrics_bound)}/metrics", flush=True)
+        print(f"router metrics on http://{format_address(config.metrics_host, metrics_bound)}/metrics", flush=True)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,5 +1,6 @@
 """radixkv.v1.ModelService served by the router: a thin layer over RouterCore that maps its
-RouterError to the same gRPC status and the call's deadline to the core's clock."""
+RouterError to the same gRPC status, the call's deadline to the core's clock, and hands it the
+caller's principal (request ids, Abort and namespaces are the caller's own)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 
 import grpc
 
-from common.auth import one_role
+from common.auth import current_principal, one_role
 from protos import model_pb2, model_pb2_grpc
 from router.core import RouterCore
 from router.errors import RouterError
@@ -31,7 +32,7 @@ class RouterServicer(model_pb2_grpc.ModelServiceServicer):
 
     async def Generate(self, request: model_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            async for message in self.core.generate(request, _deadline(context)):
+            async for message in self.core.generate(request, _deadline(context), current_principal()):
                 yield message
         except RouterError as e:
             await _abort(context, e)
@@ -50,7 +51,7 @@ class RouterServicer(model_pb2_grpc.ModelServiceServicer):
 
     async def Abort(self, request: model_pb2.AbortRequest, context: grpc.aio.ServicerContext):
         try:
-            return await self.core.abort(request.request_id, _deadline(context))
+            return await self.core.abort(request.request_id, _deadline(context), current_principal())
         except RouterError as e:
             await _abort(context, e)
 

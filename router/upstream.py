@@ -1,6 +1,10 @@
 """gRPC clients of the router: the replicas (one cached grpc.aio channel per address) and the
 cache manager. They implement router.core's ReplicaPort and CachePort; every failure becomes an
-UpstreamError carrying the status name."""
+UpstreamError carrying the status name.
+
+With TLS, gRPC verifies each replica's certificate against the host dialled (never overridden
+to a fixed name); an address a --replica-dns name resolved to is verified against that name
+(router/trust.py). No channel is ever opened to an address the trust does not cover."""
 
 from __future__ import annotations
 
@@ -13,7 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.auth import ClientToken
 from common.security import open_aio_channel
 from protos import cache_pb2, cache_pb2_grpc, model_pb2, model_pb2_grpc
+from router import errors
 from router.errors import UpstreamError
+from router.trust import ReplicaTrust
 
 # Fail fast (no waitForReady), no gRPC retries (the router retries on other replicas itself), and
 # reconnect quickly to a replica or cache manager that comes back (gRPC's default backoff grows
@@ -34,17 +40,26 @@ def _error(error: grpc.aio.AioRpcError) -> UpstreamError:
 
 class ReplicaClients:
     """ModelService (and health) calls by replica address: TLS when credentials are given, the
-    token (if any) on every call."""
+    token (if any) on every call; with `trust`, only to the addresses it covers (defence in
+    depth: the router's ReplicaSet holds no other)."""
 
-    def __init__(self, credentials: grpc.ChannelCredentials | None = None, token: ClientToken | None = None) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
+    def __init__(self, credentials: grpc.ChannelCredentials | None = None, token: ClientToken | None = None,
+                 trust: ReplicaTrust | None = None) -> None:
+        self._channels: dict[tuple[str, str | None], grpc.aio.Channel] = {}
         self._credentials = credentials
         self.token = token if token is not None else ClientToken(None)
+        self.trust = trust
 
     def _channel(self, addr: str) -> grpc.aio.Channel:
-        channel = self._channels.get(addr)
+        if self.trust is not None and not self.trust.trusted(addr):
+            raise UpstreamError(errors.UNAVAILABLE, f"{addr} is not a trusted replica address")
+        name = self.trust.tls_name(addr) if self.trust is not None and self._credentials is not None else None
+        channel = self._channels.get((addr, name))
         if channel is None:
-            channel = self._channels[addr] = open_aio_channel(addr, self._credentials, CHANNEL_OPTIONS)
+            options = list(CHANNEL_OPTIONS)
+            if name is not None:  # the --replica-dns name this IP came from, not a name the replica chose
+                options.append(("grpc.ssl_target_name_override", name))
+            channel = self._channels[(addr, name)] = open_aio_channel(addr, self._credentials, options)
         return channel
 
     def _stub(self, addr: str) -> model_pb2_grpc.ModelServiceStub:
@@ -81,7 +96,10 @@ class ReplicaClients:
         return await self._unary(self._stub(addr).GetLoad, model_pb2.GetLoadRequest(), timeout)
 
     async def check(self, addr: str, timeout: float | None) -> bool:
-        stub = health_pb2_grpc.HealthStub(self._channel(addr))
+        try:
+            stub = health_pb2_grpc.HealthStub(self._channel(addr))
+        except UpstreamError:
+            return False
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
         except grpc.aio.AioRpcError:

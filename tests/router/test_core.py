@@ -9,12 +9,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from common.auth import Principal
 from protos import cache_pb2, model_pb2
 from router import errors
 from router.core import CoreConfig, RouterCore
 from router.errors import RouterError, UpstreamError
 from router.policy import Rotation, kv_plan, least_loaded
 from router.replicas import Load, Replica, ReplicaSet
+from router.trust import DEFAULT_ALLOW, ReplicaTrust
 
 A, B, C = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"
 FINGERPRINT = "fp"
@@ -41,6 +43,7 @@ class FakeReplicas:
     calls: list[tuple[str, str, object]] = field(default_factory=list)
     closed: list[str] = field(default_factory=list)
     tokenize_error: UpstreamError | None = None
+    max_context: int = 1 << 20
 
     async def generate(self, addr: str, request, timeout) -> AsyncIterator[model_pb2.GenerateResponse]:
         self.calls.append(("Generate", addr, request))
@@ -66,23 +69,28 @@ class FakeReplicas:
     async def model_info(self, addr, timeout):
         self.calls.append(("ModelInfo", addr, None))
         return model_pb2.ModelInfoResponse(model_name="m", model_fingerprint=FINGERPRINT, pool_id=f"pool-{addr}",
-                                           serving_addr=addr)
+                                           serving_addr=addr, max_context_tokens=self.max_context)
 
     async def abort(self, addr, request, timeout):
         self.calls.append(("Abort", addr, request))
         return model_pb2.AbortResponse()
 
     async def get_load(self, addr, timeout):
+        self.calls.append(("GetLoad", addr, None))
         if not self.healthy.get(addr, True):
             raise UpstreamError(errors.UNAVAILABLE, "down")
         return model_pb2.GetLoadResponse(num_running_requests=self.loads.get(addr, 0), num_blocks=10,
                                          num_free_blocks=4, prompt_tokens=10, cached_prompt_tokens=5)
 
     async def check(self, addr, timeout) -> bool:
+        self.calls.append(("Check", addr, None))
         return self.healthy.get(addr, True)
 
     def generate_addrs(self) -> list[str]:
         return [addr for kind, addr, _ in self.calls if kind == "Generate"]
+
+    def addrs_called(self) -> set[str]:
+        return {addr for _, addr, _ in self.calls}
 
 
 @dataclass
@@ -91,9 +99,12 @@ class FakeCache:
     error: UpstreamError | None = None
     pools: list[cache_pb2.PoolStats] = field(default_factory=list)
     routes: list[cache_pb2.RouteRequest] = field(default_factory=list)
+    gate: asyncio.Event | None = None  # Route waits for it when set
 
     async def route(self, request, timeout):
         self.routes.append(request)
+        if self.gate is not None:
+            await self.gate.wait()
         if self.error is not None:
             raise self.error
         return cache_pb2.RouteResponse(candidates=self.candidates)
@@ -117,12 +128,14 @@ def candidate(addr: str, matched: int = 0, score: float = 0.0) -> cache_pb2.Rout
 
 
 def make_core(policy: str = "kv", replicas=(A, B), fakes: FakeReplicas | None = None,
-              cache: FakeCache | None = None, clock: Clock | None = None) -> tuple[RouterCore, FakeReplicas, FakeCache]:
+              cache: FakeCache | None = None, clock: Clock | None = None, trust: ReplicaTrust | None = None,
+              resolver=None) -> tuple[RouterCore, FakeReplicas, FakeCache]:
     fakes = fakes or FakeReplicas()
     cache = cache or FakeCache()
     clock = clock or Clock()
-    core = RouterCore(CoreConfig(policy=policy, serving_addr="router:1"), ReplicaSet(replicas, clock=clock), fakes,
-                      cache, clock=clock)
+    trust = trust if trust is not None else ReplicaTrust(replicas)
+    core = RouterCore(CoreConfig(policy=policy, serving_addr="router:1"),
+                      ReplicaSet(replicas, clock=clock, trust=trust), fakes, cache, clock=clock, resolver=resolver)
     return core, fakes, cache
 
 
@@ -170,7 +183,8 @@ def test_kv_plan_follows_route_ranking_and_moves_known_down_last() -> None:
 
 def test_replica_set_serves_one_model_and_forgets_stale_learnt_replicas() -> None:
     clock = Clock()
-    replicas = ReplicaSet([A], forget_after_s=10, clock=clock)
+    replicas = ReplicaSet([A], forget_after_s=10, clock=clock, trust=ReplicaTrust([A], allow=["10.0.0.0/24"]))
+    assert replicas.learn("10.0.1.1:1") is None and "10.0.1.1:1" not in replicas  # not trusted: never held
     replicas.learn(B, pool_id="pb")
     replicas.learn(C)
     for addr in (A, B, C):
@@ -195,22 +209,26 @@ def test_kv_policy_routes_by_route_and_forwards_token_ids_and_id() -> None:
     out = run(collect(core, prompt_request("hey", request_id="r1")))
     assert [m.text for m in out] == ["a", "b"]
     assert out[-1].usage.served_by == B
-    assert all(m.request_id == "r1" for m in out)
+    assert all(m.request_id == "r1" for m in out)  # the client's id, whatever the upstream one
     route = cache.routes[0]
     assert list(route.token_ids) == [ord(c) for c in "hey"]
-    assert (route.namespace, route.request_id, route.reserve_ms) == ("ns", "r1", 2000)
+    assert (route.namespace, route.reserve_ms) == ("ns", 2000)
     kind, addr, sent = fakes.calls[-1]
     assert (kind, addr) == ("Generate", B)
     assert sent.WhichOneof("input") == "token_ids" and list(sent.token_ids.ids) == list(route.token_ids)
-    assert sent.request_id == "r1" and sent.namespace == "ns" and sent.sampling.max_tokens == 2
+    # Upstream, a fresh id of the router's (shared by Route and the replica), never the client's.
+    assert sent.request_id == route.request_id and sent.request_id != "r1" and len(sent.request_id) == 32
+    assert sent.namespace == "ns" and sent.sampling.max_tokens == 2
     assert decisions(core, "kv_hit") == 1
 
 
 def test_a_request_without_id_gets_one_shared_by_route_and_replica() -> None:
     core, fakes, cache = make_core(cache=FakeCache(candidates=[candidate(A)]))
     out = run(collect(core, model_pb2.GenerateRequest(token_ids=model_pb2.TokenIds(ids=[1, 2, 3]))))
-    assert out[0].request_id and cache.routes[0].request_id == out[0].request_id
-    assert [c[0] for c in fakes.calls] == ["Generate"]  # token ids: no Tokenize
+    sent = fakes.calls[-1][2]
+    assert out[0].request_id and all(m.request_id == out[0].request_id for m in out)
+    assert cache.routes[0].request_id == sent.request_id
+    assert [c[0] for c in fakes.calls] == ["ModelInfo", "Generate"]  # token ids: no Tokenize
     assert decisions(core, "kv_load") == 1
 
 
@@ -384,8 +402,192 @@ def test_model_info_reports_the_router_and_get_load_sums() -> None:
 def test_refresh_learns_replicas_from_stats_and_their_model() -> None:
     pools = [cache_pb2.PoolStats(pool_id="p3", serving_addr=C, model_fingerprint=FINGERPRINT,
                                  load=cache_pb2.ReplicaLoad(num_running_requests=2))]
-    core, _, _ = make_core(replicas=(A,), cache=FakeCache(pools=pools))
+    core, _, _ = make_core(replicas=(A,), cache=FakeCache(pools=pools),
+                           trust=ReplicaTrust([A], allow=["10.0.0.0/24"]))
     assert run(core.refresh()) is True
     replica = core.replicas.get(C)
     assert replica is not None and replica.reachable and replica.pool_id == "p3"
     assert replica.info is not None and core.replicas.fingerprint == FINGERPRINT
+
+
+# ---------------------------------------------------------------------- trust (router/trust.py)
+
+
+ROGUE = "10.6.6.6:1"
+
+
+def test_trust_default_is_loopback_and_static_only() -> None:
+    trust = ReplicaTrust(["10.0.0.1:1"])
+    assert DEFAULT_ALLOW == ("127.0.0.0/8", "::1", "localhost")
+    for addr in ("127.0.0.1:5", "127.9.9.9:5", "[::1]:5", "localhost:5", "LOCALHOST:5", "10.0.0.1:1"):
+        assert trust.trusted(addr), addr
+    for addr in ("10.0.0.1:2", "10.0.0.2:1", "evil.example:5", "localhost.evil.example:5", "[::2]:5",
+                 "dns:///localhost:5", "dns://8.8.8.8/localhost:5", "unix:/tmp/sock", "ipv4:127.0.0.1:5",
+                 "127.0.0.1", "127.0.0.1:", "127.0.0.1:99999", "localhost:5/x", "", ":5", "[127.0.0.1]:5"):
+        assert not trust.trusted(addr), addr
+
+
+def test_trust_allowlist_of_networks_and_name_globs() -> None:
+    trust = ReplicaTrust(allow=["10.0.0.0/8", "fd00::/8", "*.model.ns.svc.cluster.local"])
+    for addr in ("10.1.2.3:1", "[fd00::7]:1", "r-0.model.ns.svc.cluster.local:50052",
+                 "R-0.Model.NS.svc.cluster.local:1"):
+        assert trust.trusted(addr), addr
+    # The allowlist replaces the loopback default; names never match networks, nor IPs globs.
+    for addr in ("127.0.0.1:1", "localhost:1", "11.0.0.1:1", "model.ns.svc.cluster.local.evil.example:1",
+                 "model.ns.svc.cluster.local:1", "[fe80::1]:1"):
+        assert not trust.trusted(addr), addr
+    for bad in ("10.0.0.0/33", "not a host", "", "http://x", "a..b", "*.model:80"):
+        with pytest.raises(ValueError):
+            ReplicaTrust(allow=[bad])
+    for bad in ("no-port", "x:0", "[::1]", "dns:///x:1", "h:abc"):
+        with pytest.raises(ValueError):
+            ReplicaTrust(dns=[bad])
+
+
+def test_untrusted_stats_and_route_addresses_are_never_called(caplog) -> None:
+    pools = [cache_pb2.PoolStats(pool_id="rogue", serving_addr=ROGUE, model_fingerprint=FINGERPRINT,
+                                 num_blocks=1 << 24)]
+    cache = FakeCache(pools=pools, candidates=[candidate(ROGUE, matched=64), candidate(A)])
+    core, fakes, cache = make_core(cache=cache)
+    for _ in range(2):
+        assert run(core.refresh()) is True
+    assert ROGUE not in core.replicas
+    out = run(collect(core, prompt_request(request_id="r1")))
+    assert out[-1].usage.served_by == A
+    assert ROGUE not in fakes.addrs_called()  # no health check, no ModelInfo, no Generate: no token sent
+    assert ROGUE not in core.replicas and decisions(core, "kv_load") == 1  # dropped from the plan
+    assert core.metrics.untrusted_addrs.labels("stats")._value.get() == 2
+    assert core.metrics.untrusted_addrs.labels("route")._value.get() == 1
+    assert sum(ROGUE in r.getMessage() for r in caplog.records) == 1  # logged once per address
+
+
+def test_route_offering_only_untrusted_addresses_falls_back_to_the_trusted_replicas() -> None:
+    core, fakes, _ = make_core(cache=FakeCache(candidates=[candidate(ROGUE, matched=64)]))
+    out = run(collect(core, prompt_request()))
+    assert out[-1].usage.served_by in (A, B) and ROGUE not in fakes.addrs_called()
+
+
+def test_dns_names_are_resolved_in_the_background_and_every_address_is_trusted() -> None:
+    answers: dict[tuple[str, int], list[str] | Exception] = {("model.svc", 7): ["10.9.0.5:7", "10.9.0.6:7"]}
+
+    async def resolver(host: str, port: int) -> list[str]:
+        answer = answers[(host, port)]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    trust = ReplicaTrust(dns=["model.svc:7"])
+    pools = [cache_pb2.PoolStats(pool_id="p5", serving_addr="10.9.0.5:7", model_fingerprint=FINGERPRINT)]
+    core, fakes, _ = make_core(replicas=(), cache=FakeCache(pools=pools), trust=trust, resolver=resolver)
+    assert run(core.refresh()) is True
+    assert {r.addr for r in core.replicas.all()} == {"10.9.0.5:7", "10.9.0.6:7"}
+    assert core.replicas.get("10.9.0.5:7").pool_id == "p5"
+    # With TLS the certificate is checked against the name the address came from.
+    assert trust.tls_name("10.9.0.6:7") == "model.svc" and trust.tls_name(A) is None
+    answers[("model.svc", 7)] = OSError("temporary failure in name resolution")
+    run(core.refresh())  # a failed lookup keeps what the name resolved to
+    assert {r.addr for r in core.replicas.all()} == {"10.9.0.5:7", "10.9.0.6:7"}
+    answers[("model.svc", 7)] = ["10.9.0.6:7"]
+    run(core.refresh())  # 10.9.0.5 left the name: no longer trusted, dropped, never called again
+    assert {r.addr for r in core.replicas.all()} == {"10.9.0.6:7"}
+    assert not trust.trusted("10.9.0.5:7")
+    fakes.calls.clear()
+    run(core.refresh())
+    assert fakes.addrs_called() == {"10.9.0.6:7"}
+
+
+# ---------------------------------------------------------------------- request ids per principal
+
+
+ALICE = Principal("tokens:1", frozenset({"client"}), key="alice-key")
+BOB = Principal("tokens:2", frozenset({"client"}), key="bob-key")
+
+
+def test_request_ids_are_per_principal_and_a_duplicate_leaves_the_first_alone() -> None:
+    core, fakes, cache = make_core(cache=FakeCache(candidates=[candidate(B)]))
+
+    async def go() -> None:
+        first = core.generate(prompt_request(request_id="r1"), principal=ALICE)
+        assert (await anext(first)).request_id == "r1"
+        calls, routes = len(fakes.calls), len(cache.routes)
+        with pytest.raises(RouterError) as info:
+            await anext(core.generate(prompt_request(request_id="r1"), principal=ALICE))
+        assert info.value.code == errors.ALREADY_EXISTS and "'r1'" in info.value.message
+        assert (len(fakes.calls), len(cache.routes)) == (calls, routes)  # refused before anything else
+        assert core.inflight("r1", ALICE.key) == B
+        # Another principal's id is as if it did not exist: Abort is NOT_FOUND, reuse is fine.
+        with pytest.raises(RouterError) as info:
+            await core.abort("r1", principal=BOB)
+        assert info.value.code == errors.NOT_FOUND
+        assert core.inflight("r1") is None  # nor is it the anonymous caller's
+        second = core.generate(prompt_request(request_id="r1"), principal=BOB)
+        assert (await anext(second)).request_id == "r1"
+        sent = [request for kind, _, request in fakes.calls if kind == "Generate"]
+        assert len(sent) == 2 and sent[0].request_id != sent[1].request_id
+        await core.abort("r1", principal=ALICE)
+        aborts = [request for kind, _, request in fakes.calls if kind == "Abort"]
+        assert [a.request_id for a in aborts] == [sent[0].request_id]  # Alice's upstream id only
+        await first.aclose()
+        assert core.inflight("r1", ALICE.key) is None and core.inflight("r1", BOB.key) == B
+        await second.aclose()
+
+    run(go())
+
+
+def test_abort_while_routing_ends_the_request_without_calling_a_replica() -> None:
+    cache = FakeCache(candidates=[candidate(A)], gate=asyncio.Event())
+    core, fakes, cache = make_core(cache=cache)
+
+    async def go() -> list[model_pb2.GenerateResponse]:
+        stream = core.generate(prompt_request(request_id="r2"), principal=ALICE)
+        pending = asyncio.ensure_future(anext(stream))
+        while not cache.routes:
+            await asyncio.sleep(0)
+        await core.abort("r2", principal=ALICE)
+        cache.gate.set()
+        out = [await pending] + [m async for m in stream]
+        return out
+
+    out = run(go())
+    assert [m.finish_reason for m in out] == [model_pb2.FINISH_REASON_ABORT]
+    assert out[0].request_id == "r2" and fakes.generate_addrs() == []
+
+
+def test_a_namespace_limited_principal_generates_only_in_its_namespaces() -> None:
+    core, fakes, cache = make_core(cache=FakeCache(candidates=[candidate(A)]))
+    tenant = Principal("tokens:3", frozenset({"client"}), frozenset({"tenant-a"}), key="tenant-key")
+    request = prompt_request()
+    request.namespace = "tenant-b"
+    with pytest.raises(RouterError) as info:
+        run(_collect_as(core, request, tenant))
+    assert info.value.code == errors.PERMISSION_DENIED and "'tenant-b'" in info.value.message
+    assert fakes.calls == [] and cache.routes == []
+    request.namespace = "tenant-a"
+    assert run(_collect_as(core, request, tenant))[-1].usage.served_by == A
+
+
+async def _collect_as(core: RouterCore, request, principal) -> list[model_pb2.GenerateResponse]:
+    return [m async for m in core.generate(request, principal=principal)]
+
+
+# ---------------------------------------------------------------------- the model's context first
+
+
+@pytest.mark.parametrize("num_prompt, max_tokens, message", [
+    (100, None, "prompt has 100 tokens; the model's context is 100 tokens"),
+    (4_000_000, None, "prompt has 4000000 tokens; the model's context is 100 tokens"),
+    (90, 11, "prompt (90 tokens) + max_tokens (11) exceeds the model's context of 100 tokens"),
+])
+def test_a_prompt_over_the_context_is_refused_before_route(num_prompt: int, max_tokens: int | None,
+                                                            message: str) -> None:
+    core, fakes, cache = make_core(fakes=FakeReplicas(max_context=100), cache=FakeCache(candidates=[candidate(A)]))
+    request = model_pb2.GenerateRequest(token_ids=model_pb2.TokenIds(ids=[1] * num_prompt))
+    if max_tokens is not None:
+        request.sampling.max_tokens = max_tokens
+    with pytest.raises(RouterError) as info:
+        run(collect(core, request))
+    assert (info.value.code, info.value.message) == (errors.INVALID_ARGUMENT, message)
+    assert cache.routes == [] and fakes.generate_addrs() == []
+    request = model_pb2.GenerateRequest(token_ids=model_pb2.TokenIds(ids=[1] * 90),
+                                        sampling=model_pb2.SamplingParams(max_tokens=10))
+    assert run(collect(core, request))[-1].usage.served_by == A  # exactly the context is fine

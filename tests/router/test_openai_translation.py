@@ -135,3 +135,29 @@ def test_chat_reply_and_chunks() -> None:
 def test_sse_framing() -> None:
     assert sse("[DONE]") == b"data: [DONE]\n\n"
     assert json.loads(sse({"a": 1})[len(b"data: "):]) == {"a": 1}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "max_tokens": 2**31}, "max_tokens"),
+    ({"prompt": "x", "top_k": -(2**31) - 1}, "top_k"),
+    ({"prompt": "x", "temperature": float("inf")}, "temperature"),
+    ({"prompt": "x", "top_p": float("nan")}, "top_p"),
+    ({"prompt": "\ud800"}, None),
+    ({"prompt": "x", "stop": ["ok", "\udfff"]}, None),
+    ({"prompt": "x", "cache_salt": "\ud800"}, None),
+])
+def test_out_of_range_and_lone_surrogates_are_400(body: dict, param: str | None) -> None:
+    with pytest.raises(OpenAIError) as info:
+        completion_request({"model": "m", **body})
+    assert info.value.status == 400 and info.value.param == param
+    if param is None:
+        assert info.value.code == "invalid_unicode" and "surrogate" in info.value.message
+
+
+def test_error_messages_quote_values_briefly() -> None:
+    with pytest.raises(OpenAIError) as info:
+        completion_request({"model": "m", "prompt": "x", "temperature": ["y" * 100_000, [[[[1]]]]] * 1000})
+    assert len(info.value.message) < 300
+    with pytest.raises(OpenAIError) as info:
+        chat_request({"model": "m", "messages": [{"role": "\ud800", "content": "x"}]})
+    assert info.value.code == "invalid_unicode"

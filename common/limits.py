@@ -1,4 +1,4 @@
-"""Limits every radixkv gRPC server enforces, in one place (README, "Limits").
+"""Limits every radixkv gRPC server enforces, in one place (docs/security.md#limits).
 
 Transport (all three servers, `ServerLimits`, flags `--max-receive-message-mb` and
 `--max-concurrent-streams`): the largest request message a server reads, the most concurrent

@@ -1,4 +1,4 @@
-# radixkv: `make run` serves the bundled model, `make test` runs every test.
+# radixkv: `make run` serves the bundled model, `make test` runs every test (`make test-fast`: the quick tier).
 # Both install what they need first (into .venv/ at the repo root).
 
 PYTHON ?= python3
@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := protos/cache.proto protos/model.proto
 PROTO_OUT := protos/cache_pb2.py protos/cache_pb2_grpc.py protos/model_pb2.py protos/model_pb2_grpc.py
 NODE_STAMP := client/node/node_modules/.installed
-NATIVE_SRC := $(wildcard model_service/native/*.cpp) model_service/native/build.py
+NATIVE_SRC := $(wildcard model_service/native/*.cpp model_service/native/*.h) model_service/native/build.py
 NATIVE_STAMP := model_service/native/_build/.built
 
 HOST ?= 127.0.0.1
@@ -20,7 +20,7 @@ MODEL ?=
 RUN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install proto native node run run-fleet test bench bench-quick bench-peers lint clean
+.PHONY: install proto native node run run-fleet test test-fast bench bench-quick bench-peers lint clean
 
 install: $(STAMP) $(PROTO_OUT) $(NATIVE_STAMP)
 
@@ -62,8 +62,15 @@ run-fleet: install
 	$(BIN)/python -m scripts.serve_fleet --host $(HOST) --cache-port $(CACHE_PORT) --model-port $(MODEL_PORT) \
 		--router-port $(ROUTER_PORT) --http-port $(HTTP_PORT) $(if $(MODEL),--model $(MODEL)) $(RUN_ARGS)
 
+# The full gate (.ci/run): every test, ~8 min on 2 cores.
 test: install node
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The inner loop, under 3 min: no bundled model, no model service process, no soak (markers added
+# from fixtures in tests/conftest.py). The variable makes tests/services.py refuse to start a model
+# service, so a test missing its marker fails here instead of quietly slowing the loop down.
+test-fast: install node
+	RADIXKV_TESTS_NO_MODEL_SERVICE=1 $(BIN)/python -m pytest -m "not model and not replica and not soak" $(PYTEST_ARGS)
 
 # The benchmark suite (bench/README.md): spawns the services itself, runs every workload against its
 # baselines, writes bench/results.json and bench/plots/. BENCH_ARGS, e.g. "--only shared_prefix,multiturn".

@@ -6,12 +6,13 @@
    to a bare grpc.aio echo of each Step request's bytes (bench/grpc_echo.py), calls interleaved.
 4. The same Step sequence in-process vs over gRPC (ratio).
 5. Route over a fleet of 64 pools x 10k cached sequences, in-process (p50 per call).
-6. The tree on issue 12's fixed trace (bench/tree_trace.py), current vs previous tree, page 16 and 1.
+6. The tree on issue 12's fixed trace (testing/tree_trace.py), current vs previous tree, page 16 and 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -28,7 +29,6 @@ import grpc
 import numpy as np
 
 from bench.grpc_echo import METHOD as ECHO_METHOD
-from bench.tree_trace import bench_tree_trace
 from cache_service.pool import Pool
 from cache_service.pool_registry import PoolRegistry
 from cache_service.radix_tree import RadixTree
@@ -38,6 +38,7 @@ from cache_service.schema import Admit, Extend, Finish, StepInput
 from common.token_bytes import encode_tokens
 from protos import cache_pb2 as pb
 from protos import cache_pb2_grpc
+from testing.tree_trace import make_trace, run_trace
 
 REPO = Path(__file__).resolve().parents[1]
 BS = 16
@@ -301,6 +302,15 @@ def bench_route(num_pools: int, num_sequences: int, num_calls: int) -> dict:
         times.append(timed(lambda query=query: registry.route(query)))
     return {"pools": num_pools, "sequences_per_pool": num_sequences, "build_s": build_s, "calls": num_calls,
             "route_us_p50": 1e6 * statistics.median(times), "route_us_p99": 1e6 * pct(times, 0.99)}
+
+
+def bench_tree_trace(quick: bool) -> list[dict]:
+    """Page sizes 16 and 1; quick: 2,500 requests on a 1M-slot pool (still evicting)."""
+    num_requests, pool_tokens = (2_500, 1_000_000) if quick else (10_000, 2_000_000)
+    trace = make_trace(num_requests)
+    rows = [run_trace(ps, trace, pool_tokens) for ps in (16, 1)]
+    gc.collect()
+    return rows
 
 
 def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 CACHE_START_TIMEOUT_S = 60.0
 MODEL_START_TIMEOUT_S = 300.0
 ROUTER_START_TIMEOUT_S = 60.0
+# Set by `make test-fast` (no `model` / `replica` tests): launch_model then refuses to start.
+NO_MODEL_SERVICE_ENV = "RADIXKV_TESTS_NO_MODEL_SERVICE"
 
 # The session-wide model service (tests/conftest.py): bundled model, a pool smaller than the
 # model's 8192-token context (so "larger than the pool" is reachable), big enough for the
@@ -78,6 +81,10 @@ def start_cache(extra: list[str] | None = None, credentials: Credentials = None)
 
 
 def launch_model(cache_addr: str, *extra: str, credentials: Credentials = None) -> Launched:
+    if os.environ.get(NO_MODEL_SERVICE_ENV) == "1":
+        # `make test-fast` sets it: a test that reached here is missing its `model` / `replica` marker.
+        raise RuntimeError("this test starts a model service in a run without any (make test-fast): register "
+                           "its fixture in BUNDLED_MODEL_FIXTURES / REPLICA_FIXTURES or mark it (tests/conftest.py)")
     args = ["--host", "127.0.0.1", "--port", "0", "--cache-addr", cache_addr, *extra]
     return launch_service("model_service", args, MODEL_START_TIMEOUT_S, credentials)
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.fault_proxy import PREFACE, FaultProxy
+from testing.fault_proxy import PREFACE, FaultProxy
 
 LATENCY_S = 0.05
 

@@ -1,6 +1,6 @@
 """The cache manager over a slow link (issue 12): 16 concurrent requests with ragged prompt lengths
 (so block crossings are spread over steps), 64 tokens out, the model service's link to the cache
-manager direct vs through the fault proxy (tests/fault_proxy.py) with 2, 10 and 25 ms one-way
+manager direct vs through the fault proxy (testing/fault_proxy.py) with 2, 10 and 25 ms one-way
 latency; `--cache-pipeline on` (with its default lookahead blocks) vs `off` (the synchronous path).
 
 Four model services of their own (pipeline on/off x direct/proxied) share one cache manager; the
@@ -22,7 +22,7 @@ from contextlib import ExitStack
 from bench.harness import REPO, Json, free_port, repetitions, rotate, scrape, stream_concurrent, table
 from bench.workloads.base import Context, Workload
 from scripts.service_process import ServiceProcess
-from tests.fault_proxy import FaultProxy
+from testing.fault_proxy import FaultProxy
 
 MODES = ("on", "off")
 HIT_NEW_TOKENS = 16

@@ -1,4 +1,4 @@
-"""The radix tree against its frozen previous version (bench/baseline_radix_tree.py) on random
+"""The radix tree against its frozen previous version (testing/baseline_radix_tree.py) on random
 operation sequences: same matches, inserts, evictions (in LRU order), locks and pages; both checked
 after every operation. The current tree's lazily computed page hashes, read at random moments (even
 for nodes evicted long before), must equal the documented chain of the node's whole prefix."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench import baseline_radix_tree as old_tree
 from cache_service.page_hash import page_hashes
 from cache_service.radix_tree import RadixTree, TreeNode
 from common.token_bytes import encode_tokens
+from testing import baseline_radix_tree as old_tree
 
 NAMESPACES = ["", "b"]
 

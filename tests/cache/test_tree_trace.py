@@ -1,9 +1,9 @@
-"""bench/tree_trace.py: the trace is deterministic and shaped as issue 12 says; on a small pool
+"""testing/tree_trace.py: the trace is deterministic and shaped as issue 12 says; on a small pool
 every tree evicts, and all agree on hits and evictions (run_trace checks that) and integrity."""
 
 from __future__ import annotations
 
-from bench.tree_trace import make_trace, run_trace
+from testing.tree_trace import make_trace, run_trace
 
 
 def test_trace_is_deterministic_and_shaped() -> None:

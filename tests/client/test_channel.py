@@ -1,7 +1,7 @@
 """Client behaviour on the wire, against the real services: gRPC retries from the channel's
 service config, deadlines, bearer metadata, wait-for-ready, request building.
 
-Faults are injected at the network by ``tests/fault_proxy.py`` (a TCP proxy in front of a real
+Faults are injected at the network by ``testing/fault_proxy.py`` (a TCP proxy in front of a real
 server that cuts, resets or stalls connections and counts the call attempts it sees), never by
 faking our services.
 """
@@ -21,8 +21,8 @@ from client import AsyncRadixKVClient, RadixKVClient, RadixKVError, RetryPolicy
 from client.channel import service_config
 from client.messages import generate_request, tokenize_request
 from protos import model_pb2
+from testing.fault_proxy import FaultProxy
 from tests.client.helpers import PROMPT, free_port
-from tests.fault_proxy import FaultProxy
 from tests.services import Running, start_service
 
 # A call that cannot reach its server gives up within this (its retries back off ~1.5 s in all).
@@ -64,7 +64,6 @@ def test_service_config_retries_unavailable_for_every_client_method():
     assert "retryPolicy" not in json.loads(service_config(None, True))["methodConfig"][0]
 
 
-@pytest.mark.model
 def test_unary_calls_are_retried_when_their_connection_drops(model_service, cache_service, proxy, direct):
     model, cache = proxy(model_service.addr), proxy(cache_service.addr)
     with RadixKVClient(model.addr, cache_addr=cache.addr, timeout=30) as client:
@@ -83,7 +82,6 @@ def test_unary_calls_are_retried_when_their_connection_drops(model_service, cach
     assert [r.cut for r in cache.requests] == [True, False]
 
 
-@pytest.mark.model
 def test_retries_are_bounded_and_can_be_turned_off(model_service, proxy):
     without_retries = proxy(model_service.addr)
     with RadixKVClient(without_retries.addr, retry=None, timeout=30) as client:
@@ -105,7 +103,6 @@ def test_retries_are_bounded_and_can_be_turned_off(model_service, proxy):
     assert three_tries.methods() in (["Tokenize"] * 3, ["Tokenize"] * 2)
 
 
-@pytest.mark.model
 def test_generate_is_retried_before_its_first_message(model_service, proxy, direct):
     fault_proxy = proxy(model_service.addr)
     expected = direct.generate(PROMPT, max_tokens=4, temperature=0)
@@ -118,7 +115,6 @@ def test_generate_is_retried_before_its_first_message(model_service, proxy, dire
     assert [r.cut for r in fault_proxy.requests] == [True, True, False]
 
 
-@pytest.mark.model
 def test_generate_is_not_retried_after_its_first_message(model_service, proxy, direct):
     fault_proxy = proxy(model_service.addr)
     chunks = []
@@ -136,7 +132,6 @@ def test_generate_is_not_retried_after_its_first_message(model_service, proxy, d
     assert tokens == direct.generate(PROMPT, max_tokens=len(tokens), temperature=0).token_ids
 
 
-@pytest.mark.model
 def test_other_errors_are_not_retried(model_service, proxy, direct):
     fault_proxy = proxy(model_service.addr)
     info = direct.model_info()
@@ -156,7 +151,6 @@ def test_other_errors_are_not_retried(model_service, proxy, direct):
     assert fault_proxy.methods() == ["Generate", "Tokenize", "Generate"]  # one attempt each
 
 
-@pytest.mark.model
 def test_bearer_token_reaches_the_server_on_every_call(model_service, cache_service, proxy):
     model, cache = proxy(model_service.addr), proxy(cache_service.addr)
     with RadixKVClient(model.addr, cache_addr=cache.addr, token="s3cret", timeout=60) as client:
@@ -173,7 +167,6 @@ def test_bearer_token_reaches_the_server_on_every_call(model_service, cache_serv
     assert model.requests[-1].method == "ModelInfo" and model.requests[-1].header("authorization") is None
 
 
-@pytest.mark.model
 def test_timeout_raises_deadline_exceeded(model_service, proxy):
     fault_proxy = proxy(model_service.addr)
     with RadixKVClient(fault_proxy.addr) as client:
@@ -198,7 +191,6 @@ def test_timeout_raises_deadline_exceeded(model_service, proxy):
         assert "Generate did not finish within the 2 s timeout" in str(raised.value)
 
 
-@pytest.mark.model
 def test_client_default_timeout_applies_to_every_call(model_service, cache_service, proxy):
     model, cache = proxy(model_service.addr), proxy(cache_service.addr)
     model.pause()
@@ -281,7 +273,6 @@ def test_wait_for_ready_waits_for_a_server_that_starts_later():
     assert results == {"sync": [], "async": []}  # a fresh cache service has no pools yet
 
 
-@pytest.mark.model
 def test_async_client_retries_only_before_the_first_message(model_service, cache_service, proxy, direct):
     model, cache = proxy(model_service.addr), proxy(cache_service.addr)
     expected = direct.generate(PROMPT, max_tokens=4, temperature=0)
@@ -316,7 +307,6 @@ def test_async_client_retries_only_before_the_first_message(model_service, cache
     assert yielded == direct.generate(PROMPT, max_tokens=len(yielded), temperature=0).token_ids
 
 
-@pytest.mark.model
 def test_async_client_errors_deadlines_and_token(model_service, proxy):
     fault_proxy = proxy(model_service.addr)
 

@@ -12,8 +12,6 @@ from tests.client.helpers import PROMPT, free_port, run_cli
 from tests.services import SHARED_NUM_BLOCKS as MODEL_NUM_BLOCKS
 from tests.services import Running
 
-pytestmark = pytest.mark.model
-
 
 @pytest.fixture(scope="module")
 def greedy(model_service: Running) -> GenerateResult:

@@ -13,8 +13,6 @@ from tests.client.helpers import LONG_PROMPT, PROMPT
 from tests.services import SHARED_NUM_BLOCKS as MODEL_NUM_BLOCKS
 from tests.services import Running
 
-pytestmark = pytest.mark.model
-
 
 @pytest.fixture
 def client(model_service: Running, cache_service: Running):

@@ -5,13 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 
-import pytest
-
 from client import RadixKVClient
 from tests.client.helpers import PROMPT, REPO, free_port
 from tests.services import Running
-
-pytestmark = pytest.mark.model
 
 SCRIPT = "client/node/radixkv.js"
 

@@ -19,6 +19,8 @@ from client import RadixKVClient
 from tests.client.helpers import PROMPT, REPO
 
 UP_LINE = re.compile(r"radixkv is up: model service (\S+), cache service (\S+)")
+# replica: the launcher starts a model service (the bundled model) in the tests' own bodies.
+pytestmark = pytest.mark.replica
 
 
 class Launcher:

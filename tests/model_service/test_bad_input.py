@@ -15,8 +15,6 @@ from tests.model_service.checks import drain, expect_status, wait_until_idle
 from tests.model_service.generation import LONG_DOCUMENT, Generated, generate
 from tests.services import SHARED_POOL_ID, start_model
 
-pytestmark = pytest.mark.model
-
 VOCAB = 49152
 CONTEXT = 8192
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

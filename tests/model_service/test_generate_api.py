@@ -10,8 +10,6 @@ from tests.model_service.checks import wait_until_idle
 from tests.model_service.generation import generate, greedy
 from tests.services import SHARED_NUM_BLOCKS, SHARED_POOL_ID
 
-pytestmark = pytest.mark.model
-
 VOCAB_LAST = 49151  # a token id that never comes up in these short generations
 PROMPT = "The capital of France is"
 CHAT = [("system", "You are a concise assistant."), ("user", "Name three colours of the rainbow.")]

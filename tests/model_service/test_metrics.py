@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from protos import model_pb2_grpc
-from tests.fault_proxy import FaultProxy
+from testing.fault_proxy import FaultProxy
 from tests.model_service.generation import greedy
 from tests.services import Running, start_cache, start_model
 from tests.tiny_model import save_tiny_llama

@@ -26,8 +26,6 @@ from protos import cache_pb2, cache_pb2_grpc, model_pb2, model_pb2_grpc
 from tests.model_service.checks import assert_pool_whole, expect_status, wait_until_idle
 from tests.services import SHARED_POOL_ID, Running, start_router
 
-pytestmark = pytest.mark.model
-
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 NEVER = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 MODEL_SERVICE = model_pb2.DESCRIPTOR.services_by_name["ModelService"]

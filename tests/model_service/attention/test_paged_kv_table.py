@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from model_service.attention.flashinfer_backend import build_paged_kv_table
 from model_service.attention.indexing import segments
-from tests.attention.paged_case import make_case
+from tests.model_service.attention.paged_case import make_case
 
 
 def check_table(seq_lens, query_lens, block_size):

@@ -3,18 +3,20 @@ the length rule, its start-up probe, its argument checks and where the torch bac
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from model_service import native
 from model_service.attention.torch_backend import TorchAttentionBackend
 from model_service.native import prompt_attention as pa
-from tests.attention.paged_case import make_case
+from model_service.native import registry
+from tests.model_service.attention.paged_case import make_case
+from tests.native_required import needs_library
 
-needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
+needs_native = needs_library()  # (whether the kernel matches torch here is its probe, per shape: below)
 
 
 def _prompt(length: int, hq: int, hkv: int, d: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -28,7 +30,7 @@ def _torch_call(q, k, v, scale):
 
 
 def _bitwise_here(hq: int, hkv: int, d: int, scale: float) -> bool:
-    return pa.matches_torch(hq, hkv, d, scale, torch.get_num_threads())
+    return registry.active("prompt_attention", num_q_heads=hq, num_kv_heads=hkv, head_dim=d, scale=scale)
 
 
 def test_length_rule():
@@ -50,7 +52,8 @@ def test_bitwise_torch_on_every_length_it_takes(heads):
     hq, hkv, d = heads
     scale = d ** -0.5
     if not _bitwise_here(hq, hkv, d, scale):
-        pytest.skip("this machine's MKL sums torch's products in another order (the probe says so)")
+        pytest.skip(f"native kernels: this machine's MKL sums torch's products in another order "
+                    f"({registry.status('prompt_attention', num_q_heads=hq, num_kv_heads=hkv, head_dim=d, scale=scale).reason})")
     rng = random.Random(hash(heads) & 0xFFFF)
     edges = [e + o for e in (192, 256, 512, 768, 1024, 1536, 2048) for o in (-1, 0, 4, 12, 40)]
     lengths = [t for t in list(range(12, 141)) + edges + rng.sample(range(141, 2100), 12) if pa.takes_length(t)]
@@ -76,14 +79,21 @@ def test_output_layout_and_thread_independence():
 
 
 @needs_native
-def test_probe_is_cached_and_true_where_the_kernel_matches():
+def test_probe_is_cached_and_true_where_the_kernel_matches(monkeypatch: pytest.MonkeyPatch):
     expected = all(torch.equal(pa.prompt_attention(*_prompt(t, 9, 3, 64, seed=t), 0.125),
                                _torch_call(*_prompt(t, 9, 3, 64, seed=t), 0.125))
                    for t in pa.PROBE_LENGTHS if pa.takes_length(t))
+    registry.clear_cache()
     assert _bitwise_here(9, 3, 64, 0.125) == expected
-    hits = pa.matches_torch.cache_info().hits
-    assert _bitwise_here(9, 3, 64, 0.125) == expected
-    assert pa.matches_torch.cache_info().hits == hits + 1  # probed once, not per prompt
+    assert registry.cache_key("prompt_attention", num_q_heads=9, num_kv_heads=3, head_dim=64,
+                              scale=0.125) in registry._read_disk()  # probed once, then kept on disk
+    calls = []
+    monkeypatch.setitem(registry.KERNELS, "prompt_attention", dataclasses.replace(
+        registry.KERNELS["prompt_attention"], probe=lambda **shape: calls.append(shape)))
+    assert _bitwise_here(9, 3, 64, 0.125) == expected and not calls  # not per prompt
+    registry._answers.clear()
+    registry._memory.clear()
+    assert _bitwise_here(9, 3, 64, 0.125) == expected and not calls  # a new process: from the file
 
 
 @needs_native

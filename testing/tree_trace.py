@@ -8,7 +8,7 @@ the pool does besides (events, miss-reason bookkeeping) is not part of the tree 
 
 The current tree, the current tree also reading every new and evicted page's hash (what Pool's
 events and miss-reason bookkeeping ask of it) and the frozen previous tree
-(bench/baseline_radix_tree.py, which hashes every inserted page) run the same trace in lockstep,
+(testing/baseline_radix_tree.py, which hashes every inserted page) run the same trace in lockstep,
 one request each in turn, so all see the same machine load.
 """
 
@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from bench import baseline_radix_tree
 from cache_service.block_allocator import BlockAllocator
 from cache_service.radix_tree import RadixTree
 from common.token_bytes import TOKEN_BYTES, encode_tokens
+from testing import baseline_radix_tree
 
 VOCAB = 32000
 # SGLang 0.5.23's Rust-backed tree on this trace (issue 12, measured there, not here): req/s.
@@ -143,11 +143,3 @@ def run_trace(page_size: int, trace: list[tuple[int, ...]], pool_tokens: int,
             "new_over_sglang_reference": new["req_s"] / SGLANG_REFERENCE_REQ_S[page_size]
             if page_size in SGLANG_REFERENCE_REQ_S else None}
 
-
-def bench_tree_trace(quick: bool) -> list[dict[str, Any]]:
-    """Page sizes 16 and 1; quick: 2,500 requests on a 1M-slot pool (still evicting)."""
-    num_requests, pool_tokens = (2_500, 1_000_000) if quick else (10_000, 2_000_000)
-    trace = make_trace(num_requests)
-    rows = [run_trace(ps, trace, pool_tokens) for ps in (16, 1)]
-    gc.collect()
-    return rows

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from model_service.attention.torch_backend import TorchAttentionBackend
-from tests.attention.paged_case import make_case, reference_attention
+from tests.model_service.attention.paged_case import make_case, reference_attention
 
 SMOLLM2 = dict(num_q_heads=9, num_kv_heads=3, head_dim=64)
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from model_service import native
 
 pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"),
-                                reason="the native kernels need AVX-512")
+                                reason="native kernels: this CPU has no AVX-512")
 
 BLOCK = 16
 

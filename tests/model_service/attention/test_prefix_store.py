@@ -10,8 +10,13 @@ import torch
 
 from model_service.attention.base import BatchLayout
 from model_service.attention.prefix_store import PrefixKVStore
-from tests.attention.paged_case import PagedCase, reference_attention
-from tests.attention.test_cascade import SMOLLM2, backend_for, check_against_reference, shared_case
+from tests.model_service.attention.paged_case import PagedCase, reference_attention
+from tests.model_service.attention.test_cascade import (
+    SMOLLM2,
+    backend_for,
+    check_against_reference,
+    shared_case,
+)
 
 BS = 4
 SCALE = 1.0 / math.sqrt(SMOLLM2["head_dim"])

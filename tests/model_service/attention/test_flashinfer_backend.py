@@ -12,7 +12,7 @@ import torch
 
 from model_service.attention import create_attention_backend
 from model_service.attention.torch_backend import TorchAttentionBackend
-from tests.attention.paged_case import make_case, reference_attention
+from tests.model_service.attention.paged_case import make_case, reference_attention
 
 pytestmark = [
     pytest.mark.gpu,

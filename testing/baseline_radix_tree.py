@@ -1,5 +1,5 @@
 """FROZEN COPY of cache_service/radix_tree.py as of git b173a19 (before issue 12: tuple keys,
-blake2b page hashes on every insert). The baseline of bench/tree_trace.py and the reference of
+blake2b page hashes on every insert). The baseline of testing/tree_trace.py and the reference of
 tests/cache/test_tree_differential.py; nothing in the service imports it. Do not edit.
 """
 

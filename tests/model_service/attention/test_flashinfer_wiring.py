@@ -13,8 +13,8 @@ import torch
 
 import model_service.attention.flashinfer_backend as fib
 from model_service.attention.torch_backend import TorchAttentionBackend
-from tests.attention import fake_flashinfer
-from tests.attention.paged_case import make_case, reference_attention
+from tests.model_service.attention import fake_flashinfer
+from tests.model_service.attention.paged_case import make_case, reference_attention
 
 DTYPE = torch.bfloat16
 

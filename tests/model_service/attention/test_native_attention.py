@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 from model_service import native
 from model_service.attention.torch_backend import TorchAttentionBackend
-from tests.attention.paged_case import make_case, reference_attention
+from tests.model_service.attention.paged_case import make_case, reference_attention
 
 pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"),
-                                reason="the native kernels need AVX-512")
+                                reason="native kernels: this CPU has no AVX-512")
 
 
 def test_library_is_built_and_loads():

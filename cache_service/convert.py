@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from cache_service.errors import InvalidArgument
 from cache_service.events import AllCleared, BlockRemoved, BlockStored, CacheEvent
@@ -13,6 +12,7 @@ from cache_service.routing import RouteQuery, RouteResult, RouteWeights, visible
 from cache_service.schema import (
     Admit,
     Commit,
+    DurableStats,
     Extend,
     Finish,
     MatchInfo,
@@ -24,9 +24,6 @@ from cache_service.schema import (
 from common.limits import quote_id
 from common.token_bytes import unpack_tokens
 from protos import cache_pb2
-
-if TYPE_CHECKING:
-    from cache_service.durable import DurableStats
 
 
 def _finish(msg: cache_pb2.Finish) -> Finish:

@@ -220,7 +220,7 @@ class EventLog:
         self._clock = clock
         self.epoch = new_epoch()
         # Publisher epochs of earlier processes whose numbering this log continues (durable
-        # cache manager, cache_service/durable.py): a resume from one of them is valid here.
+        # cache manager, cache_service/durable/): a resume from one of them is valid here.
         self.continued_epochs: list[int] = []
         self.namespace_counts: dict[str, int] = {}
         self.cleared_count = 0

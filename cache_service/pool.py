@@ -15,11 +15,11 @@ from __future__ import annotations
 import logging
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Protocol
 
+from cache_service.attach import AttachState
 from cache_service.block_allocator import BlockAllocator
 from cache_service.errors import (
     FailedPrecondition,
@@ -31,7 +31,7 @@ from cache_service.errors import (
 from cache_service.events import AllCleared, BlockRemoved, EventLog, stored_from_node
 from cache_service.miss_reasons import EvictedPages, classify_miss
 from cache_service.radix_tree import EvictedNode, RadixTree, TreeNode
-from cache_service.routed import MIN_MAX_ROUTED_PAGES, RoutedRequest, RoutedRequests
+from cache_service.routed import MIN_MAX_ROUTED_PAGES, RoutedRequest, RoutedRequests, RoutingState
 from cache_service.schema import (
     Admit,
     AdmitResult,
@@ -51,14 +51,6 @@ from common.limits import quote_id
 from common.token_bytes import TOKEN_BYTES, encode_tokens, max_token
 
 log = logging.getLogger(__name__)
-
-
-class RouteJournal(Protocol):
-    """Where a durable cache manager records Route decisions that change a pool (durable.py)."""
-
-    def routed(self, pool: Pool, entry: RoutedRequest) -> None: ...
-
-    def routed_expired(self, pool: Pool, now: float) -> None: ...
 
 
 @dataclass(slots=True)
@@ -133,28 +125,20 @@ class Pool:
         # First-admission tokens counted as new for their caller that this pool held under another
         # namespace (metrics.py; not in Stats or snapshots: a tenant must not read it per request).
         self.miss_other_namespace_tokens = 0
-        self.num_steps = 0  # Steps applied (restored ones included): re-attach checks it
+        # Steps applied (restored ones included): re-attach checks it against the replica's
+        # num_steps_acknowledged; a counter like those above (snapshots keep it with them).
+        self.num_steps = 0
         self._events = events
         self._finished_ids: OrderedDict[str, None] = OrderedDict()
         self._max_finished_ids = max_finished_ids
         self.serving_addr = serving_addr
         self.load = ReplicaLoad()
-        self.routed = RoutedRequests(max_pages=max(2 * num_blocks, MIN_MAX_ROUTED_PAGES))
-        # Blocks Route reservations may pin at once (set by the registry: --max-pinned-fraction).
-        self.max_pinned_blocks = num_blocks // 4
         self.evicted_pages = EvictedPages(2 * num_blocks)
-        # Other live pools of the same model (set by the registry): for miss reasons.
-        self.peers: Callable[[], Iterable[Pool]] = tuple
-        # Durable cache manager (cache_service/durable.py): the replica's KV incarnation id, and
-        # whether this pool was rebuilt from the state dir and waits for its replica to re-attach.
-        self.incarnation = ""
-        # Who registered it (the registry's owner key; "" anonymous): only they may register its
-        # worker id again while it is live (cache_service/pool_registry.py).
-        self.owner = ""
-        self.restored = False
-        self.awaiting_reattach = False
-        self.num_restored_cached_blocks = 0
-        self.route_journal: RouteJournal | None = None  # records routed requests and their expiry
+        # Routed requests, reservations and what the registry wires in (cache_service/routed.py).
+        self.routing = RoutingState(RoutedRequests(max_pages=max(2 * num_blocks, MIN_MAX_ROUTED_PAGES)),
+                                    max_pinned_blocks=num_blocks // 4)
+        # Owner, incarnation, restored / awaiting re-attach (cache_service/attach.py).
+        self.attach = AttachState()
 
     # ------------------------------------------------------------------ step
 
@@ -304,11 +288,11 @@ class Pool:
             num_needed_tokens=len(tokens) + min(item.num_lookahead_tokens, 1), prompt_bytes=key,
         )
         # Our own lock holds the prefix now.
-        self._unlock(self.routed.on_admit(item.namespace, item.request_id))
+        self._unlock(self.routing.routed.on_admit(item.namespace, item.request_id))
         miss = None
         if not item.resumed:
             parent_hash = match.last_node.last_hash if match.last_node is not None else 0
-            peers = (p.tree for p in self.peers() if p is not self)
+            peers = (t for t in self.routing.peer_trees() if t is not self.tree)
             miss, other_namespace = classify_miss(self.tree, self.evicted_pages, peers, tokens, item.namespace,
                                                   num_cached, parent_hash, key)
             self.miss_other_namespace_tokens += other_namespace  # operator metric only, never per request
@@ -358,7 +342,7 @@ class Pool:
         if result.new_node is not None and self._events is not None:
             self._events.publish(self.pool_id, stored_from_node(result.new_node, bs))
         # Its prompt is cached: no longer a promise.
-        self._unlock(self.routed.drop(req.namespace, req.request_id))
+        self._unlock(self.routing.routed.drop(req.namespace, req.request_id))
         shared = self.tree.path_blocks(result.last_node, full_pages - cached)
         # Pages [existing, full_pages) now belong to the tree and the request keeps a reference;
         # pages [cached, existing) were cached by another request first: share the tree's copy.
@@ -378,7 +362,7 @@ class Pool:
 
     def _finish(self, item: Finish, released: bool) -> None:
         req = self.requests.pop(item.request_id)
-        self._unlock(self.routed.drop(req.namespace, req.request_id))
+        self._unlock(self.routing.routed.drop(req.namespace, req.request_id))
         bs = self.block_size
         table = req.block_table
         cached = req.num_cached_pages
@@ -466,7 +450,7 @@ class Pool:
 
     def retire(self) -> None:
         """Drop every request (locks and private blocks) and the whole tree (lease expiry)."""
-        self._unlock(self.routed.drop_all())
+        self._unlock(self.routing.routed.drop_all())
         for rid in list(self.requests):
             req = self.requests.pop(rid)
             self.allocator.free(req.block_table)
@@ -489,7 +473,7 @@ class Pool:
 
     def may_pin(self, num_pages: int) -> bool:
         """Whether a reservation of `num_pages` more pages stays within `max_pinned_blocks`."""
-        return self.routed.pinned_pages + num_pages <= self.max_pinned_blocks
+        return self.routing.may_pin(num_pages)
 
     def pin_prefix(self, tokens: Sequence[int], namespace: str) -> TreeNode | None:
         """Lock the cached prefix of `tokens` (a Route reservation); None when nothing is cached.
@@ -502,20 +486,22 @@ class Pool:
 
     def add_routed(self, entry: RoutedRequest) -> None:
         """Remember a request routed here (its pin, if any, is already locked)."""
-        self._unlock(self.routed.add(entry))
-        if self.route_journal is not None:
-            self.route_journal.routed(self, entry)
+        routing = self.routing
+        self._unlock(routing.routed.add(entry))
+        if routing.journal is not None:
+            routing.journal.routed(self.pool_id, entry)
 
     def expire_routed(self, now: float) -> None:
         """End routed requests and reservations whose time has come."""
-        before = (len(self.routed), self.routed.num_pins)
-        self._unlock(self.routed.expire(now))
-        if self.route_journal is not None and (len(self.routed), self.routed.num_pins) != before:
-            self.route_journal.routed_expired(self, now)
+        routed, journal = self.routing.routed, self.routing.journal
+        before = (len(routed), routed.num_pins)
+        self._unlock(routed.expire(now))
+        if journal is not None and (len(routed), routed.num_pins) != before:
+            journal.routed_expired(self.pool_id, now)
 
     def drop_routed(self) -> None:
         """Forget every routed request and reservation (their pins unlocked)."""
-        self._unlock(self.routed.drop_all())
+        self._unlock(self.routing.routed.drop_all())
 
     # ------------------------------------------------------------------ durability
 
@@ -558,10 +544,10 @@ class Pool:
             lease_remaining_seconds=lease_remaining_seconds,
             serving_addr=self.serving_addr,
             load=self.load,
-            num_reservations=self.routed.num_pins,
+            num_reservations=self.routing.routed.num_pins,
             num_remembered_evicted_pages=len(self.evicted_pages),
-            restored=self.restored,
-            num_restored_cached_blocks=self.num_restored_cached_blocks,
+            restored=self.attach.restored,
+            num_restored_cached_blocks=self.attach.num_restored_cached_blocks,
             num_lookahead_blocks=sum(r.num_lookahead_blocks(self.block_size) for r in self.requests.values()),
         )
 

@@ -32,7 +32,7 @@ from cache_service.errors import FailedPrecondition, InvalidArgument, NotFound, 
 from cache_service.events import EventLog
 from cache_service.pool import Pool
 from cache_service.registry_limits import RegistryLimits
-from cache_service.routed import RoutedRequest
+from cache_service.routed import RouteJournal
 from cache_service.routing import RouteQuery, RouteResult, check_route_size, route
 from cache_service.schema import ReplicaLoad
 from common.limits import quote_id
@@ -46,16 +46,13 @@ MAX_INCARNATION_LEN = 256
 DEFAULT_MAX_PINNED_FRACTION = 0.25
 
 
-class RegistryJournal(Protocol):
-    """What a durable cache manager records of the registry's own decisions (cache_service/durable.py)."""
+class RegistryJournal(RouteJournal, Protocol):
+    """What a durable cache manager records of the registry's and its pools' decisions
+    (cache_service/durable/)."""
 
     def registered(self, pool: Pool, reattached: bool) -> None: ...
 
     def retired(self, pool_id: str, why: str) -> None: ...
-
-    def routed(self, pool: Pool, entry: RoutedRequest) -> None: ...
-
-    def routed_expired(self, pool: Pool, now: float) -> None: ...
 
 
 class Registration(NamedTuple):
@@ -116,7 +113,7 @@ class PoolRegistry:
     def journal(self, journal: RegistryJournal | None) -> None:
         self._journal = journal
         for pool in self.pools.values():
-            pool.route_journal = journal
+            pool.routing.journal = journal
 
     def _new_epoch(self) -> int:
         self._last_epoch = max(time.time_ns(), self._last_epoch + 1)
@@ -165,31 +162,31 @@ class PoolRegistry:
             raise InvalidArgument(f"incarnation longer than {MAX_INCARNATION_LEN} characters")
         _check_shape(worker_id, num_blocks, block_size, vocab_size, serving_addr)
         old = self.pools.get(worker_id)
-        if epoch is None and old is not None and old.owner != owner and self._clock() < old.lease_deadline:
+        if epoch is None and old is not None and old.attach.owner != owner and self._clock() < old.lease_deadline:
             # Neither the owner nor anything about it is named: the caller learns only that the id is taken.
             raise PermissionDenied(f"worker id {quote_id(worker_id)} is held by another principal; a live pool "
                                    "is re-registered by the principal that registered it")
-        if (old is not None and incarnation and old.incarnation == incarnation and old.num_blocks == num_blocks
+        if (old is not None and incarnation and old.attach.incarnation == incarnation and old.num_blocks == num_blocks
                 and old.block_size == block_size and old.model_fingerprint == model_fingerprint
                 and old.vocab_size == vocab_size and len(serving_addr) <= MAX_ADDR_LEN
                 and (epoch is not None or (self._clock() < old.lease_deadline
                                            and old.num_steps >= num_steps_acknowledged))):
             old.epoch = epoch if epoch is not None else self._new_epoch()
             self._last_epoch = max(self._last_epoch, old.epoch)
-            old.awaiting_reattach = False
+            old.attach.awaiting_reattach = False
             old.serving_addr = serving_addr
             old.lease_deadline = self._clock() + self.lease_seconds
             if self.journal is not None:
                 self.journal.registered(old, True)
             log.info("pool re-attached pool=%s epoch=%d restored=%s running_requests=%d cached_blocks=%d",
-                     worker_id, old.epoch, old.restored, len(old.requests), old.tree.total_size)
+                     worker_id, old.epoch, old.attach.restored, len(old.requests), old.tree.total_size)
             return Registration(old, True)
         if epoch is None:  # the pool this replaces (if any) gives its share back
             self.limits.check((p for p in self.pools.values() if p is not old), owner, num_blocks, block_size)
         pool = self._create(worker_id, num_blocks, block_size, model_fingerprint, vocab_size, serving_addr,
                             epoch)
-        pool.incarnation = incarnation
-        pool.owner = owner
+        pool.attach.incarnation = incarnation
+        pool.attach.owner = owner
         if self.journal is not None:
             self.journal.registered(pool, False)
         return Registration(pool, False)
@@ -235,10 +232,11 @@ class PoolRegistry:
     def add_pool(self, pool: Pool) -> None:
         """Take a pool in (a new one, or one restored from a snapshot), with a fresh lease."""
         model_fingerprint = pool.model_fingerprint
-        pool.peers = lambda: self.live_pools(model_fingerprint)
-        pool.max_pinned_blocks = int(self.max_pinned_fraction * pool.num_blocks)
+        routing = pool.routing
+        routing.peer_trees = lambda: (p.tree for p in self.live_pools(model_fingerprint))
+        routing.max_pinned_blocks = int(self.max_pinned_fraction * pool.num_blocks)
         pool.lease_deadline = self._clock() + self.lease_seconds
-        pool.route_journal = self._journal
+        routing.journal = self._journal
         self.pools[pool.pool_id] = pool
         self._last_epoch = max(self._last_epoch, pool.epoch)
 
@@ -250,7 +248,7 @@ class PoolRegistry:
             if why is not None:
                 raise FailedPrecondition(f"pool {quote_id(pool_id)} is gone ({why}); re-register")
             raise NotFound(f"unknown pool {quote_id(pool_id)}; register it first")
-        if pool.awaiting_reattach:
+        if pool.attach.awaiting_reattach:
             raise FailedPrecondition(
                 f"the cache manager restarted; pool {quote_id(pool_id)} waits for its replica to re-register")
         if epoch != pool.epoch:

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from cache_service.attach import AttachState
 from cache_service.errors import ResourceExhausted
 
 BLOCK_BASE_BYTES = 1024
@@ -49,7 +50,7 @@ def pool_memory_bytes(num_blocks: int, block_size: int) -> int:
 class PoolShape(Protocol):
     """What the caps read of a registered pool."""
 
-    owner: str
+    attach: AttachState  # its owner
     num_blocks: int
     block_size: int
 
@@ -83,7 +84,7 @@ class RegistryLimits:
         memory = 0
         for pool in others:
             total += 1
-            mine += pool.owner == owner
+            mine += pool.attach.owner == owner
             memory += pool_memory_bytes(pool.num_blocks, pool.block_size)
         if self.max_pools and total >= self.max_pools:
             raise ResourceExhausted(

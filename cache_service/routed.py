@@ -18,9 +18,11 @@ hashes alone must never be the key). Memory is bounded: at most `max_entries` en
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
-from cache_service.radix_tree import TreeNode
+from cache_service.radix_tree import RadixTree, TreeNode
 
 DEFAULT_ROUTED_TTL_SECONDS = 30.0
 DEFAULT_MAX_ROUTED_ENTRIES = 8192  # routed-but-not-cached requests remembered per pool
@@ -38,6 +40,14 @@ class RoutedRequest:
     pin_expires_at: float = 0.0
     admitted: bool = False
     pin_pages: int = 0  # pages the pin holds (set by RoutedRequests.add)
+
+
+class RouteJournal(Protocol):
+    """Where a durable cache manager records Route decisions that change a pool (cache_service/durable/)."""
+
+    def routed(self, pool_id: str, entry: RoutedRequest) -> None: ...
+
+    def routed_expired(self, pool_id: str, now: float) -> None: ...
 
 
 def path_pages(node: TreeNode | None) -> int:
@@ -184,3 +194,25 @@ class RoutedRequests:
         self.num_pins -= 1
         self.pinned_pages -= entry.pin_pages
         return [pin]
+
+
+def _no_peers() -> Iterable[RadixTree]:
+    return ()
+
+
+@dataclass(slots=True)
+class RoutingState:
+    """A pool's routing side (one `Pool.routing` per pool; its pool applies it to its tree).
+
+    `max_pinned_blocks`, `peer_trees` and `journal` are set by the registry (cache_service/pool_registry.py).
+    """
+
+    routed: RoutedRequests  # routed-but-not-cached requests and their reservations (pins)
+    max_pinned_blocks: int  # blocks Route reservations may pin at once (--max-pinned-fraction)
+    # The trees of the live pools of the same model (its own among them): where else a miss was cached.
+    peer_trees: Callable[[], Iterable[RadixTree]] = _no_peers
+    journal: RouteJournal | None = None  # records routed requests and their expiry
+
+    def may_pin(self, num_pages: int) -> bool:
+        """Whether a reservation of `num_pages` more pages stays within `max_pinned_blocks`."""
+        return self.routed.pinned_pages + num_pages <= self.max_pinned_blocks

@@ -146,7 +146,7 @@ def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
     # (score, -free, pool_id, pool, matched tokens, promised tokens, prefill tokens, evictable)
     scored: list[tuple[float, int, str, Pool, int, int, int, int]] = []
     for pool in candidates:
-        routed = pool.routed
+        routed = pool.routing.routed
         if routed.next_deadline <= now:
             pool.expire_routed(now)
         bs = pool.block_size
@@ -178,7 +178,7 @@ def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
         scored = scored[: query.max_candidates]
     ranked = [
         RouteCandidate(pool.pool_id, pool.worker_id, pool.serving_addr, matched, promised, prefill, pool.load,
-                       pool.routed.queued_tokens, -neg_free, evictable, pool.num_blocks, score)
+                       pool.routing.routed.queued_tokens, -neg_free, evictable, pool.num_blocks, score)
         for score, neg_free, _, pool, matched, promised, prefill, evictable in scored
     ]
     if ranked and query.request_id and not query.dry_run:
@@ -208,4 +208,4 @@ def _record(pool: Pool, best: RouteCandidate, query: RouteQuery, hashes: Sequenc
                           now + max(DEFAULT_ROUTED_TTL_SECONDS, query.reserve_ms / 1000), pin,
                           now + query.reserve_ms / 1000)
     pool.add_routed(entry)
-    return best._replace(routed_tokens=pool.routed.queued_tokens, reserved=pin is not None)
+    return best._replace(routed_tokens=pool.routing.routed.queued_tokens, reserved=pin is not None)

@@ -122,10 +122,27 @@ class PoolStats:
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     num_reservations: int = 0
     num_remembered_evicted_pages: int = 0
-    restored: bool = False  # rebuilt from the state dir (cache_service/durable.py)
+    restored: bool = False  # rebuilt from the state dir (cache_service/durable/)
     num_restored_cached_blocks: int = 0
     num_lookahead_blocks: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+@dataclass(slots=True)
+class DurableStats:
+    """What Stats and metrics report about durability (cache_service/durable/)."""
+
+    journal_bytes: int = 0
+    journal_records: int = 0
+    last_fsync_seconds: float = 0.0
+    max_fsync_seconds: float = 0.0
+    num_snapshots: int = 0
+    last_snapshot_seconds: float = 0.0
+    recovery_seconds: float = 0.0
+    num_restored_pools: int = 0
+    num_restored_cached_blocks: int = 0
+    num_replayed_records: int = 0
+    num_dropped_pools: int = 0  # pools whose replay did not verify

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
-import signal
 import sys
 
 import grpc
@@ -20,11 +18,12 @@ from cache_service.registry_limits import RegistryLimits
 from cache_service.servicer import METHOD_ROLES, SERVICE_NAME, CacheManagerServicer
 from cache_service.stream_slots import DEFAULT_MAX_WATCH_STREAMS
 from cache_service.watch import follow_token_namespaces
-from common.auth import TokenStore, reload_on_sighup, server_interceptors
+from common.auth import TokenStore, server_interceptors
 from common.grpc_server import add_health_and_reflection, add_servicer, format_address, new_server, set_health
 from common.limits import ServerLimits, id_error
 from common.metrics_server import DEFAULT_METRICS_HOST
 from common.security import ServerTLS, add_port
+from common.server_runner import ServerHooks, cancel_and_wait, run_server
 from protos import cache_pb2
 
 log = logging.getLogger(__name__)
@@ -108,7 +107,7 @@ async def serve(
 ) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code.
 
-    `state_dir`: durable mode (cache_service/durable.py): rebuild every pool from it first, then
+    `state_dir`: durable mode (cache_service/durable/): rebuild every pool from it first, then
     journal every applied change there. `registry_limits`: caps on pools and their memory (None:
     the defaults). `worker_san_check`: with mutual TLS (`tls.client_ca`), bind worker ids to
     the client certificates' subject alternative names.
@@ -127,56 +126,40 @@ async def serve(
             return 1
     metrics = Metrics(registry, durable) if metrics_port is not None else None
     health_servicer = health.aio.HealthServicer()
-    address = format_address(host, port)
-    try:
-        server, bound = await create_server(address, registry, metrics, health_servicer,
-                                            credentials=tls.credentials() if tls is not None else None,
-                                            tokens=tokens, limits=limits, durable=durable,
-                                            worker_san_check=worker_san_check,
-                                            max_watch_streams=max_watch_streams)
-    except RuntimeError as err:
-        print(f"cache_service: cannot listen on {address} (port in use?): {err}", file=sys.stderr, flush=True)
-        return 1
-    if metrics is not None:
-        try:
-            metrics_bound = metrics.serve(metrics_port, metrics_host)  # not --host: private by default
-        except OSError as err:
-            print(f"cache_service: cannot serve metrics on {format_address(metrics_host, metrics_port)}: {err}",
-                  file=sys.stderr, flush=True)
-            return 1
-        log.info("metrics on http://%s/metrics", format_address(metrics_host, metrics_bound))
+    expiry: asyncio.Task | None = None
+    syncer: asyncio.Task | None = None
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    reload_on_sighup(loop, tokens)
-    expiry = asyncio.create_task(expire_leases_forever(registry, min(0.25, lease_seconds / 4)))
-    syncer = asyncio.create_task(durable.sync_forever()) if durable is not None else None
-    freeze_startup_heap()
-    try:
-        await server.start()
-        print(f"cache_service listening on {format_address(host, bound)}", flush=True)
+    async def starting() -> None:
+        nonlocal expiry, syncer
+        expiry = asyncio.create_task(expire_leases_forever(registry, min(0.25, lease_seconds / 4)))
+        syncer = asyncio.create_task(durable.sync_forever()) if durable is not None else None
+        freeze_startup_heap()
+
+    async def started() -> None:
         log.info("lease_seconds=%s tls=%s auth=%s worker_san_check=%s max_pools=%d max_pools_per_principal=%d "
                  "max_cache_memory_mib=%d", lease_seconds,
                  "off" if tls is None else "mutual" if tls.client_ca else "on",
                  "off" if tokens is None else f"{len(tokens)} tokens", "on" if worker_san_check else "off",
                  registry_limits.max_pools, registry_limits.max_pools_per_owner,
                  registry_limits.max_memory_bytes >> 20)
-        await stop.wait()
-        log.info("shutting down")
-    finally:
-        expiry.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await expiry
-        await health_servicer.enter_graceful_shutdown()
-        await server.stop(grace_seconds)
-        if syncer is not None:
-            syncer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await syncer
+
+    async def stopping() -> None:  # no lease runs out while the server drains
+        await cancel_and_wait(expiry)
+
+    async def stopped() -> None:  # the journal kept syncing what the drained calls applied
+        await cancel_and_wait(syncer)
         if durable is not None:
             durable.close()
-        if metrics is not None:
-            metrics.stop()
-    return 0
+
+    address = format_address(host, port)
+    return await run_server(
+        "cache_service", log, address,
+        lambda: create_server(address, registry, metrics, health_servicer,
+                              credentials=tls.credentials() if tls is not None else None, tokens=tokens,
+                              limits=limits, durable=durable, worker_san_check=worker_san_check,
+                              max_watch_streams=max_watch_streams),
+        health_servicer, lambda bound: f"cache_service listening on {format_address(host, bound)}",
+        hooks=ServerHooks(starting=starting, started=started, stopping=stopping, stopped=stopped),
+        grace_seconds=grace_seconds, metrics=metrics, metrics_port=metrics_port, metrics_host=metrics_host,
+        tokens=tokens)
+

@@ -209,3 +209,18 @@ def assert_accounting(stub: cache_pb2_grpc.CacheManagerStub, pool_id: str) -> ca
     assert stats.num_free_blocks + stats.num_cached_blocks + stats.num_private_blocks == stats.num_blocks
     assert stats.num_cached_blocks == stats.num_locked_blocks + stats.num_evictable_blocks
     return stats
+
+
+class ManualClock:
+    """A clock the test moves by hand (registries and pools take `clock=`)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()

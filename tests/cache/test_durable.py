@@ -1,4 +1,4 @@
-"""Durable cache manager core (cache_service/durable.py, snapshot.py, journal.py).
+"""Durable cache manager core (cache_service/durable/: state.py, snapshot.py, journal.py).
 
 A driver applies random operation sequences exactly as the servicer does (StepRequest protos ->
 core -> journal) over two pools, taking snapshots at random points. Recovering a fresh registry
@@ -18,12 +18,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_service import convert
-from cache_service.durable import DurableState, Kind
+from cache_service.durable import DurableState
+from cache_service.durable.journal import HEADER, encode, read_records
+from cache_service.durable.replay import Kind
+from cache_service.durable.snapshot import canonical, dump_pool, restore_pool
 from cache_service.errors import CacheError
-from cache_service.journal import HEADER, encode, read_records
 from cache_service.pool_registry import PoolRegistry
 from cache_service.routing import RouteQuery
-from cache_service.snapshot import canonical, dump_pool, restore_pool
 from common.token_bytes import encode_tokens
 from protos import cache_pb2
 
@@ -216,7 +217,7 @@ def test_snapshot_plus_replay_equals_live_state(tmp_path_factory, seed: int, num
     durable2 = open_durable(path, restored)
     assert state(restored) == expected
     for pool in restored.pools.values():
-        assert pool.restored and pool.awaiting_reattach
+        assert pool.attach.restored and pool.attach.awaiting_reattach
     # The same further traffic gives the same results and states (LRU order came back too).
     for pool in restored.pools.values():
         restored.register_replica(pool.worker_id, NUM_BLOCKS, BS, "m", 3, f"{pool.worker_id}:1",

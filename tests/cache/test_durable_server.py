@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cache_service.journal import read_records
+from cache_service.durable.journal import read_records
 from protos import cache_pb2
 from tests.cache.conftest import REPO, ServerProcess, spawn_server, stop_server
 

@@ -10,19 +10,6 @@ from cache_service.pool_registry import PoolRegistry
 from cache_service.schema import Admit, Finish, StepInput
 
 
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
 @pytest.fixture
 def registry(clock) -> PoolRegistry:
     return PoolRegistry(lease_seconds=10.0, clock=clock)

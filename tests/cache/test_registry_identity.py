@@ -14,6 +14,8 @@ import tracemalloc
 import pytest
 
 from cache_service.durable import DurableState
+from cache_service.durable.replay import Kind, Replayer
+from cache_service.durable.snapshot import dump_pool, restore_pool
 from cache_service.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from cache_service.events import EventLog
 from cache_service.pool_registry import PoolRegistry
@@ -25,24 +27,9 @@ from cache_service.registry_limits import (
     block_cost_bytes,
     pool_memory_bytes,
 )
-from cache_service.replay import Kind, Replayer
 from cache_service.replica_identity import certificate_digest, certificate_names, owner_key
 from cache_service.schema import Admit, Finish, StepInput
-from cache_service.snapshot import dump_pool, restore_pool
 from common.auth import parse_tokens
-
-
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
 
 
 def new_registry(clock, limits: RegistryLimits | None = None) -> PoolRegistry:
@@ -57,7 +44,7 @@ def new_registry(clock, limits: RegistryLimits | None = None) -> PoolRegistry:
 def test_a_live_pool_is_not_taken_over_by_another_owner(clock) -> None:
     registry = new_registry(clock)
     pool = registry.register("w", 8, 4, serving_addr="10.0.0.1:50052", owner="alice-key")
-    assert pool.owner == "alice-key"
+    assert pool.attach.owner == "alice-key"
     pool.step(StepInput(admits=[Admit("r", [1, 2, 3, 4, 5])]))
     clock.now += 5
     for incarnation in ("", "inc-1"):
@@ -78,7 +65,7 @@ def test_the_same_owner_keeps_todays_semantics(clock) -> None:
     kept = registry.register_replica("w", 8, 4, incarnation="inc-1", owner="alice")
     assert kept.reattached and kept.pool is old
     new = registry.register("w", 8, 4, owner="alice")  # no incarnation: the old pool is retired
-    assert new is not old and new.owner == "alice" and registry.pools["w"] is new
+    assert new is not old and new.attach.owner == "alice" and registry.pools["w"] is new
 
 
 def test_an_expired_pool_may_be_registered_by_anyone_allowed(clock) -> None:
@@ -86,13 +73,13 @@ def test_an_expired_pool_may_be_registered_by_anyone_allowed(clock) -> None:
     old = registry.register("w", 8, 4, owner="alice")
     clock.now += 10.0  # the lease ran out (not yet reaped)
     pool = registry.register("w", 8, 4, owner="bob")
-    assert pool.owner == "bob" and registry.pools["w"] is pool and old is not pool
+    assert pool.attach.owner == "bob" and registry.pools["w"] is pool and old is not pool
 
 
 def test_anonymous_owners_are_one_principal(clock) -> None:
     registry = new_registry(clock)
     first = registry.register("w", 8, 4)
-    assert first.owner == ""
+    assert first.attach.owner == ""
     assert registry.register("w", 8, 4) is not first  # no auth: re-registration as before
 
 
@@ -123,14 +110,14 @@ def test_the_owner_survives_journal_replay_and_snapshots(tmp_path, clock) -> Non
     for _ in range(2):  # then from the snapshot taken after the first recovery
         registry, durable = _durable(tmp_path, clock)
         restored = registry.pools["w"]
-        assert restored.owner == "alice" and restored.awaiting_reattach
+        assert restored.attach.owner == "alice" and restored.attach.awaiting_reattach
         with pytest.raises(PermissionDenied, match="held by another principal"):
             registry.register_replica("w", 8, 4, incarnation="inc-1", owner="mallory")
-        assert registry.pools["w"] is restored and restored.awaiting_reattach
+        assert registry.pools["w"] is restored and restored.attach.awaiting_reattach
         _crash(durable)
     registry, durable = _durable(tmp_path, clock)
     reg = registry.register_replica("w", 8, 4, incarnation="inc-1", owner="alice")
-    assert reg.reattached and reg.pool.owner == "alice"
+    assert reg.reattached and reg.pool.attach.owner == "alice"
     durable.close()
 
 
@@ -139,11 +126,11 @@ def test_records_and_snapshots_without_an_owner_read_as_anonymous(clock) -> None
     old_record = {"worker_id": "w", "num_blocks": 8, "block_size": 4, "model_fingerprint": "fp", "vocab_size": 0,
                   "serving_addr": "", "incarnation": "inc", "epoch": 7, "reattached": False}
     Replayer(registry, lambda *_: None).apply(Kind.REGISTER, json.dumps(old_record).encode())
-    assert registry.pools["w"].owner == ""
+    assert registry.pools["w"].attach.owner == ""
     data = dump_pool(registry.register("v", 8, 4, owner="alice"))
     assert data["owner"] == "alice"
     del data["owner"]
-    assert restore_pool(data, None).owner == ""
+    assert restore_pool(data, None).attach.owner == ""
 
 
 # ---------------------------------------------------------------------- caps
@@ -193,7 +180,7 @@ def test_replay_is_never_refused_by_caps_or_owners(clock) -> None:
     registry.register_replica("a", 64, 4, epoch=10, owner="a")
     registry.register_replica("b", 64, 4, epoch=11, owner="b")
     registry.register_replica("a", 64, 4, epoch=12, owner="c")
-    assert sorted(registry.pools) == ["a", "b"] and registry.pools["a"].owner == "c"
+    assert sorted(registry.pools) == ["a", "b"] and registry.pools["a"].attach.owner == "c"
     with pytest.raises(ResourceExhausted):
         registry.register("d", 1, 4, owner="d")
 

@@ -109,14 +109,14 @@ def test_routed_requests_of_one_namespace_are_not_replaced_or_consumed_by_anothe
     cache_prompt(registry, "p", SECRET, "tenant-a")
     best = route(registry, token_ids=tuple(SECRET + [1]), namespace="tenant-a", request_id="r",
                  reserve_ms=10_000).candidates[0]
-    assert best.reserved and pool.routed.num_pins == 1
+    assert best.reserved and pool.routing.routed.num_pins == 1
     route(registry, token_ids=tuple(OTHER + [1]), namespace="tenant-b", request_id="r")  # same id, other ns
-    assert pool.routed.num_pins == 1
+    assert pool.routing.routed.num_pins == 1
     pool.step(StepInput(admits=[Admit("r", OTHER + [2], "tenant-b")]))  # same id admitted in another ns
-    assert pool.routed.num_pins == 1 and pool.tree.protected_size == 8
+    assert pool.routing.routed.num_pins == 1 and pool.tree.protected_size == 8
     pool.step(StepInput(releases=[Finish("r", [], 0)]))
     pool.step(StepInput(admits=[Admit("r", SECRET + [1], "tenant-a")]))
-    assert pool.routed.num_pins == 0  # its own admission ends it
+    assert pool.routing.routed.num_pins == 0  # its own admission ends it
     registry.check_integrity()
 
 
@@ -132,7 +132,7 @@ def test_route_takes_at_most_the_largest_live_pool_of_the_model() -> None:
     route(registry, page_hashes=tuple(range(64)), dry_run=True)
     with pytest.raises(InvalidArgument, match=r"at most 64 page hashes"):
         route(registry, page_hashes=tuple(range(65)))
-    assert all(len(p.routed) == 0 for p in registry.pools.values())  # nothing remembered
+    assert all(len(p.routing.routed) == 0 for p in registry.pools.values())  # nothing remembered
     nothing = RouteQuery(token_ids=tuple(range(DEFAULT_MAX_ROUTE_TOKENS + 1)), model_fingerprint="none")
     with pytest.raises(InvalidArgument, match=f"at most {DEFAULT_MAX_ROUTE_TOKENS} token ids"):
         registry.route(nothing)
@@ -163,7 +163,7 @@ def test_a_pool_remembers_at_most_its_own_size_of_a_routed_prompt() -> None:
     registry.pools["large"].load.num_running_requests = 10**8  # worse than the small one's "full" penalty
     best = route(registry, token_ids=tuple(range(200)), request_id="r").candidates[0]
     assert best.pool_id == "small"
-    (entry,) = registry.pools["small"].routed.entries()
+    (entry,) = registry.pools["small"].routing.routed.entries()
     assert len(entry.page_hashes) == 8
 
 
@@ -181,8 +181,8 @@ def test_pins_are_capped_at_a_fraction_of_the_pool_and_admissions_still_fit() ->
     reserved = [route(registry, token_ids=tuple(tokens + [1]), request_id=f"r{i}", reserve_ms=60_000)
                 .candidates[0].reserved for i, tokens in enumerate(prompts)]
     assert reserved == [True] * 4 + [False] * 8  # 16 pinned blocks = 0.25 * 64
-    assert pool.routed.pinned_pages == 16 and pool.tree.protected_size == 16
-    assert len(pool.routed) == 12  # unpinned ones are still remembered as routed
+    assert pool.routing.routed.pinned_pages == 16 and pool.tree.protected_size == 16
+    assert len(pool.routing.routed) == 12  # unpinned ones are still remembered as routed
     (adm,) = pool.step(StepInput(admits=[Admit("big", list(range(5000, 5161)))])).admits  # 41 blocks
     assert adm.admitted
     pool.check_integrity()

@@ -79,21 +79,21 @@ def test_a_burst_sharing_a_new_prefix_follows_the_first_routing_decision(fleet) 
     assert other.pool_id != first.pool_id  # the first pool has work queued now
     # Admission moves the request from queued to running; its commit/finish ends the promise.
     pool = registry.pools[first.pool_id]
-    assert pool.routed.queued_tokens == 33 + 1
+    assert pool.routing.routed.queued_tokens == 33 + 1
     pool.step(StepInput(admits=[Admit("r1", PREFIX + [1])]))
-    assert pool.routed.queued_tokens == 1
+    assert pool.routing.routed.queued_tokens == 1
     pool.step(StepInput(finishes=[Finish("r1", [], 33)]))
-    assert len(pool.routed) == 1  # r2 is still on its way
+    assert len(pool.routing.routed) == 1  # r2 is still on its way
     assert ranked(registry, PREFIX + [4], dry_run=True)[0].matched_tokens == 32  # now really cached
 
 
 def test_routed_requests_are_forgotten_after_their_ttl(fleet) -> None:
     registry, clock = fleet
     chosen = ranked(registry, PREFIX + [1], request_id="lost")[0].pool_id
-    assert registry.pools[chosen].routed.queued_tokens == 33
+    assert registry.pools[chosen].routing.routed.queued_tokens == 33
     clock.now += 31
     registry.expire_routed()
-    assert len(registry.pools[chosen].routed) == 0 and registry.pools[chosen].routed.queued_tokens == 0
+    assert len(registry.pools[chosen].routing.routed) == 0 and registry.pools[chosen].routing.routed.queued_tokens == 0
 
 
 def test_a_reservation_pins_the_prefix_until_admission(fleet) -> None:

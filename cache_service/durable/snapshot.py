@@ -9,7 +9,7 @@ for every running request.
 
 Routed requests and Route reservations (pins) are included, so that the journal after the
 snapshot replays exactly (a pin can change what an eviction takes); a recovered pool drops them
-at the end of recovery (cache_service/durable.py).
+at the end of recovery (cache_service/durable/state.py).
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ def dump_pool(pool: Pool) -> dict[str, Any]:
         "model_fingerprint": pool.model_fingerprint,
         "vocab_size": pool.vocab_size,
         "serving_addr": pool.serving_addr,
-        "incarnation": pool.incarnation,
-        "owner": pool.owner,
+        "incarnation": pool.attach.incarnation,
+        "owner": pool.attach.owner,
         "counters": {name: getattr(pool, name) for name in _COUNTERS},
         "load": [load.num_waiting_requests, load.num_waiting_tokens, load.num_running_requests],
         "free": _pack(pool.allocator.free_block_ids()),
@@ -106,7 +106,7 @@ def dump_pool(pool: Pool) -> dict[str, Any]:
         "requests": requests,
         "routed": [[e.request_id, _pack(e.page_hashes, "Q"), e.prefill_tokens, e.expires_at,
                     e.pin.value[-1] if e.pin is not None else -1, e.pin_expires_at, e.admitted, e.namespace]
-                   for e in pool.routed.entries()],  # oldest first: restored in that order
+                   for e in pool.routing.routed.entries()],  # oldest first: restored in that order
         "finished_ids": pool.finished_ids(),
         "evicted_pages": _pack(pool.evicted_pages.hashes(), "Q"),
     }
@@ -123,8 +123,8 @@ def restore_pool(data: dict[str, Any], events: EventLog | None) -> Pool:
 def _restore(data: dict[str, Any], events: EventLog | None) -> Pool:
     pool = Pool(data["pool_id"], int(data["epoch"]), int(data["num_blocks"]), int(data["block_size"]),
                 data["model_fingerprint"], int(data["vocab_size"]), events, serving_addr=data["serving_addr"])
-    pool.incarnation = data["incarnation"]
-    pool.owner = data.get("owner", "")  # absent from the snapshots of older versions: anonymous
+    pool.attach.incarnation = data["incarnation"]
+    pool.attach.owner = data.get("owner", "")  # absent from the snapshots of older versions: anonymous
     bs = pool.block_size
     tree = pool.tree
     rows = [[parent, ns, _unpack(tokens), _unpack(blocks), rank] for parent, ns, tokens, blocks, rank in data["nodes"]]
@@ -175,10 +175,10 @@ def _restore(data: dict[str, Any], events: EventLog | None) -> Pool:
                 raise IntegrityError(f"snapshot reservation {rid!r}: its pinned prefix is not a node")
             tree.inc_lock_ref(pin)
         entry = RoutedRequest(rid, namespace, _unpack(hashes, "Q"), prefill, expires_at, pin, pin_expires_at)
-        pool.routed.add(entry)
+        pool.routing.routed.add(entry)
         if admitted:  # as RoutedRequests.on_admit left it (its pin already ended then)
             entry.admitted = True
-            pool.routed.queued_tokens -= prefill
+            pool.routing.routed.queued_tokens -= prefill
     pool.allocator = BlockAllocator.restore(pool.num_blocks, _unpack(data["free"]), refcounts)
     for name in _COUNTERS:
         setattr(pool, name, int(data["counters"][name]))
@@ -205,8 +205,9 @@ def canonical(pool: Pool) -> dict[str, Any]:
     data["requests"] = sorted(data["requests"], key=lambda row: row["request_id"])
     data["finished_ids"] = sorted(data["finished_ids"])
     data["routed"] = sorted(data["routed"])
-    data["routed_totals"] = [pool.routed.queued_tokens, pool.routed.num_pins, len(pool.routed),
-                             pool.routed.pinned_pages, pool.routed.num_pages]
+    routed = pool.routing.routed
+    data["routed_totals"] = [routed.queued_tokens, routed.num_pins, len(routed), routed.pinned_pages,
+                             routed.num_pages]
     data["evicted_pages"] = sorted(_unpack(data["evicted_pages"], "Q"))
     data.pop("epoch")
     return data

@@ -1,4 +1,4 @@
-"""What the durable cache manager's journal records mean, and replaying them (cache_service/durable.py).
+"""What the durable cache manager's journal records mean, and replaying them (cache_service/durable/state.py).
 
 Records carry the inputs of state changes; replay feeds them through the same core code (the
 core is deterministic given its inputs), verifying each Step against the digest of its result.

@@ -15,7 +15,7 @@ logical, the allocator's free list ordered, epochs are recorded):
   WatchEvents streams, cache_service/events.py), so replay numbers their events as they were.
 
 Files in DIR: `snapshot.bin` (`[8s magic][u32 crc32][JSON]`, written to a temporary file, fsynced
-and renamed over the old one), `journal-<generation>.log` (cache_service/journal.py), `lock`.
+and renamed over the old one), `journal-<generation>.log` (cache_service/durable/journal.py), `lock`.
 They hold tenants' token ids: the directory is kept 0700 and every file 0600
 (common/private_files.py), whatever the umask and whatever modes an older version left.
 A snapshot of generation G holds the state just before the first record of `journal-G.log`;
@@ -43,17 +43,16 @@ import struct
 import threading
 import time
 import zlib
-from dataclasses import dataclass
 from typing import Any
 
+from cache_service.durable.journal import Journal, read_records
+from cache_service.durable.replay import STEP_HEADER, Kind, Replayer, path_tokens, step_digest
+from cache_service.durable.snapshot import FORMAT_VERSION, dump_pool, restore_pool
 from cache_service.errors import IntegrityError
-from cache_service.journal import Journal, read_records
 from cache_service.pool import Pool
 from cache_service.pool_registry import PoolRegistry
-from cache_service.replay import STEP_HEADER, Kind, Replayer, path_tokens, step_digest
 from cache_service.routed import RoutedRequest
-from cache_service.schema import StepResult
-from cache_service.snapshot import FORMAT_VERSION, dump_pool, restore_pool
+from cache_service.schema import DurableStats, StepResult
 from common.private_files import make_private_dir, open_private
 from protos import cache_pb2
 
@@ -70,23 +69,6 @@ _STATE_FILE = re.compile(r"^(lock|snapshot\.bin(\.tmp)?|journal-\d+\.log)$")
 def is_state_file(name: str) -> bool:
     """Whether `name` is a file this module writes in the state dir (the only files it chmods)."""
     return _STATE_FILE.match(name) is not None
-
-
-@dataclass(slots=True)
-class DurableStats:
-    """What Stats and metrics report about durability."""
-
-    journal_bytes: int = 0
-    journal_records: int = 0
-    last_fsync_seconds: float = 0.0
-    max_fsync_seconds: float = 0.0
-    num_snapshots: int = 0
-    last_snapshot_seconds: float = 0.0
-    recovery_seconds: float = 0.0
-    num_restored_pools: int = 0
-    num_restored_cached_blocks: int = 0
-    num_replayed_records: int = 0
-    num_dropped_pools: int = 0  # pools whose replay did not verify
 
 
 class DurableState:
@@ -153,11 +135,11 @@ class DurableState:
                 self.stats.num_dropped_pools += 1
                 continue
             registry.add_pool(pool)  # a fresh lease: one lease period to re-attach
-            pool.restored = pool.awaiting_reattach = True
-            pool.num_restored_cached_blocks = pool.tree.total_size
+            pool.attach.restored = pool.attach.awaiting_reattach = True
+            pool.attach.num_restored_cached_blocks = pool.tree.total_size
             now_ok.append(pool)
         self.stats.num_restored_pools = len(now_ok)
-        self.stats.num_restored_cached_blocks = sum(p.num_restored_cached_blocks for p in now_ok)
+        self.stats.num_restored_cached_blocks = sum(p.attach.num_restored_cached_blocks for p in now_ok)
         self.snapshot()
         registry.journal = self
         self.stats.recovery_seconds = time.perf_counter() - started
@@ -243,8 +225,8 @@ class DurableState:
         self._append(Kind.REGISTER, json.dumps({
             "worker_id": pool.worker_id, "num_blocks": pool.num_blocks, "block_size": pool.block_size,
             "model_fingerprint": pool.model_fingerprint, "vocab_size": pool.vocab_size,
-            "serving_addr": pool.serving_addr, "incarnation": pool.incarnation, "epoch": pool.epoch,
-            "reattached": reattached, "owner": pool.owner,
+            "serving_addr": pool.serving_addr, "incarnation": pool.attach.incarnation, "epoch": pool.epoch,
+            "reattached": reattached, "owner": pool.attach.owner,
         }).encode())
 
     def retired(self, pool_id: str, why: str) -> None:
@@ -263,19 +245,19 @@ class DurableState:
         """An admin Clear."""
         self._append(Kind.CLEAR, json.dumps({"pool_id": pool_id}).encode())
 
-    def routed(self, pool: Pool, entry: RoutedRequest) -> None:
+    def routed(self, pool_id: str, entry: RoutedRequest) -> None:
         """A Route decision (after its pin, if any, was locked): replay locks the same prefix."""
         self._append(Kind.ROUTED, json.dumps({
-            "pool_id": pool.pool_id, "request_id": entry.request_id, "page_hashes": entry.page_hashes,
+            "pool_id": pool_id, "request_id": entry.request_id, "page_hashes": entry.page_hashes,
             "prefill_tokens": entry.prefill_tokens, "expires_at": entry.expires_at,
             "pin": path_tokens(entry.pin) if entry.pin is not None else None,
             "namespace": entry.namespace,
             "pin_expires_at": entry.pin_expires_at,
         }).encode())
 
-    def routed_expired(self, pool: Pool, now: float) -> None:
-        """Routed requests or reservations of `pool` ended at time `now`."""
-        self._append(Kind.ROUTED_EXPIRED, json.dumps({"pool_id": pool.pool_id, "now": now}).encode())
+    def routed_expired(self, pool_id: str, now: float) -> None:
+        """Routed requests or reservations of pool `pool_id` ended at time `now`."""
+        self._append(Kind.ROUTED_EXPIRED, json.dumps({"pool_id": pool_id, "now": now}).encode())
 
     # ------------------------------------------------------------------ snapshots
 

@@ -6,14 +6,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
 import ssl
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from common.auth import ClientToken, TokenStore, reload_on_sighup, server_interceptors
+import grpc
+
+from common.auth import ClientToken, TokenStore, server_interceptors
 from common.grpc_server import (
     NOT_SERVING,
     SERVING,
@@ -26,6 +28,7 @@ from common.grpc_server import (
 from common.limits import ServerLimits, id_error
 from common.metrics_server import DEFAULT_METRICS_HOST
 from common.security import ClientTLS, ServerTLS, add_port
+from common.server_runner import ServerHooks, StartupError, cancel_and_wait, run_server
 from protos import model_pb2
 from router.core import CoreConfig, RouterCore
 from router.http_body import DEFAULT_MAX_BODY_BYTES
@@ -34,6 +37,9 @@ from router.replicas import ReplicaSet
 from router.servicer import METHOD_ROLES, RouterServicer
 from router.trust import ReplicaTrust
 from router.upstream import CacheManagerClient, ReplicaClients
+
+if TYPE_CHECKING:
+    import uvicorn
 
 log = logging.getLogger(__name__)
 
@@ -135,70 +141,58 @@ async def serve(config: RouterConfig) -> int:
     add_servicer(server, RouterServicer(core), model_pb2.DESCRIPTOR.services_by_name["ModelService"], id_error)
     health_servicer = add_health_and_reflection(server, SERVICE_NAME)
     await set_health(health_servicer, [SERVICE_NAME], NOT_SERVING)
-    try:
-        bound = add_port(server, address, config.tls.credentials() if config.tls is not None else None)
-    except RuntimeError as e:
-        print(f"router: cannot listen on {address} (port in use?): {e}", file=sys.stderr, flush=True)
-        return 1
-    core_config.serving_addr = config.advertise_addr or format_address(config.host, bound)
+    http: uvicorn.Server | None = None
+    sock: socket.socket | None = None
+    checks: asyncio.Task | None = None
+    http_task: asyncio.Task | None = None
 
-    http = None
-    if config.http_port is not None:
-        from router.openai_api import build_app
+    async def create() -> tuple[grpc.aio.Server, int]:
+        return server, add_port(server, address, config.tls.credentials() if config.tls is not None else None)
 
-        try:
-            sock = _bind_http(config.host, config.http_port)
-        except OSError as e:
-            print(f"router: cannot serve HTTP on port {config.http_port}: {e.strerror}", file=sys.stderr, flush=True)
-            return 1
-        app = build_app(core, config.tokens, max_body_bytes=config.max_http_body_bytes)
-        http = _http_server(app, sock, config.log_level, config.tls, config.grace_seconds)
-        http_addr = format_address(config.host, sock.getsockname()[1])
-    if config.metrics_port is not None:
-        try:
-            metrics_bound = metrics.serve(config.metrics_port, config.metrics_host)
-        except OSError as e:
-            print(f"router: cannot serve metrics on {format_address(config.metrics_host, config.metrics_port)}: "
-                  f"{e.strerror or e}", file=sys.stderr, flush=True)
-            return 1
-        print(f"router metrics on http://{format_address(config.metrics_host, metrics_bound)}/metrics", flush=True)
+    def bound(port: int) -> None:
+        nonlocal http, sock
+        core_config.serving_addr = config.advertise_addr or format_address(config.host, port)
+        if config.http_port is not None:
+            from router.openai_api import build_app
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    reload_on_sighup(loop, config.tokens, config.cache_token, config.replica_token)
+            try:
+                sock = _bind_http(config.host, config.http_port)
+            except OSError as e:
+                raise StartupError(f"cannot serve HTTP on port {config.http_port}: {e.strerror}") from e
+            app = build_app(core, config.tokens, max_body_bytes=config.max_http_body_bytes)
+            http = _http_server(app, sock, config.log_level, config.tls, config.grace_seconds)
 
     async def on_change(reachable: bool) -> None:
         await set_health(health_servicer, [SERVICE_NAME], SERVING if reachable else NOT_SERVING)
         log.info("router is %s", "SERVING" if reachable else "NOT_SERVING (no replica reachable)")
 
-    checks: asyncio.Task | None = None
-    http_task: asyncio.Task | None = None
-    try:
-        await server.start()
+    async def started() -> None:
+        nonlocal checks, http_task
         checks = asyncio.create_task(core.run_checks(config.check_interval_s, on_change))
-        if http is not None:
+        if http is not None and sock is not None:
             http_task = asyncio.create_task(http.serve(sockets=[sock]))
             scheme = "https" if config.tls is not None else "http"
-            print(f"router OpenAI HTTP API on {scheme}://{http_addr}/v1", flush=True)
-        print(f"router ({config.policy}, cache manager {config.cache_addr}) listening on "
-              f"{format_address(config.host, bound)}", flush=True)
-        await stop.wait()
-        log.info("shutting down")
-    finally:
-        await health_servicer.enter_graceful_shutdown()
+            print(f"router OpenAI HTTP API on {scheme}://{format_address(config.host, sock.getsockname()[1])}/v1",
+                  flush=True)
+
+    async def stop_server(server: grpc.aio.Server, grace_seconds: float) -> None:
         if http is not None:
             http.should_exit = True  # stops accepting, lets in-flight requests finish (bounded)
-        await server.stop(config.grace_seconds)
+        await server.stop(grace_seconds)
+
+    async def stopped() -> None:
         if http_task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(http_task, config.grace_seconds + 3)
-        if checks is not None:
-            checks.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await checks
+        await cancel_and_wait(checks)
         await upstream.close()
         await cache.close()
-        metrics.stop()
-    return 0
+
+    return await run_server(
+        "router", log, address, create, health_servicer,
+        lambda port: f"router ({config.policy}, cache manager {config.cache_addr}) listening on "
+                     f"{format_address(config.host, port)}",
+        hooks=ServerHooks(bound=bound, started=started, stop_server=stop_server, stopped=stopped),
+        grace_seconds=config.grace_seconds, metrics=metrics, metrics_port=config.metrics_port,
+        metrics_host=config.metrics_host, metrics_on_stdout=True, tokens=config.tokens,
+        client_tokens=(config.cache_token, config.replica_token))

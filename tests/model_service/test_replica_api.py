@@ -181,6 +181,7 @@ def test_decode_pages_are_shared_while_their_request_runs(stub, other_client, ti
     assert result.token_ids == reference_greedy(tiny_reference, follower, 6)
 
 
+@pytest.mark.replica  # starts its own model service (tests/conftest.py)
 def test_pool_hit_rate_agrees_with_first_admissions_under_preemption(cache_service, tiny_dir, cache_stub):
     """In a pool too small for the requests together, preempted requests are re-admitted as
     resumed: the pool counts first admissions only, as the replica's GetLoad and the clients'

@@ -27,7 +27,8 @@ NUM_REQUESTS = 400
 CONCURRENCY = 32
 POOL = "soak-pool"
 
-pytestmark = pytest.mark.timeout(300)
+# replica: the SIGTERM tests start model services in their own bodies (tests/conftest.py).
+pytestmark = [pytest.mark.timeout(300), pytest.mark.replica]
 
 
 @pytest.fixture(scope="module")

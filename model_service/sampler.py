@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from model_service import native
+from model_service.native import registry
 
 __all__ = ["GREEDY_TEMPERATURE", "Sampler", "SamplingOptions", "make_generator"]
 
@@ -190,6 +191,6 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
     if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.shape[1] > 0 and logits.stride(1) == 1 and native.available()):
+            and logits.shape[1] > 0 and logits.stride(1) == 1 and registry.active("argmax")):
         return native.argmax_rows(logits)
     return logits.argmax(dim=-1)

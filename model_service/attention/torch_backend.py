@@ -60,7 +60,7 @@ from model_service.attention.base import AttentionBackend, BatchLayout
 from model_service.attention.indexing import segments, shared_prefix_groups
 from model_service.attention.merge_state import attention_with_lse, merge_states
 from model_service.attention.prefix_store import PREFIX_STORE_MAX_BYTES, PrefixCopy, PrefixKVStore
-from model_service.native import prompt_attention
+from model_service.native import prompt_attention, registry
 
 # Cascade cost model (bench/attention_bench.py measures it). Decode cost ~ K/V tokens gathered
 # and attended, padding included: without cascade every decode row pads to the longest context;
@@ -211,7 +211,12 @@ class TorchAttentionBackend(AttentionBackend):
         if kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {kernels!r}")
         self._enable_gqa = num_q_heads != num_kv_heads
-        self.native = kernels == "auto" and native.supports(dtype, num_q_heads, num_kv_heads, head_dim, device)
+        # The kernels' contracts and start-up probes: model_service/native/registry.py.
+        self.native = (kernels == "auto" and native.supports(dtype, num_q_heads, num_kv_heads, head_dim, device)
+                       and registry.active("attention", num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                           head_dim=head_dim))
+        self.native_kv_write = self.native and registry.active("kv_write", num_kv_heads=num_kv_heads,
+                                                               head_dim=head_dim)
         # Fresh float32 prompts: the native kernel bitwise torch's call (where `_prompt_kernel_for` says so).
         self.prompt_kernel = kernels == "auto" and prompt_attention.supports(dtype, num_q_heads, num_kv_heads,
                                                                              head_dim, device)
@@ -504,7 +509,7 @@ class TorchAttentionBackend(AttentionBackend):
         stored = None
         if d is not None and d.cascade is not None:
             stored = self.prefix_store.lookup(k_cache, v_cache)  # before this step's write
-        if self.native and native.takes_kv_rows(k) and native.takes_kv_rows(v):
+        if self.native_kv_write and native.takes_kv_rows(k) and native.takes_kv_rows(v):
             native.write_kv(k, v, k_cache, v_cache, self._slot_mapping)
         else:  # [num_blocks * block_size, num_kv_heads, head_dim] views of the paged cache
             k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, self._slot_mapping, k)
@@ -596,10 +601,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _prompt_kernel_for(self, length: int, scale: float) -> bool:
         """Whether a fresh float32 prompt of `length` tokens takes the native kernel that is bitwise
-        torch's call (probed once per scale and thread count, on the first such prompt)."""
+        torch's call (the registry's probe, once per scale and thread count, on the first such prompt)."""
         return (self.prompt_kernel and prompt_attention.takes_length(length)
-                and prompt_attention.matches_torch(self.num_q_heads, self.num_kv_heads, self.head_dim, scale,
-                                                   torch.get_num_threads()))
+                and registry.active("prompt_attention", num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+                                    head_dim=self.head_dim, scale=scale))
 
     def _attend_lse(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, g: _RowGather,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:

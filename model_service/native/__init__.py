@@ -3,8 +3,9 @@
 `attend` is softmax attention with its log-sum-exp over K/V with per-sequence key lengths and
 optional causal offsets (attention.cpp says how it works). The library is built by `make install`
 (`python -m model_service.native.build`) and loaded here on first use when the CPU has AVX-512
-(torch's "AVX512" capability); `unavailable_reason()` says why not otherwise, and callers keep
-torch's kernels.
+(torch's "AVX512" capability); `unavailable_reason()` says why not otherwise. Whether a kernel
+is used is the registry's answer (registry.py: loaded and its probe matches torch); callers ask it
+and keep torch's kernels otherwise. `python -m model_service.native.check` prints what runs here.
 """
 
 from __future__ import annotations

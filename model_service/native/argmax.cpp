@@ -13,16 +13,15 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <cstdint>
 #include <limits>
 
 namespace {
 
-constexpr int64_t LANES = 16;
-
-inline __mmask16 tail_mask(int64_t remaining) {
-  return remaining >= LANES ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1u);
-}
+using radixkv::LANES;
+using radixkv::tail_mask;
 
 // The first i in [0, n) with x[i] == value (value NaN: the first NaN); n when there is none.
 int64_t first_equal(const float* x, int64_t n, float value, bool nan) {

@@ -23,9 +23,12 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -36,7 +39,7 @@
 namespace {
 
 constexpr int KC = 64;         // keys per chunk
-constexpr int LANES = 16;      // float32 lanes of a 512-bit vector
+using radixkv::LANES;
 constexpr int MAX_ROWS = 64;   // query rows of a work item (4 vectors)
 constexpr int MAX_D = 256;     // head_dim limit (a multiple of 16)
 constexpr int SMALL_ROWS = 8;  // work items of at most this many rows take the keys-in-lanes kernel
@@ -78,7 +81,7 @@ inline __m512 pv_weight(__m512 p) {
 
 // Brings the cache line holding p into L1. Not _mm_prefetch: GCC 12 at -O1..-O3 left none of its
 // __builtin_prefetch calls in these kernels (objdump; small functions keep theirs), so the kernels
-// ran without any; tests/attention/test_native_attention.py checks the built library for them. With
+// ran without any; tests/model_service/attention/test_native_attention.py checks the built library for them. With
 // them, cascade prefixes read cold (4 groups x 3 heads x 1024 keys, 24 rows): ~720 -> ~440 us.
 inline void prefetch_line(const char* p) { asm volatile("prefetcht0 %0" : : "m"(*p)); }
 
@@ -165,6 +168,9 @@ inline __m512 sum16(const __m512* v) {
                        _mm512_shuffle_f32x4(y1, y2, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// The AVX512-BF16 tiles (qk_tile_dp, pv_tile_dp, pair_probabilities) are RADIXKV_BF16 (simd.h):
+// the only code compiled for that extension, reached only through attend_rows_dp and
+// cascade_rows_dp, which run only where has_bf16_dot_products() is true.
 // bfloat16 pairs: a 32-bit word holds two bfloat16 values (low half first), the operand layout of
 // AVX512-BF16's dot product (lane i: a.lo*b.lo + a.hi*b.hi, products exact, sums in float32).
 inline uint32_t load_pair(const c10::BFloat16* p) {
@@ -175,8 +181,9 @@ inline uint32_t load_pair(const c10::BFloat16* p) {
 
 // st[t][:] = scale * sum_d k[t][d] * q[:][d] for T bfloat16 keys (rows `ks` apart); qtp[d/2][row]
 // holds the pairs (q[row][d], q[row][d+1]).
+#ifndef RADIXKV_NO_BF16
 template <int RV, int T>
-inline void qk_tile_dp(const uint32_t* qtp, int D, const c10::BFloat16* k, int64_t ks, float* st, float scale) {
+RADIXKV_BF16 inline void qk_tile_dp(const uint32_t* qtp, int D, const c10::BFloat16* k, int64_t ks, float* st, float scale) {
   __m512 acc[T][RV];
   for (int t = 0; t < T; ++t)
     for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_setzero_ps();
@@ -196,7 +203,7 @@ inline void qk_tile_dp(const uint32_t* qtp, int D, const c10::BFloat16* k, int64
 // ot[d0 + t][:] += sum_j V[j][d0 + t] * P[j][:] over key pairs: pp[j/2][row] = (P[j][row],
 // P[j+1][row]), vp[j/2][d] = (V[j][d], V[j+1][d]).
 template <int RV, int T>
-inline void pv_tile_dp(const uint32_t* pp, int npairs, const uint32_t* vp, int D, int d0, float* ot) {
+RADIXKV_BF16 inline void pv_tile_dp(const uint32_t* pp, int npairs, const uint32_t* vp, int D, int d0, float* ot) {
   __m512 acc[T][RV];
   for (int t = 0; t < T; ++t)
     for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_loadu_ps(ot + (d0 + t) * RV * LANES + v * LANES);
@@ -212,6 +219,13 @@ inline void pv_tile_dp(const uint32_t* pp, int npairs, const uint32_t* vp, int D
   for (int t = 0; t < T; ++t)
     for (int v = 0; v < RV; ++v) _mm512_storeu_ps(ot + (d0 + t) * RV * LANES + v * LANES, acc[t][v]);
 }
+
+#else  // a compiler without AVX512-BF16 (build.py): the tiles are never called
+template <int RV, int T>
+inline void qk_tile_dp(const uint32_t*, int, const c10::BFloat16*, int64_t, float*, float) { std::abort(); }
+template <int RV, int T>
+inline void pv_tile_dp(const uint32_t*, int, const uint32_t*, int, int, float*) { std::abort(); }
+#endif
 
 // vp[j/2][d] = (V[j][d], V[j+1][d]) for rows [0, n) of V (rows `vs` apart; an odd n pairs the last
 // row with zeros).
@@ -235,10 +249,11 @@ inline void pair_rows(const c10::BFloat16* v, int64_t vs, int n, int D, uint32_t
   }
 }
 
+#ifndef RADIXKV_NO_BF16
 // pp[j/2][row] = (P[j][row], P[j+1][row]) as bfloat16 (to nearest even) for keys [0, n) of a
 // [n][W] float32 block (an odd n pairs the last key with zeros).
 template <int RV>
-inline void pair_probabilities(const float* st, int n, uint32_t* pp) {
+RADIXKV_BF16 inline void pair_probabilities(const float* st, int n, uint32_t* pp) {
   alignas(64) static const uint16_t idx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i interleave = _mm512_load_si512(idx);
@@ -256,6 +271,11 @@ bool has_bf16_dot_products() {
   static const bool has = __builtin_cpu_supports("avx512bf16");
   return has;
 }
+#else  // a compiler without AVX512-BF16 (build.py): never called
+template <int RV>
+inline void pair_probabilities(const float*, int, uint32_t*) { std::abort(); }
+bool has_bf16_dot_products() { return false; }
+#endif
 std::atomic<bool> allow_bf16_dot_products{true};
 
 struct Problem {
@@ -547,7 +567,7 @@ inline void small_over_keys(const Problem& P, const T* k, const T* v, int64_t b,
         _mm512_storeu_ps(sg, pv_weight<T>(p));
         sum = _mm512_add_ps(sum, p);
       }
-      l[row] = l[row] * alpha + _mm512_reduce_add_ps(sum);
+      l[row] = std::fma(l[row], alpha, _mm512_reduce_add_ps(sum));  // one rounding (an FMA since it was written)
       if (mc != m[row]) {  // (the first chunk too: the state may carry an accumulator in)
         const __m512 a = _mm512_set1_ps(alpha);
         for (int d = 0; d < D; d += LANES) _mm512_storeu_ps(ot + row * D + d, _mm512_mul_ps(_mm512_loadu_ps(ot + row * D + d), a));
@@ -640,6 +660,17 @@ void attend_rows(const Problem& P, const T* q, const T* k, const T* v, T* o, flo
   else if (rows <= 32) attend_item<T, 2, DP>(P, q, k, v, o, lse, b, h, i0, nq, s);
   else if (rows <= 48) attend_item<T, 3, DP>(P, q, k, v, o, lse, b, h, i0, nq, s);
   else attend_item<T, 4, DP>(P, q, k, v, o, lse, b, h, i0, nq, s);
+}
+
+// attend_rows' dot-product path as one function compiled for AVX512-BF16: flatten inlines the whole
+// call tree (the DP = true instantiations and the tiles) into it, so only this code may use it.
+#ifndef RADIXKV_NO_BF16
+RADIXKV_BF16 __attribute__((flatten))
+#endif
+void attend_rows_dp(const Problem& P, const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v,
+                    c10::BFloat16* o, float* lse, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t rows,
+                    Scratch& s) {
+  attend_rows<c10::BFloat16, true>(P, q, k, v, o, lse, b, h, i0, nq, rows, s);
 }
 
 // Brings the first keys of sequence b, KV head h into the cache: a decode's own keys are a few
@@ -767,6 +798,16 @@ void cascade_rows(const Problem& P, const Cascade& C, const T* q, const T* pk, c
   else cascade_item<T, 4, DP>(P, C, q, pk, pv, k, v, o, lse, item, s);
 }
 
+// cascade_rows' dot-product path, compiled for AVX512-BF16 (see attend_rows_dp).
+#ifndef RADIXKV_NO_BF16
+RADIXKV_BF16 __attribute__((flatten))
+#endif
+void cascade_rows_dp(const Problem& P, const Cascade& C, const c10::BFloat16* q, const c10::BFloat16* pk,
+                     const c10::BFloat16* pv, const c10::BFloat16* k, const c10::BFloat16* v, c10::BFloat16* o,
+                     float* lse, const CascadeItem& item, Scratch& s) {
+  cascade_rows<c10::BFloat16, true>(P, C, q, pk, pv, k, v, o, lse, item, s);
+}
+
 template <typename T>
 void run_cascade(const Problem& P, const Cascade& C, const std::vector<CascadeItem>& items, const T* q, const T* pk,
                  const T* pv, const T* k, const T* v, T* o, float* lse) {
@@ -775,7 +816,7 @@ void run_cascade(const Problem& P, const Cascade& C, const std::vector<CascadeIt
     if (item.g < 0) {  // an ungrouped sequence: a keys-in-lanes item over its whole context
       attend_small<T>(P, q, k, v, o, lse, item.first, item.h, 0, 1, scratch);
     } else if (P.dot_products) {
-      if constexpr (std::is_same_v<T, c10::BFloat16>) cascade_rows<T, true>(P, C, q, pk, pv, k, v, o, lse, item, scratch);
+      if constexpr (std::is_same_v<T, c10::BFloat16>) cascade_rows_dp(P, C, q, pk, pv, k, v, o, lse, item, scratch);
     } else {
       cascade_rows<T, false>(P, C, q, pk, pv, k, v, o, lse, item, scratch);
     }
@@ -798,7 +839,7 @@ void run(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse)
     }
     if (P.small) attend_small<T>(P, q, k, v, o, lse, b, h, i0, nq, scratch);
     else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      if (P.dot_products) attend_rows<T, true>(P, q, k, v, o, lse, b, h, i0, nq, rows, scratch);
+      if (P.dot_products) attend_rows_dp(P, q, k, v, o, lse, b, h, i0, nq, rows, scratch);
       else attend_rows<T, false>(P, q, k, v, o, lse, b, h, i0, nq, rows, scratch);
     } else {
       attend_rows<T, false>(P, q, k, v, o, lse, b, h, i0, nq, rows, scratch);

@@ -2,9 +2,11 @@
 argmax.cpp, rms_norm.cpp, rope.cpp) into a shared library next to this file.
 
 `make install` runs `python -m model_service.native.build`; the library's name carries a hash of
-the source, the compiler flags and the torch version, so a stale build is never loaded. A build
-needs g++ and torch's headers (in the torch wheel); it takes about 40 seconds on 2 cores. Without it the
-model service runs on torch's kernels (model_service/native/__init__.py says why at start-up).
+the sources and headers, the compiler flags and the torch version, so a stale build is never
+loaded. A build needs an x86-64 CPU with AVX-512 (else it is skipped with a warning; `--any-cpu`
+builds for another machine, e.g. a container image), g++ and torch's headers (in the torch wheel);
+it takes about 40 seconds on 2 cores. Without it the model service runs on torch's kernels
+(`python -m model_service.native.check` says which kernels are active and why the others are not).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import platform
 import subprocess
 import sys
 import sysconfig
@@ -23,22 +26,74 @@ import torch
 HERE = Path(__file__).resolve().parent
 SOURCES = [HERE / "attention.cpp", HERE / "linear.cpp", HERE / "prompt_attention.cpp", HERE / "kv_write.cpp",
            HERE / "argmax.cpp", HERE / "rms_norm.cpp", HERE / "rope.cpp"]
+HEADERS = sorted(HERE.glob("*.h"))  # simd.h: in the hash (and the Makefile's NATIVE_SRC) so edits rebuild
 # The kernels use AVX-512 F/BW/VL/DQ (the set torch calls "AVX512"); the library is only loaded
-# where torch reports that capability. AVX512-BF16 instructions run only where the CPU has them
-# (checked at run time, attention.cpp).
-ISA_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mbmi2"]
-CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wno-c++20-extensions",
-             "-DNDEBUG", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}", *ISA_FLAGS]
+# where torch reports that capability. AVX512-BF16 code is compiled only inside functions marked
+# RADIXKV_BF16 (simd.h) and runs only where the CPU has the instructions (checked at run time,
+# attention.cpp), so a CPU with AVX-512 and without BF16 runs the rest.
+ISA_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mbmi2"]
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+# -ffp-contract=off: a product and the add after it stay two roundings, as in torch's separate ops
+# (g++'s default for C++ fuses them into an FMA); only the explicit FMA intrinsics fuse.
+CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-ffp-contract=off",
+             "-Wno-c++20-extensions", "-DNDEBUG", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+             *ISA_FLAGS]
+NO_BF16_FLAG = "-DRADIXKV_NO_BF16"  # added where the compiler cannot target AVX512-BF16
+X86_MACHINES = ("x86_64", "amd64", "x64")
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux reports them (/proc/cpuinfo), empty where unknown."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def unsupported_reason() -> str | None:
+    """Why this machine cannot run the library (None: it can): not x86-64, or no AVX-512."""
+    machine = platform.machine().lower()
+    if machine not in X86_MACHINES:
+        return f"not an x86-64 CPU ({platform.machine() or 'unknown'})"
+    flags = cpu_flags()
+    if flags:
+        missing = [f for f in REQUIRED_CPU_FLAGS if f not in flags]
+        return f"this CPU has no AVX-512 ({', '.join(missing)} missing)" if missing else None
+    capability = torch.backends.cpu.get_cpu_capability()  # no /proc/cpuinfo: ask torch
+    return None if capability in ("AVX512", "AMX") else f"this CPU has no AVX-512 (torch reports {capability})"
 
 
 def library_path() -> Path:
-    """Where the library for this source, these flags and this torch lives."""
+    """Where the library for these sources and headers, these flags and this torch lives."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
+        digest.update(source.name.encode())
         digest.update(source.read_bytes())
     digest.update(" ".join(CXX_FLAGS).encode())
     digest.update(torch.__version__.encode())
     return HERE / "_build" / f"radixkv_native_{digest.hexdigest()[:16]}.so"
+
+
+def compiler_targets_bf16(cxx: str, directory: Path) -> bool:
+    """Whether `cxx` compiles a function with AVX512-BF16's target attribute and intrinsics."""
+    probe = directory / "bf16_probe.cpp"
+    probe.write_text('#include <immintrin.h>\n__attribute__((target("avx512bf16"))) __m512 dot(__m512 a, '
+                     '__m512i b, __m512i c) { return _mm512_dpbf16_ps(a, (__m512bh)b, (__m512bh)c); }\n')
+    result = subprocess.run([cxx, *ISA_FLAGS, "-c", str(probe), "-o", str(directory / "bf16_probe.o")],
+                            capture_output=True)
+    return result.returncode == 0
+
+
+def include_flags() -> list[str]:
+    """-I flags: this folder (simd.h), torch's headers and Python's."""
+    torch_dir = Path(torch.__file__).resolve().parent
+    includes = [HERE, torch_dir / "include", torch_dir / "include" / "torch" / "csrc" / "api" / "include",
+                Path(sysconfig.get_paths()["include"])]
+    return [f"-I{p}" for p in includes]
 
 
 def build(force: bool = False, quiet: bool = False) -> Path:
@@ -46,17 +101,17 @@ def build(force: bool = False, quiet: bool = False) -> Path:
     target = library_path()
     if target.exists() and not force:
         return target
-    torch_dir = Path(torch.__file__).resolve().parent
-    includes = [torch_dir / "include", torch_dir / "include" / "torch" / "csrc" / "api" / "include",
-                Path(sysconfig.get_paths()["include"])]
-    lib_dir = torch_dir / "lib"
+    lib_dir = Path(torch.__file__).resolve().parent / "lib"
     target.parent.mkdir(parents=True, exist_ok=True)
     cxx = os.environ.get("CXX", "g++")
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
+        bf16 = [] if compiler_targets_bf16(cxx, Path(tmp)) else [NO_BF16_FLAG]
+        if bf16 and not quiet:
+            print(f"warning: {cxx} cannot target AVX512-BF16; bfloat16 attention uses float32 FMAs", file=sys.stderr)
         # libgomp from torch's lib folder (same soname), so the kernels share torch's OpenMP pool.
-        command = [cxx, *CXX_FLAGS, *(f"-I{p}" for p in includes), *map(str, SOURCES), "-o", str(partial),
-                   f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-ltorch_cpu", "-lc10"]
+        command = [cxx, *CXX_FLAGS, *bf16, *include_flags(), *map(str, SOURCES),
+                   "-o", str(partial), f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-ltorch_cpu", "-lc10"]
         if not quiet:
             print(f"==> building native kernels: {target.relative_to(HERE.parent.parent)}", flush=True)
         subprocess.run(command, check=True)
@@ -64,6 +119,7 @@ def build(force: bool = False, quiet: bool = False) -> Path:
     for stale in target.parent.glob("radixkv_native_*.so"):
         if stale != target:
             stale.unlink(missing_ok=True)
+    (target.parent / "probes.json").unlink(missing_ok=True)  # registry.py's results for the old library
     return target
 
 
@@ -72,7 +128,13 @@ def main() -> None:
     parser.add_argument("--force", action="store_true", help="rebuild even if the library exists")
     parser.add_argument("--optional", action="store_true",
                         help="a failed build only warns (the model service then runs on torch's kernels)")
+    parser.add_argument("--any-cpu", action="store_true",
+                        help="build on an x86-64 CPU without AVX-512 too (for another machine, e.g. an image)")
     args = parser.parse_args()
+    reason = unsupported_reason()
+    if reason is not None and not (args.any_cpu and reason.startswith("this CPU")):
+        print(f"warning: native kernels not built ({reason}); torch's kernels will be used", file=sys.stderr)
+        return
     try:
         print(build(force=args.force))
     except (OSError, subprocess.CalledProcessError) as error:

@@ -6,7 +6,7 @@
 // (c = c + block_sum). With that order the result is bitwise F.linear's, which is what lets the
 // model service keep greedy output identical to transformers' while computing the products with
 // AVX-512 at several times the speed of MKL's generic path (MKL dispatches by CPU vendor).
-// Whether the order matches this machine's MKL is probed at load (model_service/blocked_linear.py);
+// Whether the order matches this machine's MKL is probed at load (model_service/linear/blocked.py);
 // where it does not, the model service keeps F.linear.
 //
 // A product of few rows takes another order in MKL's generic path (2-3 rows; with 2 threads also
@@ -26,13 +26,15 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 
 namespace {
 
-constexpr int64_t LANES = 16;  // output features per stripe (one zmm of float32)
+using radixkv::LANES;  // output features per stripe (one zmm of float32)
 constexpr int MAX_MR = 8;      // rows per micro-kernel
 constexpr int MAX_NS = 3;      // stripes per micro-kernel (and per work item)
 constexpr int64_t PREFETCH_K = 32;  // the first rows of a tile prefetch the weight this many k ahead
@@ -91,8 +93,8 @@ void micro_four_lane(const float* x, int64_t ldx, const float* w, int64_t K, flo
       const __m512 wv = _mm512_loadu_ps(w + (k + l) * LANES);
 #pragma GCC unroll 4
       for (int m = 0; m < MR; ++m) {
-        __m512 p = _mm512_mul_ps(_mm512_set1_ps(x[m * ldx + k + l]), wv);
-        asm("" : "+v"(p));  // the product is rounded on its own: never contracted into an FMA
+        // the product is rounded on its own: -ffp-contract=off (build.py) keeps it out of an FMA
+        const __m512 p = _mm512_mul_ps(_mm512_set1_ps(x[m * ldx + k + l]), wv);
         acc[m][l] = _mm512_add_ps(acc[m][l], p);
       }
     }
@@ -143,7 +145,7 @@ Micro pick_mr(int mr, int ns) {
 Micro pick(int mr, int ns, bool prefetch) { return prefetch ? pick_mr<true>(mr, ns) : pick_mr<false>(mr, ns); }
 
 // x [M, K] (last dim contiguous); packed [ceil(N/16), K, 16] contiguous float32 (pack_linear_weight
-// in model_service/blocked_linear.py); block: k per block (>= 1); rows from blocked_rows on (clamped to
+// in model_service/linear/blocked.py); block: k per block (>= 1); rows from blocked_rows on (clamped to
 // [0, M]) in the four-lane order (then K must be a multiple of 4). Returns x @ W.T as [M, N].
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t block,
                           int64_t blocked_rows) {

@@ -41,6 +41,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -52,7 +54,7 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 static_assert(Vec::size() == 16, "the AVX512 Vectorized<float> has 16 lanes");
 
-constexpr int64_t LANES = 16;
+using radixkv::LANES;
 constexpr int64_t KV_SPLIT = 512;   // torch's kv_split_size
 constexpr int64_t MKL_KC = 192;     // MKL's k block
 constexpr int64_t TILE = 8;         // query rows of a work item
@@ -210,7 +212,7 @@ void item(const Problem& P, int64_t h, int64_t i0, float* s, float* dst) {
         row[c] = e;
       }
       const float e_old = std::exp(mx[i] - m_new);
-      sm[i] = tmp_sum + e_old * sm[i];
+      sm[i] = std::fma(e_old, sm[i], tmp_sum);  // torch's `tmp_sum + exp_tmp * qk_sum`, which g++ contracts
       mx[i] = m_new;
       if (n > 0) {
         float* d = dst + i * MAX_D;

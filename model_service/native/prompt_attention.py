@@ -5,16 +5,14 @@ transformers makes; the model service keeps that call's exact result for fresh p
 greedy output stays transformers' own. `prompt_attention` computes the same result about 3x faster
 by summing in the order torch's CPU flash kernel and MKL sum in (the .cpp file says which order).
 MKL sums some small products differently (fewer than 4 query rows, fewer than 12 keys), so lengths
-whose split would make such a product (`takes_length`) keep torch's call, and `matches_torch`
-checks at start-up, on random inputs of many lengths, that this torch and MKL sum as expected.
+whose split would make such a product (`takes_length`) keep torch's call, and the registry's probe
+(registry.py, `prompt_attention`) checks at first use, on random inputs of PROBE_LENGTHS, that this
+torch and MKL sum as expected.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.nn.functional as F
 
 from model_service import native
 
@@ -22,7 +20,7 @@ MAX_HEAD_DIM = 192  # q.k is then one MKL chain
 KV_SPLIT = 512  # torch's key block
 MIN_KEYS = 12  # a key block of fewer keys: MKL takes another path for q.k
 MIN_QUERY_ROWS = 4  # a query block of fewer rows: MKL takes another path
-PROBE_LENGTHS = (12, 16, 37, 100, 200, 300, 511, 530, 777, 1056, 1300)
+PROBE_LENGTHS = (12, 16, 37, 100, 200, 300, 511, 530, 777, 1056, 1300)  # the registry's probe: every one it takes
 
 
 def torch_query_split(length: int) -> int:
@@ -38,30 +36,17 @@ def takes_length(length: int) -> bool:
     return length <= split or length % split == 0 or length % split >= MIN_QUERY_ROWS
 
 
+def takes_head_dim(head_dim: int) -> bool:
+    """Whether q.k over this head_dim is one MKL chain (the order the kernel reproduces)."""
+    return head_dim <= MAX_HEAD_DIM
+
+
 def supports(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
              device: torch.device) -> bool:
-    """Whether this model's float32 prompts can take the kernel (library loaded, shapes it takes)."""
-    return (dtype == torch.float32 and device.type == "cpu" and head_dim <= MAX_HEAD_DIM
+    """Whether this model's float32 prompts can take the kernel (library loaded, shapes it takes);
+    whether it then matches torch here is the registry's probe."""
+    return (dtype == torch.float32 and device.type == "cpu" and takes_head_dim(head_dim)
             and native.supports(dtype, num_q_heads, num_kv_heads, head_dim, device))
-
-
-@functools.cache
-def matches_torch(num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float, threads: int) -> bool:
-    """Whether the kernel equals torch's call bit for bit on seeded random prompts of PROBE_LENGTHS
-    (every length it takes) with these heads, scale and torch thread count."""
-    if not native.available():
-        return False
-    gen = torch.Generator().manual_seed(20241203)
-    for length in PROBE_LENGTHS:
-        if not takes_length(length):
-            continue
-        q, k, v = (torch.randn(length, heads, head_dim, generator=gen).transpose(0, 1).unsqueeze(0)
-                   for heads in (num_q_heads, num_kv_heads, num_kv_heads))
-        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                  enable_gqa=num_q_heads != num_kv_heads)
-        if not torch.equal(prompt_attention(q, k, v, scale), expected):
-            return False
-    return True
 
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -25,6 +25,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -32,7 +34,7 @@
 
 namespace {
 
-constexpr int64_t LANES = 16;
+using radixkv::LANES;
 constexpr int64_t SUM_LANES = 8;   // torch's sum kernel is its AVX2 build (reductions register no AVX-512 one)
 constexpr int64_t ILP = 4;         // row_sum's ilp_factor
 constexpr int64_t NUM_LEVELS = 4;  // multi_row_sum's levels
@@ -42,21 +44,17 @@ int64_t ceil_log2(int64_t x) {  // c10::utils::CeilLog2 (ATen/native/cpu/utils.h
   return 64 - __builtin_clzll(static_cast<uint64_t>(x - 1));
 }
 
-// v * v rounded on its own, as torch's pow(2) tensor holds it (g++ would contract it with the add
-// that follows into an FMA: C++ defaults to -ffp-contract=fast).
+// v * v rounded on its own, as torch's pow(2) tensor holds it (build.py's -ffp-contract=off keeps
+// g++ from contracting it with the add that follows into an FMA).
 inline __m256 square(const float* p) {
   const __m256 v = _mm256_loadu_ps(p);
-  __m256 sq = _mm256_mul_ps(v, v);
-  asm("" : "+v"(sq));
-  return sq;
+  return _mm256_mul_ps(v, v);
 }
 
 // sum(x[i]^2 for i < H) in torch's order (see the top of the file).
 float sum_of_squares(const float* x, int64_t H) {
   auto scalar_square = [&](int64_t e) {
-    float sq = x[e] * x[e];
-    asm("" : "+x"(sq));  // rounded on its own (see square)
-    return sq;
+    return x[e] * x[e];  // rounded on its own (see square)
   };
   if (H < SUM_LANES) {  // torch's scalar_inner_sum: row_sum over elements (under 16 rows of 4: no levels)
     float partial[ILP] = {0.0f, 0.0f, 0.0f, 0.0f};

@@ -15,26 +15,20 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cstdint>
 
 namespace {
 
-constexpr int64_t LANES = 16;
+using radixkv::LANES;
 
-// a * b rounded on its own: g++ contracts a product and the add that follows into an FMA in C++
-// by default (-ffp-contract=fast), which torch's separate ops never do.
-inline __m512 product(__m512 a, __m512 b) {
-  __m512 p = _mm512_mul_ps(a, b);
-  asm("" : "+v"(p));
-  return p;
-}
+// a * b rounded on its own, as torch's separate ops round it (build.py's -ffp-contract=off keeps
+// g++ from contracting it with the add that follows into an FMA).
+inline __m512 product(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
 
-inline float product(float a, float b) {
-  float p = a * b;
-  asm("" : "+x"(p));
-  return p;
-}
+inline float product(float a, float b) { return a * b; }
 
 // One head's row: out[d] = x[d] * c[d] + x[(d + half) % D] * s[d].
 void rotate_row(const float* x, const float* c, const float* s, float* out, int64_t D) {

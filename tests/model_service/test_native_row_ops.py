@@ -11,10 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from model_service import native
-from model_service.decoder_forward import _rms_norm, native_norm_matches
+from model_service.decoder_forward import _rms_norm, torch_rope
+from model_service.native import registry
 from model_service.sampler import _argmax
+from tests.native_required import needs_library
 
-pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
+pytestmark = needs_library()  # each test checks its kernel against torch bit for bit
 
 SPECIALS = (math.nan, math.inf, -math.inf, 0.0, -0.0, 1.0, 1.0)
 
@@ -124,7 +126,7 @@ def test_add_rms_norm_on_a_decode_and_a_prompt_of_the_bundled_size():
         y, res = torch.randn(rows, 576, generator=g), torch.randn(rows, 576, generator=g)
         weight = torch.randn(576, generator=g)
         assert torch.equal(native.add_rms_norm(y.clone(), res, weight, 1e-5), _rms_norm(y + res, weight, 1e-5))
-    assert native_norm_matches(576, 1e-5)
+    assert registry.active("rms_norm", hidden_size=576, eps=1e-5)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -141,10 +143,17 @@ def test_add_rms_norm_refuses_bad_input(change, message):
 
 
 def _torch_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """decoder_forward's torch ops for RoPE (x [T, H, D], tables [T, D])."""
+    """decoder_forward's torch ops for RoPE (x [T, H, D], tables [T, D]), written out here."""
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     return (x * cos.unsqueeze(1)).add_(swapped.mul_(signed_sin.unsqueeze(1)))
+
+
+def test_decoder_forwards_torch_rope_is_those_ops_and_the_probe_passes():
+    g = torch.Generator().manual_seed(5)
+    x, cos, signed_sin = torch.randn(7, 5, 64, generator=g), torch.randn(7, 64, generator=g), torch.randn(7, 64, generator=g)
+    assert torch.equal(torch_rope(x, cos, signed_sin), _torch_rope(x, cos, signed_sin))
+    assert registry.active("rope", head_dim=64)
 
 
 @settings(max_examples=120, deadline=None)

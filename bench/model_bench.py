@@ -76,9 +76,9 @@ from bench.harness import (
 )
 from model_service.attention import create_attention_backend
 from model_service.kv_cache import KVCache, KVCacheSpec
+from model_service.linear import PlannedProduct
 from model_service.model_loader import LoadedModel, load_model
 from model_service.model_runner import ModelRunner, SequenceChunk
-from model_service.short_gemm import short_linear
 from protos import model_pb2_grpc
 from scripts.service_process import ServiceError
 
@@ -254,16 +254,29 @@ def gemm_weights(model: torch.nn.Module) -> GemmList:
     return weights
 
 
-def gemm_timer(weights: GemmList, batch: int, linear: Callable = F.linear) -> Callable[[], float]:
-    """Times `linear` (F.linear, or the runner's short_linear) over every weight with a
-    [batch, in_features] input."""
+def gemm_timer(weights: GemmList, batch: int) -> Callable[[], float]:
+    """Times F.linear over every weight with a [batch, in_features] input."""
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w, _ in weights}
 
     @torch.inference_mode()
     def run() -> float:
         start = time.perf_counter()
         for weight, bias in weights:
-            linear(inputs[weight.shape[1]], weight, bias)
+            F.linear(inputs[weight.shape[1]], weight, bias)
+        return time.perf_counter() - start
+
+    return run
+
+
+def product_timer(products: list[PlannedProduct], batch: int) -> Callable[[], float]:
+    """Times the runner's planned products (model_service/linear) with a [batch, in_features] input."""
+    inputs = {p.weight.shape[1]: torch.randn(batch, p.weight.shape[1]) for p in products}
+
+    @torch.inference_mode()
+    def run() -> float:
+        start = time.perf_counter()
+        for product in products:
+            product(inputs[product.weight.shape[1]])
         return time.perf_counter() - start
 
     return run
@@ -284,7 +297,6 @@ def bench_step(loaded: LoadedModel, prompts: Prompts, reps: int, deadline: float
                                        BLOCK_SIZE, torch.float32, device)
     model_gemms = gemm_weights(model)  # the model's own projections, as transformers runs them
     runner = ModelRunner(model, kv_cache, backend, device)  # paged attention (+ whatever it fuses)
-    runner_gemms = gemm_weights(model)  # the GEMMs our step actually runs
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
     runner.execute([SequenceChunk(prompts.ids(context), 0, t, True) for t in tables])  # prefill
     position = context
@@ -299,7 +311,7 @@ def bench_step(loaded: LoadedModel, prompts: Prompts, reps: int, deadline: float
         return time.perf_counter() - start
 
     timers = {"step": step, "gemm": gemm_timer(model_gemms, batch),
-              "gemm_runner": gemm_timer(runner_gemms, batch, short_linear)}
+              "gemm_runner": product_timer(runner.linears.products, batch)}
     for _ in range(3):
         for fn in timers.values():
             fn()
@@ -335,7 +347,7 @@ def bench_step(loaded: LoadedModel, prompts: Prompts, reps: int, deadline: float
     runner_gemm_ms = statistics.median(samples["gemm_runner"])
     return {
         "batch": batch, "context_tokens": f"{context + 1}-{position}",
-        "num_gemms_model": len(model_gemms), "num_gemms_runner": len(runner_gemms),
+        "num_gemms_model": len(model_gemms), "num_gemms_runner": len(runner.linears.products),
         "step_ms": summary(samples["step"]), "gemm_ms": summary(samples["gemm"]),
         "runner_gemm_ms": summary(samples["gemm_runner"]),
         "step_over_gemm": step_ms / gemm_ms, "non_gemm_overhead_ms": step_ms - gemm_ms,

@@ -27,8 +27,9 @@ from common.security import (
     server_tls_from_args,
 )
 from model_service.attention import KERNEL_MODES
+from model_service.linear import MODES as LINEAR_MODES
+from model_service.linear.packed import FP32_GEMMS
 from model_service.malloc_tuning import keep_freed_memory
-from model_service.packed_linear import FP32_GEMMS
 from model_service.server import DEFAULT_LOOKAHEAD_BLOCKS, DTYPES, ModelServiceConfig, serve
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
@@ -96,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float32 linear layers on CPU with --fp32-gemm mkl: auto (radixkv's AVX-512 kernel for "
                         "inputs of 2+ rows where a probe at start shows it bitwise F.linear; more weight memory) "
                         "or torch (F.linear only)")
+    p.add_argument("--linear-mode", choices=list(LINEAR_MODES), default="auto",
+                   help="linear layers on CPU: exact (every weight shape and row count takes only a path verified "
+                        "bit-identical to F.linear at start, else F.linear; greedy output stays transformers') or "
+                        "fast (also paths that were not, marked NO in the plan table logged at start); auto: exact "
+                        "for float32 with --fp32-gemm mkl, fast otherwise (bf16, --fp32-gemm onednn)")
     p.add_argument("--max-batch-tokens", type=positive_int, default=2048,
                    help="token budget per scheduler step (longer prompts are prefilled in chunks)")
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="most requests running at once")
@@ -128,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent_if_asked()
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.linear_mode == "exact" and args.fp32_gemm == "onednn" and args.dtype in ("auto", "float32"):
+        parser.error("--linear-mode exact refuses --fp32-gemm onednn (its float32 products are not bit-identical "
+                     "to F.linear): use --linear-mode fast or --fp32-gemm mkl")
     tls = server_tls_from_args(args, parser)
     tokens = token_store_from_args(args, parser)
     limits = server_limits_from_args(args, parser)
@@ -143,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host, port=args.port, cache_addr=args.cache_addr, model=args.model, block_size=args.block_size,
         num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory, device=args.device, dtype=args.dtype,
         attention=args.attention, attention_kernels=args.attention_kernels, fp32_gemm=args.fp32_gemm,
-        linear_kernels=args.linear_kernels, max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
+        linear_kernels=args.linear_kernels, linear_mode=args.linear_mode, max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting, metrics_port=args.metrics_port,
         metrics_host=args.metrics_host, worker_id=args.worker_id,
         cache_timeout=args.cache_timeout, cache_pipeline=args.cache_pipeline == "on",

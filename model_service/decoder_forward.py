@@ -16,17 +16,16 @@ not see. Two rewrites are exact by IEEE arithmetic: RoPE is applied to q and k i
 `cat(x2, x1) * cat(-sin1, sin2)` (negation commutes exactly with rounding). Residual adds are
 done in place (a + b == b + a bit for bit), as are RMSNorm's scaling by its weight and the
 product with `up` (products commute too). In float32 each residual add and the RMSNorm after it
-are one native call (`native.add_rms_norm`, which sums the squares in torch's own order; probed
-at load, else torch's ops), as is RoPE (`native.rope`: the same products and sum, rounded the
-same way); the last add and the final norm run only on the rows whose logits are wanted (both
+are one native call (`native.add_rms_norm`, which sums the squares in torch's own order), as is
+RoPE (`native.rope`: the same products and sum, rounded the same way), each where its probe in
+model_service/native/registry.py matches torch's ops at load (else torch's ops); the last add and the final norm run only on the rows whose logits are wanted (both
 are per row). The products are the model's own (fused q/k/v and
-gate/up, short-input and packed bf16 paths: `model_linear`). The greedy-identity tests run the
-service on this path.
+gate/up, each product through its load-time plan: `linear.PlannedProduct`). The greedy-identity
+tests run the service on this path.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,10 +35,10 @@ from torch import nn
 
 from model_service import native
 from model_service.attention.base import AttentionBackend
-from model_service.blocked_linear import BlockedWeight
-from model_service.fused_linear import FusedSlice
 from model_service.kv_cache import KVCache
-from model_service.short_gemm import model_linear
+from model_service.linear import PlannedLinear, PlannedProduct
+from model_service.linear.fused import FusedSlice
+from model_service.native import registry
 
 # Model types whose decoder layer is Llama's: pre-norm RMSNorm, q/k/v (bias optional), RoPE,
 # attention, o_proj, residual, RMSNorm, gate/up/down MLP, residual. Sliding-window configs are
@@ -49,41 +48,26 @@ _RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 
 
 @dataclass(slots=True)
-class _Linear:
-    """One product of a layer: weight [out, in], optional bias, optional packed copies (oneDNN's,
-    the blocked float32 kernel's)."""
-
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    packed: torch.Tensor | None
-    blocked: BlockedWeight | None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return model_linear(x, self.weight, self.bias, self.packed, self.blocked)
-
-
-@dataclass(slots=True)
 class _Layer:
     input_norm: torch.Tensor  # [hidden]
     input_eps: float
-    qkv: _Linear  # [Hq * D + 2 * Hkv * D, hidden]
-    o_proj: _Linear
+    qkv: PlannedProduct  # [Hq * D + 2 * Hkv * D, hidden]
+    o_proj: PlannedProduct
     post_norm: torch.Tensor
     post_eps: float
-    gate_up: _Linear  # [2 * intermediate, hidden]
-    down: _Linear
+    gate_up: PlannedProduct  # [2 * intermediate, hidden]
+    down: PlannedProduct
     act: Callable[[torch.Tensor], torch.Tensor]
     scale: float
 
 
-def _linear(module: nn.Module) -> _Linear:
+def _linear(module: nn.Module) -> PlannedProduct:
+    """The planned product of a layer (linear/planner.py put one on every linear layer)."""
     if isinstance(module, FusedSlice):
-        group = module.group
-        return _Linear(group.weight, group.bias, group.packed_weight, group.blocked_weight)
-    if not isinstance(module, nn.Linear):
-        raise TypeError(f"expected a linear layer, got {type(module).__name__}")
-    return _Linear(module.weight.detach(), None if module.bias is None else module.bias.detach(),
-                   getattr(module, "packed_weight", None), getattr(module, "blocked_weight", None))
+        return module.group.product
+    if not isinstance(module, PlannedLinear):
+        raise TypeError(f"expected a planned linear layer, got {type(module).__name__}")
+    return module.product
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -97,23 +81,13 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x.to(dtype)
 
 
-@functools.cache
-def native_norm_matches(hidden_size: int, eps: float) -> bool:
-    """Whether `native.add_rms_norm` gives `_rms_norm`'s bits here (torch's sum order is an
-    observation about this torch build: probed once per hidden size and eps, on random rows)."""
-    if not native.available():
-        return False
-    g = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        for rows in (1, 3, 32, 257):
-            y, residual = (torch.randn(rows, hidden_size, generator=g) * 4 for _ in range(2))  # [rows, hidden]
-            weight = torch.randn(hidden_size, generator=g)
-            want_sum = y + residual
-            want = _rms_norm(want_sum, weight, eps)
-            got = native.add_rms_norm(y, residual, weight, eps)
-            if not (torch.equal(got, want) and torch.equal(y, want_sum)):
-                return False
-    return True
+def torch_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin in torch's ops. x [T, H, D]; cos, signed_sin [T, D] (the
+    signed sin: first half negated) -> new [T, H, D]."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # rotate_half(x) up to sign
+    out = x * cos.unsqueeze(1)
+    return out.add_(swapped.mul_(signed_sin.unsqueeze(1)))
 
 
 def _activation(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -125,7 +99,7 @@ def _activation(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def supports(model: nn.Module) -> bool:
-    """True when `model` (after fuse_sibling_projections) can run on `DecoderForward`."""
+    """True when `model` (after linear.plan_model) can run on `DecoderForward`."""
     config = getattr(model, "config", None)
     inner = getattr(model, "model", None)
     if config is None or inner is None or getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
@@ -133,7 +107,7 @@ def supports(model: nn.Module) -> bool:
     if getattr(config, "use_sliding_window", False) or (
             config.model_type == "mistral" and getattr(config, "sliding_window", None)):
         return False
-    if type(getattr(model, "lm_head", None)).__name__ not in ("Linear", "ShortInputLinear"):
+    if not isinstance(getattr(model, "lm_head", None), PlannedLinear):
         return False
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -147,8 +121,8 @@ def supports(model: nn.Module) -> bool:
             return False
         if fused[0].group is not fused[2].group or fused[3].group is not fused[4].group:
             return False
-        if not hasattr(mlp, "act_fn") or not isinstance(attn.o_proj, nn.Linear) or \
-                not isinstance(mlp.down_proj, nn.Linear):
+        if not hasattr(mlp, "act_fn") or not isinstance(attn.o_proj, PlannedLinear) or \
+                not isinstance(mlp.down_proj, PlannedLinear):
             return False
     return type(inner.norm).__name__ in _RMS_NORMS
 
@@ -187,10 +161,11 @@ class DecoderForward:
         norms = [(w, e) for layer in self.layers for w, e in ((layer.input_norm, layer.input_eps),
                                                               (layer.post_norm, layer.post_eps))]
         norms.append((self.norm, self.norm_eps))
-        self.native_rope = native.available() and self.embed.device.type == "cpu"
+        self.native_rope = self.embed.device.type == "cpu" and registry.active("rope", head_dim=self.head_dim)
         self.native_norm = (self.embed.dtype == torch.float32 and self.embed.device.type == "cpu"
                             and all(w.dtype == torch.float32 and w.is_contiguous() for w, _ in norms)
-                            and all(native_norm_matches(hidden_size, e) for e in {e for _, e in norms}))
+                            and all(registry.active("rms_norm", hidden_size=hidden_size, eps=e)
+                                    for e in {e for _, e in norms}))
 
     def _add_norm(self, y: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                   eps: float) -> torch.Tensor:
@@ -212,10 +187,7 @@ class DecoderForward:
         """x * cos + rotate_half(x) * sin. x: [T, H, D] -> new [T, H, D]; one native call in float32."""
         if x.dtype == torch.float32 and cos.dtype == torch.float32 and self.native_rope:
             return native.rope(x, cos, signed_sin)
-        half = self.head_dim // 2
-        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # rotate_half(x) up to sign
-        out = x * cos.unsqueeze(1)
-        return out.add_(swapped.mul_(signed_sin.unsqueeze(1)))
+        return torch_rope(x, cos, signed_sin)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 logits_index: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.metrics_server import MetricsServer
+
+if TYPE_CHECKING:
+    from model_service.linear import LinearPlan
 
 _WAIT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -42,6 +48,18 @@ class ModelMetrics(MetricsServer):
                                     buckets=_WAIT_BUCKETS, registry=r)
         self.cache_reconnects = Counter("radixkv_model_cache_pool_lost",
                                         "Times the cache pool was lost and re-registered", registry=r)
+        self.linear_plan = Gauge("radixkv_model_linear_plan_weights",
+                                 "Linear-layer weights whose load-time plan sends inputs of `rows` rows to `path` "
+                                 "(verified: bit-identical to F.linear for that shape, checked at load)",
+                                 ["shape", "dtype", "mode", "rows", "path", "verified"], registry=r)
+
+    def set_linear_plan(self, plans: Iterable[LinearPlan]) -> None:
+        """Exports the load-time plan of every linear weight (one series per shape and row range)."""
+        self.linear_plan.clear()
+        for plan in plans:
+            for r in plan.ranges:
+                self.linear_plan.labels(f"{plan.shape[0]}x{plan.shape[1]}", plan.dtype, plan.mode, r.rows(), r.path,
+                                        "yes" if r.verified else "no").inc()
 
     def observe_cache_wait(self, seconds: float) -> None:
         """The engine blocked `seconds` on a cache Step reply."""

@@ -15,14 +15,10 @@ from typing import NamedTuple
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
-from model_service.attention import KERNEL_MODES
 from model_service.attention.base import AttentionBackend, BatchLayout
 from model_service.decoder_forward import DecoderForward, supports
-from model_service.fused_linear import fuse_sibling_projections
 from model_service.kv_cache import KVCache
-from model_service.packed_linear import FP32_GEMMS
-from model_service.short_gemm import single_token_step, use_short_input_gemm
-from model_service.short_gemm_tuning import choose_paths, linear_weights
+from model_service.linear import plan_model
 
 ATTENTION_NAME = "radixkv_paged"
 _CONTEXT_KWARG = "radixkv_context"
@@ -68,21 +64,18 @@ class ModelRunner:
     """Executes one scheduler step: packs chunks, plans attention once, runs all layers."""
 
     def __init__(self, model: PreTrainedModel, kv_cache: KVCache, backend: AttentionBackend,
-                 device: torch.device, fp32_gemm: str = "mkl", linear_kernels: str = "auto") -> None:
+                 device: torch.device, fp32_gemm: str = "mkl", linear_kernels: str = "auto",
+                 linear_mode: str = "auto") -> None:
         """fp32_gemm: "mkl" (F.linear, float32 output bitwise transformers') or "onednn"
-        (weights packed for oneDNN: faster on some CPUs, not bitwise; see packed_linear).
+        (weights packed for oneDNN: faster on some CPUs, not bitwise; see linear/packed.py).
         linear_kernels: with "mkl", "auto" computes float32 products of 2+ rows with radixkv's
-        AVX-512 kernel where it is bitwise F.linear (blocked_linear), "torch" never."""
-        if fp32_gemm not in FP32_GEMMS:
-            raise ValueError(f"fp32_gemm must be one of {', '.join(FP32_GEMMS)}, got {fp32_gemm!r}")
+        AVX-512 kernel where it is bitwise F.linear (linear/blocked.py), "torch" never.
+        linear_mode: "exact" refuses every path not verified bit-identical to F.linear for its
+        shape, "fast" takes them and says so in the plan; "auto": exact for float32 with "mkl".
+        The plan of every product is `self.linears` (linear/planner.py)."""
         self.model = model
+        self.linears = plan_model(model, mode=linear_mode, fp32_gemm=fp32_gemm, linear_kernels=linear_kernels)
         self.model.set_attn_implementation(ATTENTION_NAME)
-        if linear_kernels not in KERNEL_MODES:
-            raise ValueError(f"linear_kernels must be one of {', '.join(KERNEL_MODES)}, got {linear_kernels!r}")
-        fuse_sibling_projections(model, fp32_gemm, linear_kernels)
-        use_short_input_gemm(model, fp32_gemm, linear_kernels)
-        if device.type == "cpu":
-            choose_paths(linear_weights(model))
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device
@@ -129,7 +122,7 @@ class ModelRunner:
         keep = torch.tensor([c.needs_logits for c in chunks], device=self.device)
         # One token on CPU: one intra-op thread, large matrix-vector products split across cores.
         single = layout.num_tokens == 1 and self.device.type == "cpu"
-        with single_token_step() if single else contextlib.nullcontext():
+        with self.linears.single_token_step() if single else contextlib.nullcontext():
             if self.decoder is not None:
                 return self.decoder.forward(input_ids, positions.to(self.device), last_index[keep])  # [num_logits, vocab]
             output = self.model(

@@ -5,33 +5,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
 import sys
 import time
 from dataclasses import dataclass, field
 
+import grpc
 import torch
 
-from common.auth import ClientToken, TokenStore, reload_on_sighup, server_interceptors
+from common.auth import ClientToken, TokenStore, server_interceptors
 from common.grpc_server import add_health_and_reflection, add_servicer, format_address, new_server, set_health
 from common.limits import RequestLimits, ServerLimits, id_error
 from common.metrics_server import DEFAULT_METRICS_HOST
 from common.security import ClientTLS, ServerTLS, add_port
+from common.server_runner import ServerHooks, run_server
 from model_service import native
 from model_service.attention import AttentionBackend, TorchAttentionBackend, create_attention_backend
-from model_service.blocked_linear import MIN_ROWS
 from model_service.cache_client import CacheClient
 from model_service.engine import Engine, EngineConfig
 from model_service.kv_cache import KVCache, KVCacheSpec
+from model_service.linear import ModelLinears
+from model_service.linear.packed import warm_up
 from model_service.metrics import ModelMetrics
 from model_service.model_loader import load_model
 from model_service.model_runner import ModelRunner
-from model_service.packed_linear import warm_up
 from model_service.sampler import Sampler
 from model_service.scheduler import Scheduler, SchedulerConfig
 from model_service.servicer import METHOD_ROLES, ModelServicer, ServingInfo
-from model_service.short_gemm_tuning import linear_holders
 from model_service.torch_threads import run_in_passing_thread
 from protos import model_pb2
 
@@ -58,6 +58,9 @@ class ModelServiceConfig:
     attention: str = "auto"
     attention_kernels: str = "auto"  # the torch backend's kernels: "auto" (native where built) or "torch"
     linear_kernels: str = "auto"  # float32 products: "auto" (native where bitwise F.linear) or "torch"
+    # "exact": only paths verified bit-identical to F.linear per weight shape; "fast": any, marked
+    # in the plan; "auto": exact for float32 with fp32_gemm "mkl", else fast (linear/planner.py).
+    linear_mode: str = "auto"
     # float32 products on CPU: "mkl" (F.linear, bitwise transformers) or "onednn" (packed, faster
     # where MKL is slow, e.g. AMD; greedy output may part from transformers' at near ties).
     fp32_gemm: str = "mkl"
@@ -111,17 +114,13 @@ def _kernels_note(backend: AttentionBackend, kernels: str) -> str:
     return f" (torch kernels: native ones {native.unavailable_reason() or 'do not take this model or dtype'})"
 
 
-def _linear_kernels_note(model: torch.nn.Module, kernels: str) -> str:
-    if kernels == "torch":
-        return "F.linear (--linear-kernels torch)"
-    holders = linear_holders(model)
-    weights = [holder.blocked_weight for holder in holders if holder.blocked_weight is not None]
-    if weights:
-        rest = "" if len(weights) == len(holders) else ", the rest F.linear"
-        short = sorted({rows for w in weights for rows in range(1, MIN_ROWS) if w.takes(rows)})
-        also = f"; also {short[0]}-{short[-1]} rows where the probe found MKL's order" if short else ""
-        return f"radixkv AVX-512 kernel, bitwise F.linear ({len(weights)} of {len(holders)} weights{rest}{also})"
-    return f"F.linear (native kernel: {native.unavailable_reason() or 'no shape summed by MKL in an order it reproduces'})"
+def _linear_plan_note(linears: ModelLinears, kernels: str) -> str:
+    """Why no product takes the native kernel, when none does and it could have."""
+    if kernels == "torch" or any(plan.uses("blocked") for plan in linears.plans):
+        return ""
+    if not any(plan.dtype == "float32" for plan in linears.plans):
+        return ""
+    return f" (native kernel: {native.unavailable_reason() or 'no shape summed by MKL in an order it reproduces'})"
 
 
 def build_engine(config: ModelServiceConfig, worker_id: str) -> tuple[Engine, ModelServicer]:
@@ -141,12 +140,13 @@ def build_engine(config: ModelServiceConfig, worker_id: str) -> tuple[Engine, Mo
     log.info("model %s on %s (%s), attention %s%s, KV pool %d blocks x %d tokens (%.1f MiB)%s", loaded.name, device,
              dtype, backend.name, _kernels_note(backend, config.attention_kernels), num_blocks, config.block_size, kv_cache.num_bytes / 2**20,
              ", float32 products through oneDNN" if config.fp32_gemm == "onednn" and dtype == torch.float32 else "")
-    runner = ModelRunner(loaded.model, kv_cache, backend, device, config.fp32_gemm, config.linear_kernels)
-    if device.type == "cpu" and dtype == torch.float32 and config.fp32_gemm == "mkl":
-        log.info("float32 products of %d+ rows: %s", MIN_ROWS, _linear_kernels_note(loaded.model, config.linear_kernels))
+    runner = ModelRunner(loaded.model, kv_cache, backend, device, config.fp32_gemm, config.linear_kernels,
+                         config.linear_mode)
+    log.info("linear products, %s mode%s:\n%s", runner.linears.mode,
+             _linear_plan_note(runner.linears, config.linear_kernels), runner.linears.table())
     if device.type == "cpu":
         started = time.perf_counter()
-        calls = warm_up(loaded.model, config.max_num_seqs)
+        calls = warm_up(runner.linears.packed_weights(), config.max_num_seqs)
         if calls:
             log.info("oneDNN kernels for 1-%d rows built in %.1f s", config.max_num_seqs, time.perf_counter() - started)
     scheduler = Scheduler(SchedulerConfig(config.block_size, config.max_batch_tokens, config.max_num_seqs,
@@ -155,9 +155,11 @@ def build_engine(config: ModelServiceConfig, worker_id: str) -> tuple[Engine, Mo
                         loaded.vocab_size, timeout=config.cache_timeout,
                         credentials=config.cache_tls.credentials() if config.cache_tls is not None else None,
                         token=config.cache_token)
+    metrics = ModelMetrics()
+    metrics.set_linear_plan(runner.linears.plans)
     engine = Engine(EngineConfig(frozenset(loaded.eos_token_ids), loaded.max_context_tokens,
                                  cache_pipeline=config.cache_pipeline), scheduler, runner,
-                    Sampler(), cache, ModelMetrics())
+                    Sampler(), cache, metrics)
     info = ServingInfo(config.block_size, num_blocks, str(dtype).removeprefix("torch."), str(device), backend.name,
                        config.cache_addr, worker_id)
     return engine, ModelServicer(engine, loaded, info, config.request_limits)
@@ -186,44 +188,39 @@ async def serve(config: ModelServiceConfig) -> int:
     server = new_server(config.limits, server_interceptors(config.tokens, {SERVICE_NAME: METHOD_ROLES}))
     add_servicer(server, servicer, model_pb2.DESCRIPTOR.services_by_name["ModelService"], id_error)
     health_servicer = add_health_and_reflection(server, SERVICE_NAME)
-    try:
-        bound = add_port(server, address, config.tls.credentials() if config.tls is not None else None)
-    except RuntimeError as e:
-        print(f"model_service: cannot listen on {address} (port in use?): {e}", file=sys.stderr, flush=True)
-        return 1
-    serving_addr = config.advertise_addr or format_address(config.host, bound)
-    servicer.info.serving_addr = serving_addr
-    engine.cache.serving_addr = serving_addr  # before engine.start(): the pool registers with it
-    if config.metrics_port is not None:
-        try:
-            metrics_bound = engine.metrics.serve(config.metrics_port, config.metrics_host)
-        except OSError as e:
-            print(f"model_service: cannot serve metrics on {format_address(config.metrics_host, config.metrics_port)}: "
-                  f"{e.strerror or e}", file=sys.stderr, flush=True)
-            return 1
-        log.info("metrics on http://%s/metrics", format_address(config.metrics_host, metrics_bound))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    reload_on_sighup(loop, config.tokens, config.cache_token)
-    engine.start()
-    try:
-        await server.start()
+
+    async def create() -> tuple[grpc.aio.Server, int]:
+        return server, add_port(server, address, config.tls.credentials() if config.tls is not None else None)
+
+    def bound(port: int) -> None:
+        serving_addr = config.advertise_addr or format_address(config.host, port)
+        servicer.info.serving_addr = serving_addr
+        engine.cache.serving_addr = serving_addr  # before engine.start(): the pool registers with it
+
+    async def starting() -> None:
+        engine.start()
+
+    async def started() -> None:
         await set_health(health_servicer, [SERVICE_NAME])
-        print(f"model_service listening on {format_address(config.host, bound)}", flush=True)
-        log.info("serving address %s", serving_addr)
-        await stop.wait()
-        log.info("shutting down")
-    finally:
-        await health_servicer.enter_graceful_shutdown()
+        log.info("serving address %s", servicer.info.serving_addr)
+
+    async def stop_server(server: grpc.aio.Server, grace_seconds: float) -> None:
         # New calls are refused at once; in-flight ones get most of the grace period to finish.
         # Then the engine aborts the rest, so their clients read UNAVAILABLE "server shutting
         # down" before gRPC cancels whatever is left with a bare "Cancelling all calls".
-        stopping = asyncio.ensure_future(server.stop(config.grace_seconds))
-        await asyncio.wait({stopping}, timeout=config.grace_seconds * 0.75)
+        stopping = asyncio.ensure_future(server.stop(grace_seconds))
+        await asyncio.wait({stopping}, timeout=grace_seconds * 0.75)
         with contextlib.suppress(Exception):
             await asyncio.to_thread(engine.stop)
         await stopping
+
+    async def stopped() -> None:
         engine.cache.close()
-    return 0
+
+    return await run_server(
+        "model_service", log, address, create, health_servicer,
+        lambda port: f"model_service listening on {format_address(config.host, port)}",
+        hooks=ServerHooks(bound=bound, starting=starting, started=started, stop_server=stop_server,
+                          stopped=stopped),
+        grace_seconds=config.grace_seconds, metrics=engine.metrics, metrics_port=config.metrics_port,
+        metrics_host=config.metrics_host, tokens=config.tokens, client_tokens=(config.cache_token,))

@@ -1,5 +1,5 @@
 """radixkv's blocked float32 linear kernel: the packing, its summation order, its probe against
-F.linear and where model_linear uses it."""
+F.linear and where a weight's plan uses it."""
 
 from __future__ import annotations
 
@@ -9,10 +9,14 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model_service import blocked_linear, native
-from model_service.blocked_linear import MIN_ROWS, BlockedWeight, pack, pack_weight
-from model_service.blocked_linear import blocked_linear as run_blocked
-from model_service.short_gemm import model_linear, short_linear
+from model_service import native
+from model_service.linear import blocked as blocked_linear
+from model_service.linear.blocked import MIN_ROWS, BlockedWeight, pack, pack_weight
+from model_service.linear.blocked import blocked_linear as run_blocked
+from model_service.linear.planner import plan_weight
+from model_service.linear.short import SingleTokenStep
+from model_service.linear.tuning import Timing
+from model_service.linear.verify import Verifier
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.unavailable_reason()}")
 
@@ -129,7 +133,7 @@ def test_probed_weights_are_bitwise_f_linear(shape: tuple[int, int]) -> None:
     weight = _weight(*shape, seed=1)
     blocked = pack(weight)
     if blocked is None:
-        pytest.skip("this machine's MKL sums these products in an order the kernel does not reproduce")
+        pytest.skip("native kernels: this machine's MKL sums these products in an order the kernel does not reproduce")
     g = torch.Generator().manual_seed(2)
     rows_list = [16, 19, 40, 64, 65] if shape[0] > 10000 else [16, 17, 23, 32, 50, 64, 100, 300, 1056]
     short = [rows for rows in range(1, MIN_ROWS) if blocked.takes(rows)]
@@ -173,27 +177,41 @@ def test_short_splits_are_the_first_order_that_matches() -> None:
             assert torch.equal(run_blocked(x[:rows], blocked), F.linear(x[:rows], weight)), rows
 
 
+def _planned(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """The weight's product as an exact-mode plan makes it (no short-input paths offered)."""
+    return plan_weight("w", weight, bias, mode="exact", fp32_gemm="mkl", linear_kernels="auto",
+                       timing=Timing(transposed=False, split_one_row=False), step=SingleTokenStep(),
+                       verifier=Verifier())
+
+
 @needs_native
-def test_model_linear_uses_the_kernel_for_the_rows_it_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_plan_uses_the_kernel_for_the_rows_it_takes(monkeypatch: pytest.MonkeyPatch) -> None:
     weight = _weight(48, 64, seed=4)
     calls = []
     monkeypatch.setattr(blocked_linear, "blocked_linear",
-                        lambda x, w: calls.append(x.shape) or run_blocked(x, w))
+                        lambda x, w, split=None: calls.append(x.shape) or run_blocked(x, w, split))
     blocked = BlockedWeight(pack_weight(weight), 48, 192)  # no short splits: from MIN_ROWS only
+    monkeypatch.setattr(blocked_linear, "pack", lambda w: blocked)
+    product = _planned(weight)
+    assert [(r.rows(), r.path) for r in product.plan.ranges] == [(f"1-{MIN_ROWS - 1}", "F.linear"),
+                                                                  (f"{MIN_ROWS}+", "blocked")]
     for rows in (1, 2, MIN_ROWS - 1):
         x = torch.randn(1, rows, 64)
-        assert torch.equal(model_linear(x, weight, None, None, blocked), short_linear(x, weight))
+        assert torch.equal(product(x), F.linear(x, weight))
     assert calls == []
     x = torch.randn(1, MIN_ROWS, 64)  # [1, rows, in] as the model passes it
-    out = model_linear(x, weight, None, None, blocked)
+    out = product(x)
     assert calls == [x.shape] and out.shape == (1, MIN_ROWS, 48)
     assert torch.equal(out, run_blocked(x[0], blocked).unsqueeze(0))
-    bias = torch.randn(48)  # a bias keeps F.linear (its addition order is MKL's)
-    assert torch.equal(model_linear(x, weight, bias, None, blocked), short_linear(x, weight, bias))
+    with_bias = _planned(weight, torch.randn(48))  # a bias keeps F.linear (its addition order is MKL's)
+    assert not with_bias.plan.uses("blocked") and with_bias.blocked is None
+    assert torch.equal(with_bias(x), F.linear(x, weight, with_bias.bias))
     assert len(calls) == 1
     splits = (-1, -1, -1, 0) + (-1,) * (MIN_ROWS - 4)  # takes 3 rows, in the four-lane order
+    monkeypatch.setattr(blocked_linear, "pack", lambda w: blocked._replace(short_splits=splits))
+    product = _planned(weight)
     x3 = torch.randn(1, 3, 64)
-    model_linear(x3, weight, None, None, blocked._replace(short_splits=splits))
+    product(x3)
     assert calls[-1] == x3.shape
-    model_linear(torch.randn(1, 2, 64), weight, None, None, blocked._replace(short_splits=splits))
+    product(torch.randn(1, 2, 64))
     assert len(calls) == 2  # 2 rows: not taken

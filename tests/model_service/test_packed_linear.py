@@ -1,4 +1,4 @@
-"""bf16 linear layers with oneDNN-packed weights (packed_linear) against F.linear."""
+"""bf16 linear layers with oneDNN-packed weights (linear/packed.py) against F.linear."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_service.fused_linear import fuse_sibling_projections
-from model_service.packed_linear import _available, pack_weight, packed_linear, warm_up
-from model_service.short_gemm import ShortInputLinear, use_short_input_gemm
+from model_service.linear import PlannedLinear, plan_model
+from model_service.linear.packed import _available, pack_weight, packed_linear, warm_up
 
 needs_onednn_bf16 = pytest.mark.skipif(not _available(), reason="torch has no oneDNN bf16 on this CPU")
 
@@ -67,9 +66,11 @@ def test_the_model_layers_take_the_packed_path():
                            "v_proj": nn.Linear(16, 8, bias=False), "o_proj": nn.Linear(16, 16)}).bfloat16()
     x = torch.randn(4, 16).bfloat16()
     want = {name: F.linear(x, m.weight, m.bias) for name, m in layer.items()}
-    assert fuse_sibling_projections(layer) == 1 and use_short_input_gemm(layer) == 1
-    assert isinstance(layer["o_proj"], ShortInputLinear) and layer["o_proj"].packed_weight is not None
-    assert layer["q_proj"].group.packed_weight is not None
+    linears = plan_model(layer)  # bf16: fast mode, oneDNN's packed products as before
+    assert linears.mode == "fast" and len(linears.products) == 2
+    assert isinstance(layer["o_proj"], PlannedLinear) and layer["o_proj"].product.packed is not None
+    assert layer["q_proj"].group.product.packed is not None
+    assert all(r.path == "packed" for p in linears.plans for r in p.ranges)
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         torch.testing.assert_close(layer[name](x).float(), want[name].float(), rtol=2**-7, atol=1e-2)
 
@@ -84,10 +85,14 @@ def test_float32_layers_take_the_packed_path_only_with_onednn():
     x = torch.randn(4, 16)
     default, onednn = layer(), layer()
     want = {name: F.linear(x, m.weight, m.bias) for name, m in default.items() if name != "down_proj"}
-    fuse_sibling_projections(default), use_short_input_gemm(default)
-    assert default["gate_proj"].group.packed_weight is None and default["down_proj"].packed_weight is None
-    fuse_sibling_projections(onednn, "onednn"), use_short_input_gemm(onednn, "onednn")
-    assert onednn["gate_proj"].group.packed_weight is not None and onednn["down_proj"].packed_weight is not None
+    plan_model(default)
+    assert default["gate_proj"].group.product.packed is None and default["down_proj"].product.packed is None
+    linears = plan_model(onednn, fp32_gemm="onednn")
+    assert linears.mode == "fast"  # oneDNN's float32 products are not F.linear's bits: never exact
+    assert onednn["gate_proj"].group.product.packed is not None and onednn["down_proj"].product.packed is not None
+    assert all(r.path == "packed" and not r.verified for p in linears.plans for r in p.ranges)
+    with pytest.raises(ValueError, match="exact refuses --fp32-gemm onednn"):
+        plan_model(layer(), mode="exact", fp32_gemm="onednn")
     for name, expected in want.items():
         assert torch.equal(default[name](x), expected)  # mkl: F.linear's bits
         torch.testing.assert_close(onednn[name](x), expected, rtol=1e-5, atol=1e-5)
@@ -98,13 +103,13 @@ def test_warm_up_runs_each_packed_shape_for_every_batch_size():
     layer = nn.ModuleDict({"q_proj": nn.Linear(16, 16, bias=False), "k_proj": nn.Linear(16, 8, bias=False),
                            "v_proj": nn.Linear(16, 8, bias=False), "o_proj": nn.Linear(16, 16),
                            "out": nn.Linear(16, 16)}).bfloat16()
-    fuse_sibling_projections(layer), use_short_input_gemm(layer)
+    linears = plan_model(layer)
     x = torch.randn(5, 16).bfloat16()
     before = {name: m(x) for name, m in layer.items()}
     # Two packed shapes: the fused q/k/v [32, 16] and o_proj/out [16, 16] (one shape, counted once).
-    assert warm_up(layer, 7) == 2 * 7
+    assert warm_up(linears.packed_weights(), 7) == 2 * 7
     for name, m in layer.items():
         assert torch.equal(m(x), before[name])  # nothing changed
     unpacked = nn.ModuleDict({"o_proj": nn.Linear(16, 16)})
-    use_short_input_gemm(unpacked)  # float32, mkl: nothing packed, nothing to warm
-    assert warm_up(unpacked, 7) == 0
+    # float32, mkl: nothing packed, nothing to warm
+    assert warm_up(plan_model(unpacked).packed_weights(), 7) == 0

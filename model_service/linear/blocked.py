@@ -17,7 +17,7 @@ distinct shape is probed once per process (about a second in all for SmolLM2-135
 fewer than MIN_ROWS rows take the kernel only where the probe finds their order too: MKL sums 2-3
 rows (and, with 2 threads, the 1-3 rows left over after 4-row tiles of 5-11 rows) in another order,
 four partial sums over k mod 4 of rounded products, which the kernel computes for the rows from
-`blocked_rows` on (linear.cpp); one row keeps F.linear's matrix-vector path (short_gemm.py). On 2
+`blocked_rows` on (linear.cpp); one row keeps F.linear's matrix-vector path (short.py). On 2
 EPYC cores a decode step of 8 sequences took ~60 ms through MKL, more than one of 32 (~45 ms). The
 packed copy costs as much memory as the float32 weight itself.
 """
@@ -35,7 +35,7 @@ from model_service import native
 log = logging.getLogger(__name__)
 
 LANES = 16  # output features per packed stripe
-MIN_ROWS = 16  # fewer rows keep F.linear / short_gemm's paths (MKL sums 2-15 rows in other orders)
+MIN_ROWS = 16  # fewer rows keep F.linear / short.py's paths (MKL sums 2-15 rows in other orders)
 BLOCK_CANDIDATES = (192, 256, 128, 384, 512, 96, 64)  # k per block; 192 is MKL's on AMD EPYC (torch 2.13)
 # Row counts the probe checks, most telling first: every decode batch size from 16 to 64, then prefill chunks.
 PROBE_ROWS = (16, 17, 31, 32, 33, 47, 64, *range(18, 31), *range(34, 47), *range(48, 64), 96, 257, 1056, 2048)
@@ -89,15 +89,16 @@ def blocked_linear(x: torch.Tensor, weight: BlockedWeight, blocked_rows: int | N
     return out.view(*x.shape[:-1], weight.out_features)
 
 
-def _probe_rows(weight: torch.Tensor) -> list[int]:
+def probe_rows(weight: torch.Tensor, candidates: tuple[int, ...]) -> tuple[int, ...]:
+    """The first of `candidates` (at least one) whose products with `weight` stay under PROBE_FLOPS."""
     flops_per_row = 2 * weight.shape[0] * weight.shape[1]
     rows, spent = [], 0.0
-    for r in PROBE_ROWS:
+    for r in candidates:
         if spent + r * flops_per_row > PROBE_FLOPS and rows:
             continue
         rows.append(r)
         spent += r * flops_per_row
-    return rows
+    return tuple(rows)
 
 
 def find_block(weight: torch.Tensor, packed: torch.Tensor, generator: torch.Generator) -> int | None:
@@ -105,7 +106,7 @@ def find_block(weight: torch.Tensor, packed: torch.Tensor, generator: torch.Gene
     count, or None."""
     weight = weight.detach()
     candidates = [b for b in BLOCK_CANDIDATES if b < weight.shape[1]] + [weight.shape[1]]
-    rows_list = _probe_rows(weight)
+    rows_list = list(probe_rows(weight, PROBE_ROWS))
     inputs = {r: torch.randn(r, weight.shape[1], generator=generator) for r in rows_list}  # [rows, in]
     wants = {}
     for block in dict.fromkeys(candidates):

@@ -21,6 +21,8 @@ with `F.linear` on a probe at load, weights stay unpacked and `F.linear` is used
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 
@@ -64,20 +66,17 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def warm_up(model: torch.nn.Module, max_rows: int) -> int:
-    """Runs every distinct packed weight shape of `model` once for each row count 1..max_rows.
+def warm_up(weights: Iterable[tuple[torch.Tensor, torch.Tensor]], max_rows: int) -> int:
+    """Runs every distinct packed weight shape of `weights` ((weight, packed copy) pairs, as
+    `ModelLinears.packed_weights()` lists them) once for each row count 1..max_rows.
 
     oneDNN builds (JIT-compiles) its kernel on the first call of a new (rows, weight) shape, 1-3 ms
     each (2 EPYC cores): without this, the first steps that meet each decode batch size pay it,
     about 0.3-0.5 s over the first shared-prefix workload after start. Returns the calls made.
     """
     shapes: dict[tuple, tuple[torch.Tensor, int]] = {}
-    for module in model.modules():
-        for holder in (module, getattr(module, "group", None)):  # fused projections keep theirs in a group
-            packed = getattr(holder, "packed_weight", None)
-            weight = getattr(holder, "weight", None)
-            if isinstance(packed, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.dim() == 2:
-                shapes.setdefault((tuple(weight.shape), weight.dtype), (packed, weight.shape[1]))
+    for weight, packed in weights:
+        shapes.setdefault((tuple(weight.shape), weight.dtype), (packed, weight.shape[1]))
     calls = 0
     with torch.inference_mode():
         for (_, dtype), (packed, in_features) in shapes.items():

@@ -1,0 +1,89 @@
+"""Timing, per machine, whether the short-input paths of short.py are faster than `F.linear`.
+
+Both paths compute what `F.linear` computes (bit for bit where the plan verified them), but
+whether they are faster depends on the CPU: measured on 2 AMD EPYC cores, the transposed product
+made the GEMMs of a batch-16 decode step 81 -> 68 ms and the one-token split a batch-1 step
+~100 -> ~85 ms; on 2 Intel Xeon (AMX) cores the same transposed GEMMs took 61.9 ms against
+`F.linear`'s 51.0, and batch-1 decode ran at 63 ms per token against transformers' 36 with plain
+two-thread `F.linear`. So at load the plan times each path against `F.linear` on the model's own
+weights (passes over all of them, as a step makes; about a second for the bundled model) and
+offers a path only where it is clearly faster.
+
+A timing run decides speed only, never bits: it can take a path away from the plan, and the plan
+then still refuses (in exact mode) every path that was not verified bit-identical to `F.linear`.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from model_service.linear.short import split_linear, split_parts, splits, transposed_linear
+
+log = logging.getLogger(__name__)
+
+ROWS = 32  # a typical decode batch
+REPEATS = 5
+MIN_GAIN = 0.05  # a path is kept when it saves at least this share of F.linear's time
+
+
+@dataclass(slots=True, frozen=True)
+class Timing:
+    """Which short-input paths the timing run found faster than F.linear here."""
+
+    transposed: bool = True  # 2/16-256 rows: (W @ x.T).T instead of F.linear
+    split_one_row: bool = True  # one token: one thread, large products split across the cores
+
+
+def _pass_s(weights: list[torch.Tensor], rows: int,
+            linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], repeats: int) -> float:
+    """Median time of one pass over every weight, in the model's order: each weight streams from
+    memory as in a real step (timing one shape in a loop would keep it in cache)."""
+    inputs = {w.shape[1]: torch.randn(1, rows, w.shape[1]) for w in weights}  # [1, rows, in]
+
+    def one_pass() -> None:
+        for w in weights:
+            linear(inputs[w.shape[1]], w)
+
+    one_pass()  # first call: allocation, thread start-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        one_pass()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _split_pass_s(weights: list[torch.Tensor], repeats: int) -> float:
+    """`_pass_s` of the one-row split, run as a single-token step runs it (one intra-op thread)."""
+    parts = split_parts()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _pass_s(weights, 1, lambda x, w: split_linear(x, w, None, parts) if splits(w) else F.linear(x, w),
+                       repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def time_paths(weights: Iterable[torch.Tensor], repeats: int = REPEATS) -> Timing:
+    """Times short.py's paths against F.linear on these float32 CPU weights ([out, in] each)."""
+    weights = [w.detach() for w in weights if w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu"]
+    if not weights:
+        return Timing()
+    with torch.inference_mode():
+        plain = _pass_s(weights, ROWS, F.linear, repeats)
+        transposed = _pass_s(weights, ROWS, transposed_linear, repeats)
+        plain_one = _pass_s(weights, 1, F.linear, repeats)
+        split_one = _split_pass_s(weights, repeats) if split_parts() > 1 else plain_one
+    timing = Timing(transposed=transposed < (1 - MIN_GAIN) * plain,
+                    split_one_row=split_one < (1 - MIN_GAIN) * plain_one)
+    log.info("short-input GEMMs: %d rows %.1f ms F.linear vs %.1f ms transposed; one row %.1f ms vs %.1f ms "
+             "split -> %s", ROWS, 1e3 * plain, 1e3 * transposed, 1e3 * plain_one, 1e3 * split_one, timing)
+    return timing

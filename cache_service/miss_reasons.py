@@ -46,8 +46,8 @@ class EvictedPages:
     Two generations of plain dicts: new hashes go into `recent`; once it holds `capacity // 2`,
     it becomes `older` and the previous `older` is forgotten whole (a page evicted again is in
     `recent` too, so it may count twice in len()). Adding costs about one C-level dict insert per
-    hash (an OrderedDict kept to the exact last `capacity` cost ~0.6 us per hash in insert,
-    reorder and pop: a fifth of a Step that evicts). The content depends only on the sequence of
+    hash (an OrderedDict kept to the exact last `capacity` paid an insert, reorder and pop per
+    hash: a large share of a Step that evicts). The content depends only on the sequence of
     hashes added, however it is cut into calls, so a snapshot restored with one `add(hashes())`
     is the same state.
     """

@@ -30,8 +30,8 @@ from model_service.scheduler import CachePlan, CacheReply, ScheduledBatch, Sched
 # (say, a prefix group's followers, once their leader's pages are committed) join this step
 # instead of the next one, a whole long step later. Waiting requests of this many tokens are such
 # work themselves: a short step (decodes) waits for their admission too, rather than running
-# without them (4 groups x 8 sharing 1024 tokens, all sent at once: two decode steps of ~50 ms
-# each ran before followers that could have joined them).
+# without them (otherwise, with prefix groups sent at once, whole decode steps ran before
+# followers that could have joined them).
 SYNC_ADMIT_TOKENS = 256
 
 ApplyReply = Callable[[CachePlan, CacheReply], None]

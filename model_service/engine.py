@@ -9,8 +9,7 @@ thread. A step's outputs go to their sinks together, inside `output_batch()`,
 when the next forward begins (or before the engine thread waits on anything, or at once when no
 forward follows): one wake-up of the event loop that streams them, which then runs while the
 forward's threads are in torch ops rather than while the engine thread needs the GIL for its own
-Python (engine-thread time between forwards ~3.3 -> ~2 ms a step; 4 x 8 wall time within the
-noise of 2 shared cores). Failures of the cache manager never fail a client:
+Python. Failures of the cache manager never fail a client:
 the engine re-registers its pool and recomputes in-flight requests.
 """
 

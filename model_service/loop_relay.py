@@ -3,8 +3,8 @@
 The engine emits the new token of every running request once per step, from its own thread.
 `loop.call_soon_threadsafe` per output costs that thread a lock and a self-pipe write each, and
 every write wakes the loop's thread, which takes the GIL to stream what it finds while the
-engine thread waits for the GIL back (a 32-request shared-prefix run: ~8 wake-ups a step at
-~0.2 ms each). Here outputs queued while a hand-over is pending ride on it, and `batch()` holds
+engine thread waits for the GIL back, several times a step. Here outputs queued while a
+hand-over is pending ride on it, and `batch()` holds
 the wake-up until a whole step's outputs are queued.
 """
 

@@ -3,7 +3,7 @@
 Every step allocates and frees activation tensors of a few hundred KB to tens of MB (shapes
 change with the batch, so they are new allocations). glibc serves blocks above its mmap
 threshold with a fresh mmap and trims the heap top back to the OS, so the next step faults the
-same memory in again: 300-1000 minor page faults per batch-16 decode step of SmolLM2, measured.
+same memory in again: hundreds of minor page faults per decode step.
 Raising the mmap threshold to its maximum and keeping up to `trim_bytes` of free heap makes
 steady-state steps fault-free (the same reason CPU serving stacks preload jemalloc/tcmalloc).
 """

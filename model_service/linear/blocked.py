@@ -2,11 +2,11 @@
 
 Greedy output must equal transformers' token for token, and transformers' float32 products are
 `F.linear`, i.e. MKL's sgemm. On AMD CPUs MKL takes a generic code path (it dispatches by vendor,
-not by instruction set): ~100 GFLOPS on 2 EPYC cores, where AVX-512 FMAs reach ~400. Measured on
-those cores (torch 2.13), MKL sums every output of 4 or more rows in one fixed order: FMA chains
+not by instruction set), a fraction of what AVX-512 FMAs reach. On AMD EPYC with torch 2.13,
+MKL sums every output of 4 or more rows in one fixed order: FMA chains
 over blocks of 192 consecutive k, the block sums added left to right. `radixkv::blocked_linear`
 (native/linear.cpp) computes exactly that order with AVX-512, so its results are F.linear's bit
-for bit, 2.4-3.5x faster (SmolLM2-135M products, 16-1056 rows).
+for bit, several times faster.
 
 That MKL's order is an observation, not a contract: another CPU, MKL version or thread count may
 sum differently (with 2 threads MKL splits 5-15 rows into per-thread parts of under 4 rows, which
@@ -17,9 +17,9 @@ distinct shape is probed once per process (about a second in all for SmolLM2-135
 fewer than MIN_ROWS rows take the kernel only where the probe finds their order too: MKL sums 2-3
 rows (and, with 2 threads, the 1-3 rows left over after 4-row tiles of 5-11 rows) in another order,
 four partial sums over k mod 4 of rounded products, which the kernel computes for the rows from
-`blocked_rows` on (linear.cpp); one row keeps F.linear's matrix-vector path (short.py). On 2
-EPYC cores a decode step of 8 sequences took ~60 ms through MKL, more than one of 32 (~45 ms). The
-packed copy costs as much memory as the float32 weight itself.
+`blocked_rows` on (linear.cpp); one row keeps F.linear's matrix-vector path (short.py). MKL's
+few-row path is slow enough that a decode step of 8 sequences took longer through it than one of
+32. The packed copy costs as much memory as the float32 weight itself.
 """
 
 from __future__ import annotations

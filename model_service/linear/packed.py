@@ -5,15 +5,13 @@ reordered once, at load.
 the weight in PyTorch's plain layout, which oneDNN reorders into its blocked layout on every
 call: for the short inputs of decode steps that is most of the work. Reordering each weight once
 (`torch.ops.mkldnn._reorder_linear_weight`, the packing torch.compile's CPU backend does) and
-calling `mkldnn::_linear_pointwise` with it is measured on 2 Xeon cores (AMX), SmolLM2-135M,
-every linear layer of one step: 11.6 -> 7.8 ms at 32 rows, 9.5 -> 5.3 ms at one row, the same
-(166 -> 163 ms) for a 1056-token prefill. A decode step of 32 sequences: 75 -> 69 ms.
+calling `mkldnn::_linear_pointwise` with it skips that per-call reorder: decode-sized inputs get
+faster, long prefills (where the reorder is a small part of the product) stay the same.
 
 float32 keeps `F.linear`/MKL by default: greedy output must equal transformers' bit for bit, and
 oneDNN's fp32 kernels sum in another order. `--fp32-gemm onednn` (FP32_GEMMS) packs float32
 weights too: on CPUs where MKL takes a slow path (AMD: it dispatches by vendor, not by ISA) that
-is 2.2-2.6x faster at every row count (2 EPYC cores, one thread, all SmolLM2 products: 16 rows
-112 -> 42 ms, 1056 rows 3.7 -> 1.7 s), and outputs differ from transformers' in the last bits,
+is over twice as fast at every row count, and outputs differ from transformers' in the last bits,
 so greedy output may part where the top-2 logits nearly tie (as vLLM's does). Where torch has no
 oneDNN (no mkldnn build, a CPU without bf16 support for bf16) or the packed product disagrees
 with `F.linear` on a probe at load, weights stay unpacked and `F.linear` is used.
@@ -70,9 +68,9 @@ def warm_up(weights: Iterable[tuple[torch.Tensor, torch.Tensor]], max_rows: int)
     """Runs every distinct packed weight shape of `weights` ((weight, packed copy) pairs, as
     `ModelLinears.packed_weights()` lists them) once for each row count 1..max_rows.
 
-    oneDNN builds (JIT-compiles) its kernel on the first call of a new (rows, weight) shape, 1-3 ms
-    each (2 EPYC cores): without this, the first steps that meet each decode batch size pay it,
-    about 0.3-0.5 s over the first shared-prefix workload after start. Returns the calls made.
+    oneDNN builds (JIT-compiles) its kernel on the first call of a new (rows, weight) shape:
+    without this, the first steps that meet each decode batch size pay those builds, a stall
+    spread over the first workload after start. Returns the calls made.
     """
     shapes: dict[tuple, tuple[torch.Tensor, int]] = {}
     for weight, packed in weights:

@@ -8,14 +8,13 @@ the others idle. Inside a `SingleTokenStep` the step runs with one intra-op thre
 OpenMP workers spinning between ops) and each large matrix-vector product is split by weight
 rows into one part per core, run concurrently on torch's inter-op pool (`torch.jit.fork`).
 Each output element is still the same single-core dot product, so results are bitwise those
-of `F.linear` (measured on 2 EPYC cores, a whole SmolLM2 decode step: ~100 -> ~85 ms).
+of `F.linear`.
 
 Several tokens: `F.linear(x, W)` on CPU asks MKL for `x @ W.T` with the weight as the transposed
 right-hand operand. For inputs of a few dozen rows (a decode step of a batch, the suffix after a cache
 hit, the logits of a few sequences) the same product computed as `(W @ x.T).T` streams the
-weight as the left-hand operand and is much faster on this kind of machine: measured on
-2 EPYC cores, 16 rows x SmolLM2 shapes, 0.85 -> 0.60 ms for gate/up and 38 -> 22 ms for the
-49152-wide lm_head. It loses for long inputs (prefill: 512+ rows), so `transposed_rows` stops
+weight as the left-hand operand and is much faster on some CPUs (AMD EPYC; tuning.py times it on
+the machine at hand). It loses for long inputs (prefill: 512+ rows), so `transposed_rows` stops
 at MAX_ROWS.
 
 Every output element is still one dot product over the same weight row, but MKL may sum it in

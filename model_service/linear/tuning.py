@@ -1,11 +1,9 @@
 """Timing, per machine, whether the short-input paths of short.py are faster than `F.linear`.
 
 Both paths compute what `F.linear` computes (bit for bit where the plan verified them), but
-whether they are faster depends on the CPU: measured on 2 AMD EPYC cores, the transposed product
-made the GEMMs of a batch-16 decode step 81 -> 68 ms and the one-token split a batch-1 step
-~100 -> ~85 ms; on 2 Intel Xeon (AMX) cores the same transposed GEMMs took 61.9 ms against
-`F.linear`'s 51.0, and batch-1 decode ran at 63 ms per token against transformers' 36 with plain
-two-thread `F.linear`. So at load the plan times each path against `F.linear` on the model's own
+whether they are faster depends on the CPU: on AMD EPYC cores both beat `F.linear`; on Intel Xeon
+(AMX) cores both lost to it (the one-token split against plain two-thread `F.linear`). So at load
+the plan times each path against `F.linear` on the model's own
 weights (passes over all of them, as a step makes; about a second for the bundled model) and
 offers a path only where it is clearly faster.
 

@@ -3,7 +3,7 @@
 // bfloat16 inputs. Registered as torch.ops.radixkv.attend (model_service/native/__init__.py).
 //
 // Why: torch's CPU flash-attention kernel runs its products through cpublas (MKL), which on CPUs it
-// does not recognise takes a generic path (about 45 GFLOPS a core for both dtypes on an AMD EPYC),
+// does not recognise (AMD EPYC among them) takes a generic path for both dtypes,
 // and packs K/V per (sequence, query head). Here the r query heads of a KV head and a block of
 // queries form the rows of one work item, so every K/V row is read once per item; rows sit in the
 // vector lanes: Q is transposed once per item ([D][rows]) and every key of K is broadcast, so K and
@@ -82,7 +82,7 @@ inline __m512 pv_weight(__m512 p) {
 // Brings the cache line holding p into L1. Not _mm_prefetch: GCC 12 at -O1..-O3 left none of its
 // __builtin_prefetch calls in these kernels (objdump; small functions keep theirs), so the kernels
 // ran without any; tests/model_service/attention/test_native_attention.py checks the built library for them. With
-// them, cascade prefixes read cold (4 groups x 3 heads x 1024 keys, 24 rows): ~720 -> ~440 us.
+// them, cascade prefixes, whose K/V is read cold, wait far less on memory.
 inline void prefetch_line(const char* p) { asm volatile("prefetcht0 %0" : : "m"(*p)); }
 
 // Asks for rows [0, n) of a [n, D] block (rows `stride` elements apart) to be brought into the

@@ -1,8 +1,8 @@
 // radixkv native CPU K/V write: a step's new K and V rows into their slots of the paged caches,
 // registered as torch.ops.radixkv.write_kv (model_service/native/__init__.py).
 //
-// Why: two index_copy_ calls per layer cost ~18 us each for a 32-row decode on 2 AMD EPYC cores
-// (about 2% of the step, for 48 KB of copies); this is one call that copies each token's K and V
+// Why: two index_copy_ calls per layer each pay dispatch and setup, far more than their few KB of
+// copies cost in a decode step; this is one call that copies each token's K and V
 // rows (Hkv x D contiguous values each) with memcpy, checking every slot first.
 
 #include <ATen/Parallel.h>

@@ -185,8 +185,8 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
         // A decode-sized product (one row tile) reads each weight once, from DRAM: the first pass of
         // rows over a k block waits for it. The later passes (which find the block in L1) ask for
         // the next block (or the panel this thread will likely take next), one stripe each, so the
-        // first pass finds it in the cache (32 rows, the model's four products read cold: ~750 ->
-        // ~680 us per layer). Taller products re-read each panel per row tile and gain nothing.
+        // first pass finds it in the cache. Taller products re-read each panel per row tile and gain
+        // nothing.
         const int64_t passes = (m_end - m_begin + MAX_MR - 1) / MAX_MR;
         const float* next_item = idx + workers < items ? wp + (idx + workers) % panels * MAX_NS * stripe_stride : nullptr;
         for (int64_t k0 = 0; k0 < K; k0 += block) {

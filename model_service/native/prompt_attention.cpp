@@ -5,8 +5,8 @@
 //
 // Why: that call is a fresh prompt's whole attention; the model service keeps it bitwise so that
 // greedy output stays transformers' own, but torch's kernel runs its products through MKL's generic
-// path on CPUs MKL does not recognise (about 170 GFLOPS on 2 AMD EPYC cores for a 1056-token
-// prompt) and computes whole 512-key blocks past the causal edge. This kernel computes the same sums
+// path on CPUs MKL does not recognise (AMD EPYC among them) and computes whole 512-key blocks past
+// the causal edge. This kernel computes the same sums
 // with AVX-512 micro-kernels and stops at the causal edge.
 //
 // torch's order, per query row i (kv blocks of 512 keys at n = 0, 512, ... <= i; kvb = min(512, T - n);

@@ -296,7 +296,7 @@ class RouterCore:
                               "router")
         if principal is not None and not principal.may_read(request.namespace):
             raise RouterError(errors.PERMISSION_DENIED,
-                              f"this token may not use the namespace {quote_id(request.namespace)}")
+                              f"this token may not use namespace {quote_id(request.namespace)}")
         entry = self._inflight[slot] = InFlight(uuid.uuid4().hex)
         try:
             token_ids = await self._prompt_ids(request, deadline)

@@ -16,22 +16,15 @@ from cache_service.radix_tree import RadixTree
 from cache_service.routed import RoutedRequest, RoutedRequests
 from cache_service.routing import DEFAULT_MAX_ROUTE_TOKENS, RouteQuery
 from cache_service.schema import Admit, Finish, StepInput
+from tests.cache.conftest import ManualClock
 
 BS = 4
 SECRET = list(range(300, 332))  # 8 pages tenant-a caches
 OTHER = list(range(700, 732))  # as many pages of something else
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def fleet(max_pinned_fraction: float = 0.25, num_blocks: int = 64) -> PoolRegistry:
-    registry = PoolRegistry(lease_seconds=30, clock=Clock(), max_pinned_fraction=max_pinned_fraction)
+    registry = PoolRegistry(lease_seconds=30, clock=ManualClock(), max_pinned_fraction=max_pinned_fraction)
     for name in ("a", "b"):
         registry.register(name, num_blocks, BS, "fp", 0, f"127.0.0.1:{ord(name)}")
     return registry
@@ -104,7 +97,7 @@ def test_routed_prompts_promise_their_pages_to_their_own_namespace_only() -> Non
 
 
 def test_routed_requests_of_one_namespace_are_not_replaced_or_consumed_by_another() -> None:
-    registry = PoolRegistry(lease_seconds=30, clock=Clock())
+    registry = PoolRegistry(lease_seconds=30, clock=ManualClock())
     pool = registry.register("p", 64, BS, "fp", 0, "127.0.0.1:1")
     cache_prompt(registry, "p", SECRET, "tenant-a")
     best = route(registry, token_ids=tuple(SECRET + [1]), namespace="tenant-a", request_id="r",
@@ -157,7 +150,7 @@ def test_routed_memory_is_bounded_in_entries_and_pages_oldest_first() -> None:
 
 
 def test_a_pool_remembers_at_most_its_own_size_of_a_routed_prompt() -> None:
-    registry = PoolRegistry(lease_seconds=30, clock=Clock())
+    registry = PoolRegistry(lease_seconds=30, clock=ManualClock())
     registry.register("small", 8, BS, "fp", 0, "127.0.0.1:1")
     registry.register("large", 64, BS, "fp", 0, "127.0.0.1:2")
     registry.pools["large"].load.num_running_requests = 10**8  # worse than the small one's "full" penalty
@@ -171,7 +164,7 @@ def test_a_pool_remembers_at_most_its_own_size_of_a_routed_prompt() -> None:
 
 
 def test_pins_are_capped_at_a_fraction_of_the_pool_and_admissions_still_fit() -> None:
-    registry = PoolRegistry(lease_seconds=30, clock=Clock(), max_pinned_fraction=0.25)
+    registry = PoolRegistry(lease_seconds=30, clock=ManualClock(), max_pinned_fraction=0.25)
     registry.register("p", 64, BS, "fp", 0, "127.0.0.1:1")
     pool = registry.pools["p"]
     prompts = [list(range(1000 * (i + 1), 1000 * (i + 1) + 16)) for i in range(12)]  # 4 pages each
@@ -189,7 +182,7 @@ def test_pins_are_capped_at_a_fraction_of_the_pool_and_admissions_still_fit() ->
 
 
 def test_a_zero_pin_fraction_pins_nothing_and_bad_fractions_are_refused() -> None:
-    registry = PoolRegistry(lease_seconds=30, clock=Clock(), max_pinned_fraction=0.0)
+    registry = PoolRegistry(lease_seconds=30, clock=ManualClock(), max_pinned_fraction=0.0)
     registry.register("p", 64, BS, "fp", 0, "127.0.0.1:1")
     cache_prompt(registry, "p", SECRET)
     best = route(registry, token_ids=tuple(SECRET + [1]), request_id="r", reserve_ms=1000).candidates[0]

@@ -10,22 +10,15 @@ from cache_service.page_hash import page_hashes
 from cache_service.pool_registry import PoolRegistry
 from cache_service.routing import RouteQuery, RouteWeights
 from cache_service.schema import Admit, Finish, ReplicaLoad, StepInput
+from tests.cache.conftest import ManualClock
 
 BS = 4
 PREFIX = list(range(100, 132))  # 8 pages
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def fleet():
-    clock = Clock()
+    clock = ManualClock()
     registry = PoolRegistry(lease_seconds=30, clock=clock)
     for name in ("a", "b"):
         registry.register(name, 64, BS, "fp", 0, f"127.0.0.1:{ord(name)}")

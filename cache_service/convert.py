@@ -12,6 +12,8 @@ from cache_service.routing import RouteQuery, RouteResult, RouteWeights, visible
 from cache_service.schema import (
     Admit,
     Commit,
+    CopyOutcome,
+    DiskRun,
     DurableStats,
     Extend,
     Finish,
@@ -20,7 +22,11 @@ from cache_service.schema import (
     ReplicaLoad,
     StepInput,
     StepResult,
+    TierCopy,
+    TierSpec,
+    TierStats,
 )
+from cache_service.tiers.pool_tiers import POLICY_EVICT, POLICY_WRITE_THROUGH
 from common.limits import quote_id
 from common.token_bytes import unpack_tokens
 from protos import cache_pb2
@@ -31,13 +37,19 @@ def _finish(msg: cache_pb2.Finish) -> Finish:
 
 
 def replica_load(msg: cache_pb2.ReplicaLoad) -> ReplicaLoad:
-    return ReplicaLoad(msg.num_waiting_requests, msg.num_waiting_tokens, msg.num_running_requests)
+    for name in ("host_load_cost", "disk_load_cost"):
+        value = getattr(msg, name)
+        if not 0.0 <= value < float("inf"):  # NaN fails this too
+            raise InvalidArgument(f"load.{name} must be a finite number >= 0")
+    return ReplicaLoad(msg.num_waiting_requests, msg.num_waiting_tokens, msg.num_running_requests,
+                       msg.host_load_cost, msg.disk_load_cost)
 
 
 def replica_load_proto(load: ReplicaLoad) -> cache_pb2.ReplicaLoad:
     return cache_pb2.ReplicaLoad(num_waiting_requests=load.num_waiting_requests,
                                  num_waiting_tokens=load.num_waiting_tokens,
-                                 num_running_requests=load.num_running_requests)
+                                 num_running_requests=load.num_running_requests,
+                                 host_load_cost=load.host_load_cost, disk_load_cost=load.disk_load_cost)
 
 
 def _admit_tokens(msg: cache_pb2.Admit) -> Sequence[int]:
@@ -70,7 +82,42 @@ def step_input(msg: cache_pb2.StepRequest) -> StepInput:
                 for a in msg.admits],
         commits=[Commit(c.request_id, c.num_computed_tokens, tuple(c.output_token_ids)) for c in msg.commits],
         load=replica_load(msg.load) if msg.HasField("load") else None,
+        copy_outcomes=[CopyOutcome(o.copy_id, o.num_pages_copied) for o in msg.copy_outcomes],
     )
+
+
+_POLICIES = {cache_pb2.OFFLOAD_POLICY_UNSPECIFIED: POLICY_EVICT, cache_pb2.OFFLOAD_POLICY_EVICT: POLICY_EVICT,
+             cache_pb2.OFFLOAD_POLICY_WRITE_THROUGH: POLICY_WRITE_THROUGH}
+_POLICY_PROTOS = {POLICY_EVICT: cache_pb2.OFFLOAD_POLICY_EVICT, POLICY_WRITE_THROUGH: cache_pb2.OFFLOAD_POLICY_WRITE_THROUGH}
+
+
+def tier_spec(msg: cache_pb2.TierConfig) -> TierSpec:
+    """The replica's tiers; InvalidArgument for an unknown policy or a malformed disk run."""
+    policy = _POLICIES.get(msg.offload_policy)
+    if policy is None:
+        raise InvalidArgument(f"unknown offload_policy {msg.offload_policy}")
+    runs = []
+    for run in msg.disk_runs:
+        if len(run.packed_token_ids) % 4:
+            raise InvalidArgument("disk run packed_token_ids must be whole uint32 ids")
+        runs.append(DiskRun(run.namespace, run.packed_token_ids, list(run.slots)))
+    return TierSpec(msg.num_host_slots, msg.num_disk_slots, policy, runs)
+
+
+def tier_copy(copy: TierCopy) -> cache_pb2.TierCopy:
+    return cache_pb2.TierCopy(copy_id=copy.copy_id, src_tier=copy.src_tier, dst_tier=copy.dst_tier, src=copy.src,
+                              dst=copy.dst, namespace=copy.namespace, parent_hash=copy.parent_hash,
+                              page_hashes=copy.page_hashes, packed_token_ids=copy.token_bytes)
+
+
+def _tier_stats(stats: TierStats | None) -> cache_pb2.TierStats | None:
+    if stats is None:
+        return None
+    return cache_pb2.TierStats(
+        num_slots=stats.num_slots, num_cached_pages=stats.num_cached_pages, num_pending_pages=stats.num_pending_pages,
+        hit_tokens=stats.hit_tokens, num_loaded_pages=stats.num_loaded_pages,
+        num_offloaded_pages=stats.num_offloaded_pages, num_failed_pages=stats.num_failed_pages,
+        num_evicted_pages=stats.num_evicted_pages)
 
 
 def _miss(miss: MissBreakdown | None) -> cache_pb2.MissBreakdown | None:
@@ -91,6 +138,7 @@ def step_response(result: StepResult) -> cache_pb2.StepResponse:
                 cached_tokens=a.cached_tokens,
                 block_table=a.block_table,
                 miss=_miss(a.miss),
+                loads=[tier_copy(c) for c in a.loads],
             )
             for a in result.admits
         ],
@@ -105,6 +153,7 @@ def step_response(result: StepResult) -> cache_pb2.StepResponse:
         ],
         num_evicted_blocks=result.num_evicted_blocks,
         num_free_blocks=result.num_free_blocks,
+        offloads=[tier_copy(c) for c in result.offloads],
     )
 
 
@@ -137,6 +186,9 @@ def pool_stats(s: PoolStats) -> cache_pb2.PoolStats:
         restored=s.restored,
         num_restored_cached_blocks=s.num_restored_cached_blocks,
         num_lookahead_blocks=s.num_lookahead_blocks,
+        host_tier=_tier_stats(s.host_tier),
+        disk_tier=_tier_stats(s.disk_tier),
+        offload_policy=_POLICY_PROTOS.get(s.offload_policy, cache_pb2.OFFLOAD_POLICY_UNSPECIFIED),
     )
 
 
@@ -158,6 +210,7 @@ def route_response(result: RouteResult) -> cache_pb2.RouteResponse:
                 prefill_tokens=c.prefill_tokens, load=replica_load_proto(c.load), routed_tokens=c.routed_tokens,
                 num_free_blocks=c.num_free_blocks, num_evictable_blocks=c.num_evictable_blocks,
                 num_blocks=c.num_blocks, score=c.score, reserved=c.reserved,
+                matched_host_tokens=c.matched_host_tokens, matched_disk_tokens=c.matched_disk_tokens,
             )
             for c in result.candidates
         ],
@@ -175,6 +228,8 @@ def pool_match(pool: Pool, found: MatchInfo, all_namespaces: bool) -> cache_pb2.
         block_ids=found.block_ids,
         num_private_blocks=pool.num_private_blocks,
         num_free_blocks=visible_blocks(pool, all_namespaces)[0],
+        matched_host_tokens=found.host_tokens,
+        matched_disk_tokens=found.disk_tokens,
     )
 
 
@@ -193,11 +248,12 @@ def cache_event(ev: CacheEvent) -> cache_pb2.CacheEvent:
                 block_size=p.block_size,
                 namespace=p.namespace,
                 block_ids=p.block_ids,
+                tier=p.tier,
             )
         )
     elif isinstance(p, BlockRemoved):
         msg.removed.CopyFrom(cache_pb2.BlockRemoved(block_hashes=p.block_hashes, block_ids=p.block_ids,
-                                                      namespace=p.namespace))
+                                                      namespace=p.namespace, tier=p.tier))
     elif isinstance(p, AllCleared):
         msg.cleared.SetInParent()
     return msg

@@ -32,9 +32,10 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from itertools import chain
 
 from cache_service.errors import OutOfRange
-from cache_service.radix_tree import RadixTree, TreeNode
+from cache_service.radix_tree import EvictedNode, RadixTree, TreeNode
 from common.token_bytes import encode_tokens, unpack_tokens
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class BlockStored:
     block_size: int
     namespace: str
     block_ids: Sequence[int]
+    tier: int = 0  # cache.proto Tier: 0 the pool's device blocks, 1 host, 2 disk (block_ids: slots)
 
 
 @dataclass(slots=True)
@@ -55,6 +57,7 @@ class BlockRemoved:
     block_hashes: Sequence[int]
     block_ids: Sequence[int]
     namespace: str = ""
+    tier: int = 0
 
 
 @dataclass(slots=True)
@@ -93,9 +96,9 @@ def _flatten(event: CacheEvent) -> tuple:
     p = event.payload
     if isinstance(p, BlockStored):
         return (*head, _STORED, p.namespace, tuple(p.block_hashes), p.parent_block_hash,
-                encode_tokens(p.token_ids), p.block_size, tuple(p.block_ids))
+                encode_tokens(p.token_ids), p.block_size, tuple(p.block_ids), p.tier)
     if isinstance(p, BlockRemoved):
-        return (*head, _REMOVED, p.namespace, tuple(p.block_hashes), tuple(p.block_ids))
+        return (*head, _REMOVED, p.namespace, tuple(p.block_hashes), tuple(p.block_ids), p.tier)
     return (*head, _CLEARED, "")
 
 
@@ -104,11 +107,11 @@ def unflatten(row: tuple) -> CacheEvent:
     sequence, pool_id, timestamp, is_snapshot, publisher_epoch, in_views, kind, namespace, *rest = row
     payload: EventPayload
     if kind == _STORED:
-        hashes, parent_hash, tokens, block_size, block_ids = rest
-        payload = BlockStored(hashes, parent_hash, unpack_tokens(tokens), block_size, namespace, block_ids)
+        hashes, parent_hash, tokens, block_size, block_ids, tier = rest
+        payload = BlockStored(hashes, parent_hash, unpack_tokens(tokens), block_size, namespace, block_ids, tier)
     elif kind == _REMOVED:
-        hashes, block_ids = rest
-        payload = BlockRemoved(hashes, block_ids, namespace)
+        hashes, block_ids, tier = rest
+        payload = BlockRemoved(hashes, block_ids, namespace, tier)
     else:
         payload = AllCleared()
     return CacheEvent(sequence, pool_id, timestamp, payload, is_snapshot, publisher_epoch, in_views)
@@ -151,9 +154,9 @@ def event_size(event: CacheEvent) -> int:
     return _EVENT_OVERHEAD_BYTES
 
 
-def stored_from_node(node: TreeNode, block_size: int) -> BlockStored:
+def stored_from_node(node: TreeNode, block_size: int, tier: int = 0) -> BlockStored:
     """The BlockStored event describing all pages of one tree node (ids in untracked forms, see
-    the module docstring)."""
+    the module docstring) of the device tree or of a lower `tier`'s."""
     parent = node.parent
     return BlockStored(
         block_hashes=tuple(node.hashes),
@@ -162,7 +165,19 @@ def stored_from_node(node: TreeNode, block_size: int) -> BlockStored:
         block_size=block_size,
         namespace=node.namespace,
         block_ids=tuple(node.value),
+        tier=tier,
     )
+
+
+def removed_by_namespace(evicted: Sequence[EvictedNode], tier: int = 0) -> list[BlockRemoved]:
+    """BlockRemoved events for an eviction batch: one per namespace of the batch (namespace-limited
+    watchers see their own), even when the batch empties the tree (AllCleared means the pool went)."""
+    by_namespace: dict[str, list[EvictedNode]] = {}
+    for node in evicted:
+        by_namespace.setdefault(node.namespace, []).append(node)
+    return [BlockRemoved(tuple(chain.from_iterable(n.hashes for n in nodes)),  # tuples: see the collector
+                         tuple(chain.from_iterable(n.block_ids for n in nodes)), namespace, tier)
+            for namespace, nodes in by_namespace.items()]
 
 
 def tree_snapshot(pool_id: str, tree: RadixTree, sequence: int, timestamp: float,

@@ -28,9 +28,9 @@ from cache_service.errors import (
     NotFound,
     ResourceExhausted,
 )
-from cache_service.events import AllCleared, BlockRemoved, EventLog, stored_from_node
+from cache_service.events import AllCleared, EventLog, EventPayload, removed_by_namespace, stored_from_node
 from cache_service.miss_reasons import EvictedPages, classify_miss
-from cache_service.radix_tree import EvictedNode, RadixTree, TreeNode
+from cache_service.radix_tree import RadixTree, TreeNode
 from cache_service.routed import MIN_MAX_ROUTED_PAGES, RoutedRequest, RoutedRequests, RoutingState
 from cache_service.schema import (
     Admit,
@@ -46,7 +46,10 @@ from cache_service.schema import (
     ReplicaLoad,
     StepInput,
     StepResult,
+    TierSpec,
 )
+from cache_service.tiers.lower_tier import TIER_DISK, TIER_HOST
+from cache_service.tiers.pool_tiers import PoolTiers
 from common.limits import quote_id
 from common.token_bytes import TOKEN_BYTES, encode_tokens, max_token
 
@@ -103,6 +106,7 @@ class Pool:
         events: EventLog | None = None,
         max_finished_ids: int = 65536,
         serving_addr: str = "",
+        tiers: TierSpec | None = None,
     ) -> None:
         self.pool_id = pool_id
         self.worker_id = pool_id
@@ -139,14 +143,26 @@ class Pool:
                                     max_pinned_blocks=num_blocks // 4)
         # Owner, incarnation, restored / awaiting re-attach (cache_service/attach.py).
         self.attach = AttachState()
+        # The replica's host / disk tiers (cache_service/tiers/); None: it has none.
+        self.tier_spec = tiers if tiers is not None else TierSpec()
+        self.tiers = PoolTiers(self.tier_spec, block_size, self._publish) if self.tier_spec.enabled else None
+
+    def _publish(self, payload: EventPayload) -> None:
+        if self._events is not None:
+            self._events.publish(self.pool_id, payload)
 
     # ------------------------------------------------------------------ step
 
     def step(self, step: StepInput) -> StepResult:
         """Validate the whole step, then apply releases+finishes, commits, extends, admits (FCFS)."""
         self._validate(step)
+        tiers = self.tiers
         if step.load is not None:
             self.load = step.load
+            if tiers is not None:
+                tiers.load_costs = {TIER_HOST: step.load.host_load_cost, TIER_DISK: step.load.disk_load_cost}
+        if tiers is not None:
+            tiers.apply_outcomes(step.copy_outcomes)
         evicted_before = self.num_evicted_blocks
         for item in step.releases:
             self._finish(item, released=True)
@@ -162,10 +178,15 @@ class Pool:
             admits.append(result)
         self.num_steps += 1
         return StepResult(
-            admits, extends, commits, self.num_evicted_blocks - evicted_before, self.allocator.num_free_blocks
+            admits, extends, commits, self.num_evicted_blocks - evicted_before, self.allocator.num_free_blocks,
+            tiers.end_step() if tiers is not None else [],
         )
 
     def _validate(self, step: StepInput) -> None:
+        if step.copy_outcomes:
+            if self.tiers is None:
+                raise InvalidArgument("copy_outcomes given for a pool without lower tiers")
+            self.tiers.validate_outcomes(step.copy_outcomes)
         seen: set[str] = set()
         for item in chain(step.releases, step.finishes, step.extends, step.admits):
             rid = item.request_id
@@ -277,12 +298,18 @@ class Pool:
         num_cached = len(match.block_ids)
         num_fresh = -(-(len(tokens) + item.num_lookahead_tokens) // bs) - num_cached
         self.tree.inc_lock_ref(match.last_node)  # before evicting, so our own prefix stays
+        tiers = self.tiers  # lower-tier pages after the device hit: locked before evicting, as ours
+        hit = tiers.match(key[: max_cached * TOKEN_BYTES], item.namespace, num_cached) if tiers is not None else None
         if not self._make_free(num_fresh):
             self.tree.dec_lock_ref(match.last_node)
+            if tiers is not None:
+                tiers.unmatch(hit)
             log.debug("admit no_space pool=%s request=%s need=%d", self.pool_id, item.request_id, num_fresh)
             return AdmitResult(item.request_id, False, 0, [])
         self.allocator.incref(match.block_ids)
         table = match.block_ids + self.allocator.allocate(num_fresh)
+        loaded = tiers.loads(hit, item.namespace, table, num_cached, not item.resumed) if tiers is not None else None
+        num_loaded = loaded.host_pages + loaded.disk_pages if loaded is not None else 0
         self.requests[item.request_id] = RequestState(
             item.request_id, item.namespace, tokens, match.last_node, num_cached, table,
             num_needed_tokens=len(tokens) + min(item.num_lookahead_tokens, 1), prompt_bytes=key,
@@ -292,9 +319,11 @@ class Pool:
         miss = None
         if not item.resumed:
             parent_hash = match.last_node.last_hash if match.last_node is not None else 0
+            if num_loaded:
+                parent_hash = loaded.last_hash
             peers = (t for t in self.routing.peer_trees() if t is not self.tree)
             miss, other_namespace = classify_miss(self.tree, self.evicted_pages, peers, tokens, item.namespace,
-                                                  num_cached, parent_hash, key)
+                                                  num_cached + num_loaded, parent_hash, key)
             self.miss_other_namespace_tokens += other_namespace  # operator metric only, never per request
         self._finished_ids.pop(item.request_id, None)
         self.num_private_blocks += num_fresh
@@ -306,7 +335,8 @@ class Pool:
             "admit pool=%s request=%s tokens=%d cached=%d fresh=%d",
             self.pool_id, item.request_id, len(tokens), num_cached * bs, num_fresh,
         )
-        return AdmitResult(item.request_id, True, num_cached * bs, list(table), miss)
+        return AdmitResult(item.request_id, True, num_cached * bs, list(table), miss,
+                           loaded.loads if loaded is not None else [])
 
     def _extend(self, item: Extend) -> ExtendResult:
         req = self.requests[item.request_id]
@@ -339,8 +369,10 @@ class Pool:
         existing = result.num_existing_pages
         if existing < cached:  # the request's own prefix is locked, so it must still be there
             raise IntegrityError(f"request {quote_id(req.request_id)}: locked prefix vanished from the tree")
-        if result.new_node is not None and self._events is not None:
-            self._events.publish(self.pool_id, stored_from_node(result.new_node, bs))
+        if result.new_node is not None:
+            self._publish(stored_from_node(result.new_node, bs))
+            if self.tiers is not None:
+                self.tiers.on_device_cached(result.new_node)
         # Its prompt is cached: no longer a promise.
         self._unlock(self.routing.routed.drop(req.namespace, req.request_id))
         shared = self.tree.path_blocks(result.last_node, full_pages - cached)
@@ -374,8 +406,10 @@ class Pool:
             existing = result.num_existing_pages
             if existing < cached:  # the request's own prefix is locked, so it must still be there
                 raise IntegrityError(f"request {quote_id(req.request_id)}: locked prefix vanished from the tree")
-            if result.new_node is not None and self._events is not None:
-                self._events.publish(self.pool_id, stored_from_node(result.new_node, bs))
+            if result.new_node is not None:
+                self._publish(stored_from_node(result.new_node, bs))
+                if self.tiers is not None:
+                    self.tiers.on_device_cached(result.new_node)
         else:
             # Nothing new to insert: still refresh the path's LRU place, as an insert would
             # (SGLang re-inserts in cache_finished_req; vLLM frees to the LRU queue's tail).
@@ -423,17 +457,11 @@ class Pool:
         self.allocator.free(blocks)
         self.num_evicted_blocks += len(blocks)
         self.evicted_pages.add([h for node in evicted for h in node.hashes])
+        if self.tiers is not None:  # copied down before the blocks are written again
+            self.tiers.on_device_evicted(evicted)
         if self._events is not None:
-            # One event per namespace of the batch (namespace-limited watchers get their own), even
-            # when a Clear empties the tree: an AllCleared then would tell a namespace's watcher
-            # whether other namespaces still held locked pages (AllCleared: the pool itself went).
-            by_namespace: dict[str, list[EvictedNode]] = {}
-            for node in evicted:
-                by_namespace.setdefault(node.namespace, []).append(node)
-            for namespace, nodes in by_namespace.items():  # tuples: see events.py on the collector
-                self._events.publish(self.pool_id, BlockRemoved(
-                    tuple(chain.from_iterable(n.hashes for n in nodes)),
-                    tuple(chain.from_iterable(n.block_ids for n in nodes)), namespace))
+            for event in removed_by_namespace(evicted):
+                self._events.publish(self.pool_id, event)
         log.debug("evict pool=%s blocks=%d", self.pool_id, len(blocks))
         return len(blocks)
 
@@ -516,9 +544,13 @@ class Pool:
     # ------------------------------------------------------------------ queries
 
     def match(self, token_ids: Sequence[int], namespace: str = "") -> MatchInfo:
-        """Read-only longest cached page-aligned prefix: no lock, no split, no LRU touch."""
+        """Read-only longest cached page-aligned prefix: no lock, no split, no LRU touch; and the
+        pages after it the lower tiers hold."""
         result = self.tree.peek_prefix(token_ids, namespace)
-        return MatchInfo(result.num_tokens, result.block_ids)
+        host = disk = 0
+        if self.tiers is not None:
+            host, disk = self.tiers.peek(encode_tokens(token_ids), namespace, result.num_tokens // self.block_size)
+        return MatchInfo(result.num_tokens, result.block_ids, host * self.block_size, disk * self.block_size)
 
     def stats(self, lease_remaining_seconds: float = 0.0) -> PoolStats:
         tree = self.tree
@@ -549,10 +581,15 @@ class Pool:
             restored=self.attach.restored,
             num_restored_cached_blocks=self.attach.num_restored_cached_blocks,
             num_lookahead_blocks=sum(r.num_lookahead_blocks(self.block_size) for r in self.requests.values()),
+            host_tier=self.tiers.host.stats() if self.tiers is not None and self.tiers.host is not None else None,
+            disk_tier=self.tiers.disk.stats() if self.tiers is not None and self.tiers.disk is not None else None,
+            offload_policy=self.tier_spec.offload_policy if self.tiers is not None else "",
         )
 
     def check_integrity(self) -> None:
         """Assert every accounting invariant; raises IntegrityError on the first violation."""
+        if self.tiers is not None:
+            self.tiers.check_integrity()
         self.allocator.check_integrity()
         tree_blocks = self.tree.check_integrity()
         free = set(self.allocator.free_block_ids())

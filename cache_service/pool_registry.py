@@ -34,7 +34,7 @@ from cache_service.pool import Pool
 from cache_service.registry_limits import RegistryLimits
 from cache_service.routed import RouteJournal
 from cache_service.routing import RouteQuery, RouteResult, check_route_size, route
-from cache_service.schema import ReplicaLoad
+from cache_service.schema import ReplicaLoad, TierSpec
 from common.limits import quote_id
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,16 @@ def _check_shape(worker_id: str, num_blocks: int, block_size: int, vocab_size: i
         raise InvalidArgument("vocab_size must be >= 0")
     if len(serving_addr) > MAX_ADDR_LEN:
         raise InvalidArgument(f"serving_addr longer than {MAX_ADDR_LEN} characters")
+
+
+MAX_TIER_SLOTS = 1 << 24
+
+
+def _check_tiers(tiers: TierSpec) -> None:
+    if tiers.num_host_slots > MAX_TIER_SLOTS or tiers.num_disk_slots > MAX_TIER_SLOTS:
+        raise InvalidArgument(f"num_host_slots and num_disk_slots must be at most {MAX_TIER_SLOTS}")
+    if tiers.disk_runs and not tiers.num_disk_slots:
+        raise InvalidArgument("disk_runs given without a disk tier (num_disk_slots 0)")
 
 
 class PoolRegistry:
@@ -145,6 +155,7 @@ class PoolRegistry:
         epoch: int | None = None,
         num_steps_acknowledged: int = 0,
         owner: str = "",
+        tiers: TierSpec | None = None,
     ) -> Registration:
         """Register a replica's pool; re-attach to its existing one when the incarnation matches.
 
@@ -154,13 +165,17 @@ class PoolRegistry:
         lost its last records, say at a power loss, so blocks the replica wrote since may be cached
         here under other prefixes). Anything else retires the old pool and creates a new, empty one.
         `epoch`: replay of a journal only (the live decision is replayed as it was).
-        `owner`: who registers (see the module docstring). Raises InvalidArgument (bad shape),
+        `owner`: who registers (see the module docstring). `tiers`: the replica's host / disk tiers
+        (a kept pool must have the same ones; a new pool's disk tier starts with `tiers.disk_runs`,
+        what the replica's disk holds). Raises InvalidArgument (bad shape),
         PermissionDenied (the worker id's live pool has another owner) or ResourceExhausted (a
         cap), in that order, having changed nothing.
         """
         if len(incarnation) > MAX_INCARNATION_LEN:
             raise InvalidArgument(f"incarnation longer than {MAX_INCARNATION_LEN} characters")
         _check_shape(worker_id, num_blocks, block_size, vocab_size, serving_addr)
+        tiers = tiers if tiers is not None else TierSpec()
+        _check_tiers(tiers)
         old = self.pools.get(worker_id)
         if epoch is None and old is not None and old.attach.owner != owner and self._clock() < old.lease_deadline:
             # Neither the owner nor anything about it is named: the caller learns only that the id is taken.
@@ -169,6 +184,7 @@ class PoolRegistry:
         if (old is not None and incarnation and old.attach.incarnation == incarnation and old.num_blocks == num_blocks
                 and old.block_size == block_size and old.model_fingerprint == model_fingerprint
                 and old.vocab_size == vocab_size and len(serving_addr) <= MAX_ADDR_LEN
+                and old.tier_spec.same_shape(tiers)
                 and (epoch is not None or (self._clock() < old.lease_deadline
                                            and old.num_steps >= num_steps_acknowledged))):
             old.epoch = epoch if epoch is not None else self._new_epoch()
@@ -176,6 +192,8 @@ class PoolRegistry:
             old.attach.awaiting_reattach = False
             old.serving_addr = serving_addr
             old.lease_deadline = self._clock() + self.lease_seconds
+            if old.tiers is not None:  # copies the replica may not have seen ordered: not waited for
+                old.tiers.drop_pending()
             if self.journal is not None:
                 self.journal.registered(old, True)
             log.info("pool re-attached pool=%s epoch=%d restored=%s running_requests=%d cached_blocks=%d",
@@ -184,7 +202,7 @@ class PoolRegistry:
         if epoch is None:  # the pool this replaces (if any) gives its share back
             self.limits.check((p for p in self.pools.values() if p is not old), owner, num_blocks, block_size)
         pool = self._create(worker_id, num_blocks, block_size, model_fingerprint, vocab_size, serving_addr,
-                            epoch)
+                            epoch, tiers)
         pool.attach.incarnation = incarnation
         pool.attach.owner = owner
         if self.journal is not None:
@@ -192,16 +210,17 @@ class PoolRegistry:
         return Registration(pool, False)
 
     def _create(self, worker_id: str, num_blocks: int, block_size: int, model_fingerprint: str, vocab_size: int,
-                serving_addr: str, epoch: int | None) -> Pool:
+                serving_addr: str, epoch: int | None, tiers: TierSpec) -> Pool:
+        pool = Pool(worker_id, 0, num_blocks, block_size, model_fingerprint, vocab_size, self.events,
+                    serving_addr=serving_addr, tiers=tiers)
+        if pool.tiers is not None:  # validated before the old pool goes: a refusal changes nothing
+            pool.tiers.restore_disk(tiers.disk_runs, vocab_size)
         if worker_id in self.pools:
             self._retire(worker_id, "re-registered")
         if epoch is None:
             epoch = self._new_epoch()
         self._last_epoch = max(self._last_epoch, epoch)
-        pool = Pool(
-            worker_id, epoch, num_blocks, block_size, model_fingerprint, vocab_size, self.events,
-            serving_addr=serving_addr,
-        )
+        pool.epoch = epoch
         self.add_pool(pool)
         self._tombstones.pop(worker_id, None)
         log.info(

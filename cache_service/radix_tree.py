@@ -112,6 +112,42 @@ class EvictedNode(NamedTuple):
         return self.node.hashes
 
 
+def path_values(node: TreeNode | None, num_pages: int) -> list[int]:
+    """The last `num_pages` values (block ids, or a lower tier's slots) on the path from the root
+    through `node`, which may have left its tree (an evicted node keeps its parent links); fewer
+    when the path is shorter."""
+    parts: list[list[int]] = []
+    need = num_pages
+    while need > 0 and node is not None and node.parent is not None:
+        take = node.value if len(node.value) <= need else node.value[-need:]
+        parts.append(take)
+        need -= len(take)
+        node = node.parent
+    return [b for part in reversed(parts) for b in part]
+
+
+def path_hashes(node: TreeNode | None, num_pages: int) -> list[int]:
+    """Page hashes of the last `num_pages` pages of the prefix through `node` (as `path_values`)."""
+    parts: list[list[int]] = []
+    need = num_pages
+    while need > 0 and node is not None and node.parent is not None:
+        hashes = node.hashes
+        take = hashes if len(hashes) <= need else hashes[-need:]
+        parts.append(take)
+        need -= len(take)
+        node = node.parent
+    return [h for part in reversed(parts) for h in part]
+
+
+def path_key(node: TreeNode | None) -> bytes:
+    """The encoded tokens of the whole prefix from the root through `node` (as `path_values`)."""
+    parts = []
+    while node is not None and node.parent is not None:
+        parts.append(node.key)
+        node = node.parent
+    return b"".join(reversed(parts))
+
+
 class RadixTree:
     """Page-aligned prefix tree with lock refs, LRU eviction and evictable/protected counters.
 
@@ -289,16 +325,10 @@ class RadixTree:
 
     def path_blocks(self, node: TreeNode | None, num_pages: int) -> list[int]:
         """The last `num_pages` block ids on the path from the root down to `node`."""
-        parts: list[list[int]] = []
-        need = num_pages
-        while need > 0 and node is not None and node.parent is not None:
-            take = node.value if len(node.value) <= need else node.value[-need:]
-            parts.append(take)
-            need -= len(take)
-            node = node.parent
-        if need > 0:
+        blocks = path_values(node, num_pages)
+        if len(blocks) < num_pages:
             raise ValueError(f"path holds fewer than {num_pages} pages")
-        return [b for part in reversed(parts) for b in part]
+        return blocks
 
     def peek_hashes(self, hashes: Sequence[int], namespace: str) -> int:
         """Leading pages of a page hash chain (see `page_hashes`) cached in `namespace`: read-only.

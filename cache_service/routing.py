@@ -7,7 +7,10 @@ score (lower is better, in token units: the work between the request and its fir
   + pool_full_penalty  (the pool cannot hold the request now, even after evicting)
 
 `prefill_tokens` is what the pool would compute: the prompt minus its exact cached prefix, or
-minus the prefix a request routed there moments ago will have cached (counted as matched).
+minus the prefix a request routed there moments ago will have cached (counted as matched), and
+minus the pages after it its replica's host, then disk tier holds (cache_service/tiers/): those
+count in the prefill term at their measured load cost (ReplicaLoad.host_load_cost, a share of a
+computed token's cost), so a device hit is free, a tier hit cheap, a miss full price.
 `routed_tokens` are the expected prefill tokens of requests routed there and not yet admitted.
 A prefill token saved counts twice a queued token by default (llm-d's prefix:load 2:1): sending
 a request where its prefix is costs the fleet only its suffix, recomputing it elsewhere costs the
@@ -40,6 +43,7 @@ from cache_service.page_hash import page_hashes
 from cache_service.pool import Pool
 from cache_service.routed import DEFAULT_ROUTED_TTL_SECONDS, RoutedRequest
 from cache_service.schema import ReplicaLoad
+from cache_service.tiers.lower_tier import TIER_DISK, TIER_HOST
 from common.token_bytes import TOKEN_BYTES, encode_tokens
 
 POOL_FULL_PENALTY = 1e9
@@ -85,6 +89,8 @@ class RouteCandidate(NamedTuple):
     num_blocks: int
     score: float
     reserved: bool = False
+    matched_host_tokens: int = 0  # after the (routed) matched prefix, loaded from the host tier
+    matched_disk_tokens: int = 0  # then from the disk tier
 
 
 class RouteResult(NamedTuple):
@@ -143,8 +149,9 @@ def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
     encoded = encode_tokens(query.token_ids) if query.token_ids else b""  # encoded once for all pools
     wp, wq, wr = weights.prefill_weight, weights.queue_weight, weights.running_weight
     num_pages = 0
-    # (score, -free, pool_id, pool, matched tokens, promised tokens, prefill tokens, evictable)
-    scored: list[tuple[float, int, str, Pool, int, int, int, int]] = []
+    # (score, -free, pool_id, pool, matched tokens, promised tokens, prefill tokens, evictable,
+    #  host tokens, disk tokens)
+    scored: list[tuple[float, int, str, Pool, int, int, int, int, int, int]] = []
     for pool in candidates:
         routed = pool.routing.routed
         if routed.next_deadline <= now:
@@ -165,21 +172,29 @@ def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
         effective = matched
         if len(routed):
             effective = max(matched, min(routed.promised_pages(query.namespace, chain(bs)[:max_cached]), max_cached))
-        prefill = num_tokens - effective * bs
+        host = disk = 0
+        tier_cost = 0.0
+        if pool.tiers is not None:  # pages a lower tier holds are loaded, at their measured cost
+            host, disk = (pool.tiers.peek(key, query.namespace, effective) if query.token_ids else
+                          pool.tiers.peek_hashes(query.page_hashes, query.namespace, effective))
+            tier_cost = bs * (host * pool.tiers.load_cost(TIER_HOST) + disk * pool.tiers.load_cost(TIER_DISK))
+        prefill = num_tokens - (effective + host + disk) * bs
         free, evictable = visible_blocks(pool, query.all_namespaces)
         load = pool.load
-        score = wp * prefill + wq * (load.num_waiting_tokens + routed.queued_tokens) + wr * load.num_running_requests
+        score = (wp * (prefill + tier_cost) + wq * (load.num_waiting_tokens + routed.queued_tokens)
+                 + wr * load.num_running_requests)
         if -(-(num_tokens + 1) // bs) - matched > free + evictable:
             score += POOL_FULL_PENALTY
         scored.append((score, -free, pool.pool_id, pool, matched * bs, (effective - matched) * bs, prefill,
-                       evictable))
+                       evictable, host * bs, disk * bs))
     scored.sort(key=lambda item: item[:3])
     if query.max_candidates:
         scored = scored[: query.max_candidates]
     ranked = [
         RouteCandidate(pool.pool_id, pool.worker_id, pool.serving_addr, matched, promised, prefill, pool.load,
-                       pool.routing.routed.queued_tokens, -neg_free, evictable, pool.num_blocks, score)
-        for score, neg_free, _, pool, matched, promised, prefill, evictable in scored
+                       pool.routing.routed.queued_tokens, -neg_free, evictable, pool.num_blocks, score,
+                       matched_host_tokens=host, matched_disk_tokens=disk)
+        for score, neg_free, _, pool, matched, promised, prefill, evictable, host, disk in scored
     ]
     if ranked and query.request_id and not query.dry_run:
         pool = scored[0][3]

@@ -16,6 +16,8 @@ class ReplicaLoad:
     num_waiting_requests: int = 0
     num_waiting_tokens: int = 0
     num_running_requests: int = 0
+    host_load_cost: float = 0.0  # a loaded token's cost as a share of a computed one (0: not measured)
+    disk_load_cost: float = 0.0
 
 
 @dataclass(slots=True)
@@ -49,6 +51,54 @@ class Commit:
     output_token_ids: Sequence[int] = ()  # tokens after those sent at admission (decode pages)
 
 
+class CopyOutcome(NamedTuple):
+    """A replica's report of a TierCopy: its first `num_pages_copied` pages completed."""
+
+    copy_id: int
+    num_pages_copied: int
+
+
+class TierCopy(NamedTuple):
+    """Copy pages src[i] -> dst[i] between two tiers of a replica (cache.proto TierCopy)."""
+
+    copy_id: int
+    src_tier: int
+    dst_tier: int
+    src: list[int]
+    dst: list[int]
+    # Set on copies to or from the disk tier (what a disk slot records and a load checks).
+    namespace: str = ""
+    parent_hash: int = 0
+    page_hashes: list[int] = []
+    token_bytes: bytes = b""
+
+
+class DiskRun(NamedTuple):
+    """A prefix a replica's disk tier holds from an earlier run (cache.proto DiskRun)."""
+
+    namespace: str
+    token_bytes: bytes  # whole pages, encoded (common.token_bytes)
+    slots: list[int]
+
+
+@dataclass(slots=True)
+class TierSpec:
+    """A replica's lower tiers (cache.proto TierConfig)."""
+
+    num_host_slots: int = 0
+    num_disk_slots: int = 0
+    offload_policy: str = "evict"
+    disk_runs: list[DiskRun] = field(default_factory=list)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.num_host_slots or self.num_disk_slots)
+
+    def same_shape(self, other: TierSpec) -> bool:
+        return (self.num_host_slots, self.num_disk_slots, self.offload_policy) == (
+            other.num_host_slots, other.num_disk_slots, other.offload_policy)
+
+
 @dataclass(slots=True)
 class StepInput:
     releases: list[Finish] = field(default_factory=list)
@@ -57,6 +107,7 @@ class StepInput:
     admits: list[Admit] = field(default_factory=list)
     commits: list[Commit] = field(default_factory=list)
     load: ReplicaLoad | None = None  # None: keep the last reported load
+    copy_outcomes: list[CopyOutcome] = field(default_factory=list)
 
 
 class AdmitResult(NamedTuple):
@@ -65,6 +116,7 @@ class AdmitResult(NamedTuple):
     cached_tokens: int
     block_table: list[int]
     miss: MissBreakdown | None = None  # first admissions only
+    loads: list[TierCopy] = []  # lower-tier pages copied into block_table after the cached ones
 
 
 class ExtendResult(NamedTuple):
@@ -85,16 +137,33 @@ class StepResult(NamedTuple):
     commits: list[CommitResult]
     num_evicted_blocks: int
     num_free_blocks: int
+    offloads: list[TierCopy] = []
 
 
 class MatchInfo(NamedTuple):
     matched_tokens: int
     block_ids: list[int]
+    host_tokens: int = 0  # after matched_tokens, held by the host tier, then the disk tier
+    disk_tokens: int = 0
 
 
 class ClearResult(NamedTuple):
     num_evicted_blocks: int
     num_locked_blocks: int
+
+
+@dataclass(slots=True)
+class TierStats:
+    """One lower tier of a pool (cache.proto TierStats)."""
+
+    num_slots: int
+    num_cached_pages: int
+    num_pending_pages: int
+    hit_tokens: int
+    num_loaded_pages: int
+    num_offloaded_pages: int
+    num_failed_pages: int
+    num_evicted_pages: int
 
 
 @dataclass(slots=True)
@@ -125,6 +194,9 @@ class PoolStats:
     restored: bool = False  # rebuilt from the state dir (cache_service/durable/)
     num_restored_cached_blocks: int = 0
     num_lookahead_blocks: int = 0
+    host_tier: TierStats | None = None
+    disk_tier: TierStats | None = None
+    offload_policy: str = ""
 
     @property
     def hit_rate(self) -> float:

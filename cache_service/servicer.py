@@ -143,6 +143,7 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
                 request.worker_id, request.num_blocks, request.block_size, request.model_fingerprint,
                 request.vocab_size, request.serving_addr, request.incarnation,
                 num_steps_acknowledged=request.num_steps_acknowledged, owner=owner,
+                tiers=convert.tier_spec(request.tiers),
             )
         except PermissionDenied:
             # The caller is told nothing about the holder; the operator learns who tried (never a key).

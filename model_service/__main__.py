@@ -51,6 +51,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -116,6 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with the pipeline on: spare blocks a running request may hold beyond its need, so "
                         "extensions are asked for well before they are needed "
                         f"(default {DEFAULT_LOOKAHEAD_BLOCKS})")
+    p.add_argument("--host-cache-gib", type=non_negative_float, default=0.0,
+                   help="host-memory KV tier below the pool, in GiB (0: none): pages the pool evicts (or, with "
+                        "--offload-policy write-through, caches) are kept there and loaded back on a hit "
+                        "instead of recomputed (docs/tiers.md)")
+    p.add_argument("--disk-cache-dir", default=None,
+                   help="disk KV tier: a directory of its own (created 0700); pages the host tier (or the pool, "
+                        "without one) evicts go there, and a replica restarted on it serves hits from it at once")
+    p.add_argument("--disk-cache-gib", type=non_negative_float, default=None,
+                   help="size of the disk tier's file in GiB (default 4 with --disk-cache-dir)")
+    p.add_argument("--offload-policy", choices=["evict", "write-through"], default="evict",
+                   help="when pages go down to the first lower tier: evict (when the pool evicts them, the "
+                        "default) or write-through (as soon as they are cached)")
     p.add_argument("--num-threads", type=positive_int, default=None,
                    help="torch CPU threads (default: torch's choice, one per core); use fewer when the "
                         "cores are shared with other busy processes")
@@ -143,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     request_limits = request_limits_from_args(args, parser)
     cache_tls = client_tls_from_args(args, parser, "cache")
     cache_token = client_token_from_args(args, parser, "cache")
+    if args.disk_cache_gib is not None and args.disk_cache_dir is None:
+        parser.error("--disk-cache-gib needs --disk-cache-dir")
+    disk_gib = 4.0 if args.disk_cache_gib is None else args.disk_cache_gib
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
@@ -158,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         cache_timeout=args.cache_timeout, cache_pipeline=args.cache_pipeline == "on",
         lookahead_blocks=args.lookahead_blocks, advertise_addr=args.advertise_addr, tls=tls, tokens=tokens,
         cache_tls=cache_tls, cache_token=cache_token, limits=limits, request_limits=request_limits,
-        grace_seconds=grace_from_args(args, parser))
+        grace_seconds=grace_from_args(args, parser), host_cache_bytes=int(args.host_cache_gib * 2**30),
+        disk_cache_dir=args.disk_cache_dir, disk_cache_bytes=int(disk_gib * 2**30) if args.disk_cache_dir else 0,
+        offload_policy=args.offload_policy)
     try:
         return asyncio.run(serve(config))
     except (FileNotFoundError, ValueError) as e:

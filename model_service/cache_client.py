@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import NamedTuple
 
 import grpc
@@ -71,6 +72,10 @@ class CacheClient:
         # The replica's load for heartbeats: replaced whole (never mutated) by the engine thread,
         # so the background heartbeat thread reads a consistent snapshot.
         self.load = ReplicaLoad()
+        # The replica's lower tiers as RegisterPool describes them (None: none), re-read at every
+        # registration (what the disk tier holds changes); and their measured load costs.
+        self.tier_config: Callable[[], cache_pb2.TierConfig] | None = None
+        self.load_costs: tuple[float, float] = (0.0, 0.0)
         self.pool_id = ""
         self.epoch = 0
         self.incarnation = ""  # of this process's KV tensors (RegisterPoolRequest.incarnation)
@@ -100,7 +105,8 @@ class CacheClient:
                 worker_id=self.worker_id, num_blocks=self.num_blocks, block_size=self.block_size,
                 model_fingerprint=self.model_fingerprint, vocab_size=self.vocab_size,
                 serving_addr=self.serving_addr, incarnation=self.incarnation,
-                num_steps_acknowledged=self.num_steps_acknowledged),
+                num_steps_acknowledged=self.num_steps_acknowledged,
+                tiers=self.tier_config() if self.tier_config is not None else None),
                 timeout=self.timeout, metadata=self.token.metadata)
         except grpc.RpcError as e:
             self.pool_id = ""
@@ -141,7 +147,8 @@ class CacheClient:
                     for r in plan.admits],
             commits=[cache_pb2.Commit(request_id=c.request.request_id, num_computed_tokens=c.num_computed_tokens,
                                       output_token_ids=c.output_token_ids) for c in plan.commits],
-            load=_load_proto(plan.load),
+            load=_load_proto(plan.load, self.load_costs),
+            copy_outcomes=plan.copy_outcomes,
         )
 
     def heartbeat_if_due(self) -> None:
@@ -154,7 +161,8 @@ class CacheClient:
         self._call(self._stub.Heartbeat, self._heartbeat_request())
 
     def _heartbeat_request(self) -> cache_pb2.HeartbeatRequest:
-        return cache_pb2.HeartbeatRequest(pool_id=self.pool_id, epoch=self.epoch, load=_load_proto(self.load))
+        return cache_pb2.HeartbeatRequest(pool_id=self.pool_id, epoch=self.epoch,
+                                          load=_load_proto(self.load, self.load_costs))
 
     def keep_lease_alive(self, stop: threading.Event) -> threading.Thread:
         """Starts a daemon thread that renews the lease whenever a third of it passes without a
@@ -225,10 +233,11 @@ class StepCall:
 def _step_reply(reply: cache_pb2.StepResponse) -> CacheReply:
     return CacheReply(
         admits=[AdmitReply(a.request_id, a.status == cache_pb2.ADMIT_STATUS_ADMITTED, a.cached_tokens,
-                           list(a.block_table), _miss(a)) for a in reply.admits],
+                           list(a.block_table), _miss(a), a.loads) for a in reply.admits],
         extends=[ExtendReply(e.request_id, e.ok, list(e.new_block_ids)) for e in reply.extends],
         commits=[CommitReply(c.request_id, c.cached_tokens, list(c.cached_block_ids)) for c in reply.commits],
         num_free_blocks=reply.num_free_blocks,
+        offloads=reply.offloads,
     )
 
 
@@ -237,10 +246,11 @@ def _finish_proto(record: FinishRecord) -> cache_pb2.Finish:
                             num_computed_tokens=record.num_computed_tokens, block_table=record.block_table)
 
 
-def _load_proto(load: ReplicaLoad) -> cache_pb2.ReplicaLoad:
+def _load_proto(load: ReplicaLoad, costs: tuple[float, float]) -> cache_pb2.ReplicaLoad:
     return cache_pb2.ReplicaLoad(num_waiting_requests=load.num_waiting_requests,
                                  num_waiting_tokens=load.num_waiting_tokens,
-                                 num_running_requests=load.num_running_requests)
+                                 num_running_requests=load.num_running_requests,
+                                 host_load_cost=costs[0], disk_load_cost=costs[1])
 
 
 def _miss(result: cache_pb2.AdmitResult) -> MissBreakdown | None:

@@ -34,6 +34,7 @@ from model_service.request import FinishReason, MissBreakdown, Request
 from model_service.request_ids import LiveRequests
 from model_service.sampler import Sampler
 from model_service.scheduler import CachePlan, CacheReply, QueueFullError, ScheduledBatch, Scheduler
+from model_service.tiers.copier import TierCopier
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ class Usage(NamedTuple):
     miss_evicted_tokens: int = 0
     miss_other_replica_tokens: int = 0
     miss_new_tokens: int = 0
+    # Of cached_prompt_tokens, those loaded from the host / disk tier (the rest: the KV pool's).
+    cached_host_tokens: int = 0
+    cached_disk_tokens: int = 0
 
 
 class EngineLoad(NamedTuple):
@@ -98,8 +102,10 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler,
-                 cache: CacheClient, metrics: ModelMetrics) -> None:
+                 cache: CacheClient, metrics: ModelMetrics, tiers: TierCopier | None = None) -> None:
+        """`tiers`: the replica's host / disk tiers (model_service/tiers/), None without."""
         self.config = config
+        self.tiers = tiers
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler
@@ -136,6 +142,8 @@ class Engine:
         self._stopping.set()
         self._inbox.put(("wake",))
         self._thread.join(timeout)
+        if self.tiers is not None and not self._thread.is_alive():
+            self.tiers.close()  # the disk tier's file flushed (its pages survive a restart)
 
     def submit(self, request: Request, sink: OutputSink) -> None:
         """Queues a request (never blocks) and sets its `request_id` to the unique id it runs
@@ -228,6 +236,8 @@ class Engine:
             self._execute(batch)
 
     def _apply_reply(self, plan: CachePlan, reply: CacheReply) -> None:
+        if self.tiers is not None and (reply.offloads or any(a.loads for a in reply.admits)):
+            reply = self._run_tier_copies(reply)
         preemptions_before = self.scheduler.num_preemptions
         self.scheduler.apply_reply(plan, reply)
         self.metrics.preemptions.inc(self.scheduler.num_preemptions - preemptions_before)
@@ -235,13 +245,33 @@ class Engine:
             self._num_free_blocks = reply.num_free_blocks
         for request, admit in zip(plan.admits, reply.admits, strict=False):
             if admit.admitted and request.num_preemptions == 0:  # first admissions only (as the pool's hit rate)
+                cached = admit.cached_tokens + admit.loaded_host_tokens + admit.loaded_disk_tokens
                 self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
-                self.metrics.cached_prompt_tokens.inc(admit.cached_tokens)
+                self.metrics.cached_prompt_tokens.inc(cached)
                 self._prompt_tokens += len(request.prompt_token_ids)
-                self._cached_prompt_tokens += admit.cached_tokens
+                self._cached_prompt_tokens += cached
+                if admit.loaded_host_tokens:
+                    self.metrics.tier_cached_tokens.labels("host").inc(admit.loaded_host_tokens)
+                if admit.loaded_disk_tokens:
+                    self.metrics.tier_cached_tokens.labels("disk").inc(admit.loaded_disk_tokens)
         self.metrics.waiting.set(len(self.scheduler.waiting))
         self.metrics.running.set(len(self.scheduler.running))
         self._sync_counts()
+
+    def _run_tier_copies(self, reply: CacheReply) -> CacheReply:
+        """Performs the reply's tier copies (offloads, then each admission's loads) before anything
+        writes a block it handed out; their outcomes go with the next Step."""
+        tiers, outcomes = self.tiers, self.scheduler.pending_copy_outcomes
+        assert tiers is not None
+        outcomes.extend(tiers.run_offloads(reply.offloads))
+        admits = []
+        for admit in reply.admits:
+            if admit.loads:
+                done, host, disk = tiers.run_loads(admit.loads)
+                outcomes.extend(done)
+                admit = admit._replace(loaded_host_tokens=host, loaded_disk_tokens=disk)
+            admits.append(admit)
+        return reply._replace(admits=admits)
 
     def _execute(self, batch: ScheduledBatch) -> None:
         self._flush_outputs()  # the last step's: streamed while this forward runs
@@ -253,7 +283,11 @@ class Engine:
             for request in batch.requests:
                 self._finish(request, FinishReason.ERROR, "", error=f"model forward failed: {e}")
             return
-        self.metrics.step_time.observe(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self.metrics.step_time.observe(elapsed)
+        if self.tiers is not None:  # what computing a token costs, next to loading it (tiers/copier.py)
+            self.tiers.observe_forward(elapsed, sum(len(c.token_ids) for c in batch.chunks))
+            self.cache.load_costs = self.tiers.load_costs()
         self.metrics.steps.inc()
         self.scheduler.on_executed(batch)
         rows = [r for r, c in zip(batch.requests, batch.chunks, strict=True) if c.needs_logits]
@@ -304,6 +338,8 @@ class Engine:
             miss_evicted_tokens=miss.evicted_tokens,
             miss_other_replica_tokens=miss.other_replica_tokens,
             miss_new_tokens=miss.new_tokens,
+            cached_host_tokens=request.cached_tier_tokens[0],
+            cached_disk_tokens=request.cached_tier_tokens[1],
         )
         # The id is free before the final output goes out: a client that reuses it as soon as it
         # sees the end of its stream must not be refused as a duplicate.
@@ -409,6 +445,9 @@ class Engine:
                     why, len(self.scheduler.running))
         self.metrics.cache_reconnects.inc()
         self.cache.pool_id = ""  # re-register before any further Step
+        # Copies the cache manager may not have seen reported: it stops waiting for them at the
+        # re-registration (a kept pool drops its pending copies; a new pool never had them).
+        self.scheduler.pending_copy_outcomes.clear()
         self._sync_counts()
 
     def _abort_all(self, why: str) -> None:

@@ -53,6 +53,20 @@ class ModelMetrics(MetricsServer):
                                  "(verified: bit-identical to F.linear for that shape, checked at load)",
                                  ["shape", "dtype", "mode", "rows", "path", "verified"], registry=r)
 
+        self.tier_pages = Counter("radixkv_model_tier_pages",
+                                  "KV pages copied between tiers, by direction (offload: down a tier, load: into "
+                                  "the KV pool), tier and outcome", ["direction", "tier", "outcome"], registry=r)
+        self.tier_load_seconds = Histogram("radixkv_model_tier_load_seconds",
+                                           "Time to load one admission's pages from a tier into the KV pool",
+                                           ["tier"], buckets=_WAIT_BUCKETS, registry=r)
+        self.tier_cached_tokens = Counter("radixkv_model_tier_hit_tokens",
+                                          "First-admission prompt tokens loaded from a lower tier", ["tier"],
+                                          registry=r)
+        self.tier_slots = Gauge("radixkv_model_tier_slots", "Slots (pages) of each lower tier", ["tier"], registry=r)
+        self.tier_load_cost = Gauge("radixkv_model_tier_load_cost",
+                                    "Measured cost of loading a token from the tier, as a share of computing it",
+                                    ["tier"], registry=r)
+
     def set_linear_plan(self, plans: Iterable[LinearPlan]) -> None:
         """Exports the load-time plan of every linear weight (one series per shape and row range)."""
         self.linear_plan.clear()

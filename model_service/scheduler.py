@@ -66,6 +66,11 @@ class AdmitReply(NamedTuple):
     cached_tokens: int
     block_table: list[int]
     miss: MissBreakdown | None = None  # first admissions only
+    # Lower-tier pages to copy into block_table after the cached ones (cache.proto TierCopy), and
+    # the tokens of them the replica did load (set once it performed the copies): computed from then on.
+    loads: Sequence[object] = ()
+    loaded_host_tokens: int = 0
+    loaded_disk_tokens: int = 0
 
 
 class ExtendReply(NamedTuple):
@@ -85,6 +90,7 @@ class CacheReply(NamedTuple):
     extends: list[ExtendReply]
     commits: Sequence[CommitReply] = ()
     num_free_blocks: int | None = None  # the pool's free blocks after the step (None: unknown)
+    offloads: Sequence[object] = ()  # copies down a tier (cache.proto TierCopy), performed first
 
 
 @dataclass(slots=True)
@@ -100,10 +106,13 @@ class CachePlan:
     # The replica's load once this step is applied, assuming its admissions succeed (one that does
     # not is planned again, so the next step's RPC corrects it).
     load: ReplicaLoad = ReplicaLoad()
+    # Outcomes of tier copies performed since the last Step (cache.proto CopyOutcome).
+    copy_outcomes: list[object] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.releases or self.finishes or self.extends or self.admits or self.commits)
+        return not (self.releases or self.finishes or self.extends or self.admits or self.commits
+                    or self.copy_outcomes)
 
 
 class ScheduledBatch(NamedTuple):
@@ -141,6 +150,8 @@ class Scheduler:
         self.pending_finishes: list[Request] = []
         # Preempted (or, after a re-attach, stale) requests whose blocks go back in the next plan.
         self.pending_releases: list[FinishRecord] = []
+        # Outcomes of tier copies the engine performed, for the next plan (cache.proto CopyOutcome).
+        self.pending_copy_outcomes: list[object] = []
         self._pause_admission = False
         self._lookahead_paused = False  # a lookahead ask failed: ask for need only until space returns
         self._held_back_long = False  # the last batch left a long prefill out for short ones
@@ -209,6 +220,7 @@ class Scheduler:
         self.running.clear()
         self.pending_finishes.clear()
         self.pending_releases.clear()
+        self.pending_copy_outcomes.clear()  # of the old pool's copies
         self._pause_admission = False
         self._lookahead_paused = False
         self.generation += 1
@@ -227,7 +239,9 @@ class Scheduler:
         run), the Step is for the step after `ahead`: each of its requests that reaches its last
         token will have one more (its sampled token), and extensions carry lookahead."""
         plan = CachePlan(releases=self.pending_releases,
-                         finishes=[self._record(r) for r in self.pending_finishes])
+                         finishes=[self._record(r) for r in self.pending_finishes],
+                         copy_outcomes=self.pending_copy_outcomes)
+        self.pending_copy_outcomes = []
         if plan.releases or plan.finishes:
             self._admission_refused = False
         self.pending_releases, self.pending_finishes = [], []
@@ -320,20 +334,22 @@ class Scheduler:
             if not adm.admitted:
                 self._admission_refused = not request.is_finished
                 break
+            loaded = adm.loaded_host_tokens + adm.loaded_disk_tokens  # pages copied in from a lower tier
             if request.is_finished:  # cancelled or aborted while its admission was in flight
                 request.block_table = list(adm.block_table)
-                request.num_computed_tokens = adm.cached_tokens
+                request.num_computed_tokens = adm.cached_tokens + loaded
                 request.num_admitted_tokens = request.num_tokens
                 self.pending_finishes.append(request)
                 continue
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             request.block_table = list(adm.block_table)
-            request.num_computed_tokens = adm.cached_tokens
+            request.num_computed_tokens = adm.cached_tokens + loaded
             request.num_shared_tokens = adm.cached_tokens
             request.num_admitted_tokens = request.num_tokens
             if request.cached_prompt_tokens is None:
-                request.cached_prompt_tokens = adm.cached_tokens
+                request.cached_prompt_tokens = adm.cached_tokens + loaded
+                request.cached_tier_tokens = (adm.loaded_host_tokens, adm.loaded_disk_tokens)
                 request.miss = adm.miss
             self.running.append(request)
 

@@ -32,6 +32,9 @@ from model_service.model_runner import ModelRunner
 from model_service.sampler import Sampler
 from model_service.scheduler import Scheduler, SchedulerConfig
 from model_service.servicer import METHOD_ROLES, ModelServicer, ServingInfo
+from model_service.tiers.copier import TierCopier
+from model_service.tiers.disk_tier import DiskTier
+from model_service.tiers.host_tier import HostTier
 from model_service.torch_threads import run_in_passing_thread
 from protos import model_pb2
 
@@ -86,6 +89,12 @@ class ModelServiceConfig:
     # Transport limits of the gRPC port and per-request limits (common/limits.py).
     limits: ServerLimits = field(default_factory=ServerLimits)
     request_limits: RequestLimits = field(default_factory=RequestLimits)
+    # Lower KV tiers (model_service/tiers/, docs/tiers.md): host memory and a disk directory, in
+    # bytes (0: none), and when pages are copied down ("evict" or "write-through").
+    host_cache_bytes: int = 0
+    disk_cache_dir: str | None = None
+    disk_cache_bytes: int = 0
+    offload_policy: str = "evict"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -157,12 +166,37 @@ def build_engine(config: ModelServiceConfig, worker_id: str) -> tuple[Engine, Mo
                         token=config.cache_token)
     metrics = ModelMetrics()
     metrics.set_linear_plan(runner.linears.plans)
+    tiers = build_tiers(config, kv_cache, loaded.fingerprint, metrics)
+    if tiers is not None:
+        cache.tier_config = tiers.tier_config
     engine = Engine(EngineConfig(frozenset(loaded.eos_token_ids), loaded.max_context_tokens,
                                  cache_pipeline=config.cache_pipeline), scheduler, runner,
-                    Sampler(), cache, metrics)
+                    Sampler(), cache, metrics, tiers)
     info = ServingInfo(config.block_size, num_blocks, str(dtype).removeprefix("torch."), str(device), backend.name,
                        config.cache_addr, worker_id)
     return engine, ModelServicer(engine, loaded, info, config.request_limits)
+
+
+def build_tiers(config: ModelServiceConfig, kv_cache: KVCache, fingerprint: str,
+                metrics: ModelMetrics) -> TierCopier | None:
+    """The host / disk tiers the config asks for (None: neither). ValueError when one holds no page."""
+    if not config.host_cache_bytes and not config.disk_cache_dir:
+        return None
+    spec, device = kv_cache.spec, kv_cache.k[0].device
+    host = disk = None
+    if config.host_cache_bytes:
+        host = HostTier.for_bytes(spec, config.host_cache_bytes, device)
+        if host.num_slots == 0:
+            raise ValueError(f"--host-cache-gib holds no page (a page is {spec.bytes_per_block} bytes)")
+    if config.disk_cache_dir:
+        if config.disk_cache_bytes < DiskTier.slot_size_for(spec):
+            raise ValueError(f"--disk-cache-gib holds no page (a page takes {DiskTier.slot_size_for(spec)} bytes)")
+        disk = DiskTier.open(config.disk_cache_dir, spec, fingerprint, config.disk_cache_bytes)
+    log.info("KV tiers: host %s, disk %s, offload policy %s",
+             f"{host.num_slots} pages ({host.num_bytes / 2**30:.2f} GiB)" if host is not None else "off",
+             f"{disk.num_slots} pages in {disk.path} ({disk.num_pages} held from an earlier run)"
+             if disk is not None else "off", config.offload_policy)
+    return TierCopier(kv_cache, host, disk, config.offload_policy, metrics)
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -6,6 +6,7 @@ core is deterministic given its inputs), verifying each Step against the digest 
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import struct
@@ -21,7 +22,7 @@ from cache_service.pool import Pool
 from cache_service.pool_registry import PoolRegistry
 from cache_service.radix_tree import TreeNode
 from cache_service.routed import RoutedRequest
-from cache_service.schema import StepResult
+from cache_service.schema import DiskRun, StepResult, TierSpec
 from protos import cache_pb2
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,10 @@ def step_digest(result: StepResult) -> int:
     for c in result.commits:
         head += (c.cached_tokens, len(c.cached_block_ids))
         crc = zlib.crc32(array("I", c.cached_block_ids), crc)
+    # Tier copies (none without tiers: the digest of such a pool is what older versions computed).
+    for copy in [c for a in result.admits for c in a.loads] + list(result.offloads):
+        head += (copy.copy_id, copy.src_tier, copy.dst_tier, len(copy.src))
+        crc = zlib.crc32(array("I", copy.dst), zlib.crc32(array("I", copy.src), crc))
     return zlib.crc32(array("q", head), crc)
 
 
@@ -87,7 +92,7 @@ class Replayer:
             # "owner": absent from the records of older versions (read as anonymous)
             reg = registry.register_replica(r["worker_id"], r["num_blocks"], r["block_size"], r["model_fingerprint"],
                                             r["vocab_size"], r["serving_addr"], r["incarnation"], r["epoch"],
-                                            owner=r.get("owner", ""))
+                                            owner=r.get("owner", ""), tiers=tier_spec_of_record(r.get("tiers")))
             if reg.reattached != r["reattached"]:
                 self._drop(r["worker_id"], dropped, "re-attach did not replay")
             return
@@ -144,3 +149,18 @@ def _apply_pool_record(pool: Pool, kind: int, r: dict[str, Any]) -> None:
         # "namespace": the entry's (older journals wrote it only with a pin, else "").
         pool.add_routed(RoutedRequest(r["request_id"], r["namespace"], r["page_hashes"], r["prefill_tokens"],
                                       r["expires_at"], pin, r["pin_expires_at"]))
+
+
+def tier_record(spec: TierSpec) -> dict[str, Any]:
+    """A registration's tiers for the journal (disk runs included: a new pool starts with them)."""
+    return {"host": spec.num_host_slots, "disk": spec.num_disk_slots, "policy": spec.offload_policy,
+            "runs": [[run.namespace, base64.b64encode(run.token_bytes).decode(), run.slots]
+                     for run in spec.disk_runs]}
+
+
+def tier_spec_of_record(record: dict[str, Any] | None) -> TierSpec | None:
+    """`tier_record` read back (None: no tiers, as in the records of older versions)."""
+    if not record:
+        return None
+    runs = [DiskRun(ns, base64.b64decode(tokens), list(slots)) for ns, tokens, slots in record["runs"]]
+    return TierSpec(record["host"], record["disk"], record["policy"], runs)

@@ -25,9 +25,11 @@ from cache_service.block_allocator import BlockAllocator
 from cache_service.errors import IntegrityError
 from cache_service.events import EventLog
 from cache_service.pool import Pool, RequestState
-from cache_service.radix_tree import TreeNode
+from cache_service.radix_tree import RadixTree, TreeNode
 from cache_service.routed import RoutedRequest
-from cache_service.schema import ReplicaLoad
+from cache_service.schema import ReplicaLoad, TierCopy, TierSpec
+from cache_service.tiers.lower_tier import TierCounters
+from cache_service.tiers.pool_tiers import PendingCopy, PoolTiers
 
 FORMAT_VERSION = 1
 
@@ -68,9 +70,8 @@ def _unpack(text: str, code: str = "I") -> list[int]:
     return data.tolist()
 
 
-def dump_pool(pool: Pool) -> dict[str, Any]:
-    """The pool's whole state as plain data (see `restore_pool`)."""
-    tree = pool.tree
+def dump_tree(tree: RadixTree) -> list[list[Any]]:
+    """A tree's nodes as rows [parent index, namespace, tokens, values, LRU rank], parents first."""
     nodes = list(tree.iter_nodes())  # parents before children
     index = {id(node): i for i, node in enumerate(nodes)}
     # LRU rank instead of the tree's own stamps; deeper first on ties (see restore_pool)
@@ -87,6 +88,39 @@ def dump_pool(pool: Pool) -> dict[str, Any]:
         parent = node.parent
         parent_index = index[id(parent)] if parent is not None and not parent.is_root else -1
         node_rows.append([parent_index, node.namespace, _pack(node.token_ids), _pack(node.value), rank[i]])
+    return node_rows
+
+
+def restore_tree(tree: RadixTree, node_rows: list[list[Any]]) -> list[list[Any]]:
+    """Insert `dump_tree` rows into an empty tree (whole paths in LRU order); returns the rows
+    unpacked. Raises IntegrityError when they do not rebuild to the same nodes."""
+    bs = tree.page_size
+    rows = [[parent, ns, _unpack(tokens), _unpack(blocks), rank] for parent, ns, tokens, blocks, rank in node_rows]
+    paths: list[tuple[list[int], list[int]]] = []  # whole path tokens and blocks per node
+    depth: list[int] = []
+    for parent_index, _, tokens, blocks, _ in rows:
+        if len(tokens) != len(blocks) * bs or not blocks:
+            raise IntegrityError("snapshot node is not whole pages")
+        if parent_index >= 0:
+            if parent_index >= len(paths):
+                raise IntegrityError("snapshot node listed before its parent")
+            ptoks, pblocks = paths[parent_index]
+            paths.append((ptoks + tokens, pblocks + blocks))
+            depth.append(depth[parent_index] + 1)
+        else:
+            paths.append((list(tokens), list(blocks)))
+            depth.append(1)
+    for i in sorted(range(len(rows)), key=lambda i: (rows[i][4], -depth[i])):
+        tokens, blocks = paths[i]
+        tree.insert(tokens, blocks, rows[i][1])
+    if sorted(list(n.value) for n in tree.iter_nodes()) != sorted(row[3] for row in rows):
+        raise IntegrityError("snapshot tree does not rebuild to the same nodes")
+    return rows
+
+
+def dump_pool(pool: Pool) -> dict[str, Any]:
+    """The pool's whole state as plain data (see `restore_pool`)."""
+    node_rows = dump_tree(pool.tree)
     requests = [_request_row(r) for r in pool.requests.values()]
     load = pool.load
     return {
@@ -109,6 +143,7 @@ def dump_pool(pool: Pool) -> dict[str, Any]:
                    for e in pool.routing.routed.entries()],  # oldest first: restored in that order
         "finished_ids": pool.finished_ids(),
         "evicted_pages": _pack(pool.evicted_pages.hashes(), "Q"),
+        "tiers": dump_tiers(pool.tiers) if pool.tiers is not None else None,
     }
 
 
@@ -121,33 +156,15 @@ def restore_pool(data: dict[str, Any], events: EventLog | None) -> Pool:
 
 
 def _restore(data: dict[str, Any], events: EventLog | None) -> Pool:
+    tiers = data.get("tiers")  # absent from the snapshots of older versions: no tiers
     pool = Pool(data["pool_id"], int(data["epoch"]), int(data["num_blocks"]), int(data["block_size"]),
-                data["model_fingerprint"], int(data["vocab_size"]), events, serving_addr=data["serving_addr"])
+                data["model_fingerprint"], int(data["vocab_size"]), events, serving_addr=data["serving_addr"],
+                tiers=tier_spec_of(tiers) if tiers else None)
     pool.attach.incarnation = data["incarnation"]
     pool.attach.owner = data.get("owner", "")  # absent from the snapshots of older versions: anonymous
-    bs = pool.block_size
     tree = pool.tree
-    rows = [[parent, ns, _unpack(tokens), _unpack(blocks), rank] for parent, ns, tokens, blocks, rank in data["nodes"]]
-    paths: list[tuple[list[int], list[int]]] = []  # whole path tokens and blocks per node
-    depth: list[int] = []
-    for parent_index, _, tokens, blocks, _ in rows:
-        if len(tokens) != len(blocks) * bs or not blocks:
-            raise IntegrityError("snapshot node is not whole pages")
-        if parent_index >= 0:
-            if parent_index >= len(paths):
-                raise IntegrityError("snapshot node listed before its parent")
-            ptoks, pblocks = paths[parent_index]
-            paths.append((ptoks + tokens, pblocks + blocks))
-            depth.append(depth[parent_index] + 1)
-        else:
-            paths.append((list(tokens), list(blocks)))
-            depth.append(1)
-    for i in sorted(range(len(rows)), key=lambda i: (rows[i][4], -depth[i])):
-        tokens, blocks = paths[i]
-        tree.insert(tokens, blocks, rows[i][1])
+    rows = restore_tree(tree, data["nodes"])
     by_last_block: dict[int, TreeNode] = {node.value[-1]: node for node in tree.iter_nodes()}
-    if sorted(list(n.value) for n in by_last_block.values()) != sorted(row[3] for row in rows):
-        raise IntegrityError("snapshot tree does not rebuild to the same nodes")
     refcounts = [0] * pool.num_blocks
     for _, _, _, blocks, _ in rows:
         for b in blocks:
@@ -187,6 +204,8 @@ def _restore(data: dict[str, Any], events: EventLog | None) -> Pool:
     pool.load = ReplicaLoad(*data["load"])
     pool.restore_finished_ids(data["finished_ids"])
     pool.evicted_pages.add(_unpack(data["evicted_pages"], "Q"))
+    if tiers:
+        restore_tiers(pool.tiers, tiers)
     pool.check_integrity()
     return pool
 
@@ -209,5 +228,72 @@ def canonical(pool: Pool) -> dict[str, Any]:
     data["routed_totals"] = [routed.queued_tokens, routed.num_pins, len(routed), routed.pinned_pages,
                              routed.num_pages]
     data["evicted_pages"] = sorted(_unpack(data["evicted_pages"], "Q"))
+    if data["tiers"] is not None:
+        for tier in data["tiers"]["tiers"]:
+            tier["nodes"] = sorted((row[1], row[2], row[3]) for row in tier["nodes"])
     data.pop("epoch")
     return data
+
+
+# ---------------------------------------------------------------- lower tiers (cache_service/tiers/)
+
+def tier_spec_of(data: dict[str, Any]) -> TierSpec:
+    host, disk, policy = data["spec"]
+    return TierSpec(int(host), int(disk), policy)
+
+
+def _copy_row(copy: TierCopy) -> list[Any]:
+    return [copy.copy_id, copy.src_tier, copy.dst_tier, _pack(copy.src), _pack(copy.dst), copy.namespace,
+            copy.parent_hash, _pack(copy.page_hashes, "Q"), base64.b64encode(copy.token_bytes).decode()]
+
+
+def _copy_of(row: list[Any]) -> TierCopy:
+    copy_id, src_tier, dst_tier, src, dst, namespace, parent_hash, hashes, token_bytes = row
+    return TierCopy(copy_id, src_tier, dst_tier, _unpack(src), _unpack(dst), namespace, parent_hash,
+                    _unpack(hashes, "Q"), base64.b64decode(token_bytes))
+
+
+def dump_tiers(tiers: PoolTiers) -> dict[str, Any]:
+    """A pool's lower tiers: each tier's tree, free slots and counters, the copies not reported
+    yet and those not handed out yet (see `restore_tiers`)."""
+    spec = tiers.spec
+    return {
+        "spec": [spec.num_host_slots, spec.num_disk_slots, spec.offload_policy],
+        "tiers": [{"tier": t.tier, "nodes": dump_tree(t.tree), "free": _pack(t.allocator.free_block_ids()),
+                   "counters": dataclasses.astuple(t.counters)} for t in tiers.tiers],
+        "next_copy_id": tiers.next_copy_id,
+        "pending": [[copy_id, p.tier.tier, p.namespace, base64.b64encode(p.key).decode(), p.first_page,
+                     _pack(p.slots)] for copy_id, p in tiers.pending.items()],
+        "load_pages": [[copy_id, tier.tier, n] for copy_id, (tier, n) in tiers.load_pages.items()],
+        "queue": [[_copy_row(c) for c in tiers.queue.from_host], [_copy_row(c) for c in tiers.queue.from_device]],
+    }
+
+
+def restore_tiers(tiers: PoolTiers, data: dict[str, Any]) -> None:
+    """Rebuild `dump_tiers` data into a pool's (empty) tiers; IntegrityError when inconsistent."""
+    by_tier = {t.tier: t for t in tiers.tiers}
+    if sorted(by_tier) != sorted(row["tier"] for row in data["tiers"]):
+        raise IntegrityError("snapshot tiers differ from the pool's")
+    pending = [[copy_id, by_tier[tier], ns, base64.b64decode(key), first, _unpack(slots)]
+               for copy_id, tier, ns, key, first, slots in data["pending"]]
+    for row in data["tiers"]:
+        tier = by_tier[row["tier"]]
+        rows = restore_tree(tier.tree, row["nodes"])
+        refcounts = [0] * tier.num_slots
+        for _, _, _, slots, _ in rows:
+            for s in slots:
+                refcounts[s] += 1
+        for _, t, _, _, _, slots in pending:
+            if t is tier:
+                for s in slots:
+                    refcounts[s] += 1
+                tier.num_pending += len(slots)
+        tier.allocator = BlockAllocator.restore(tier.num_slots, _unpack(row["free"]), refcounts)
+        tier.counters = TierCounters(*row["counters"])
+    for copy_id, tier, ns, key, first, slots in pending:
+        tiers.pending[copy_id] = PendingCopy(tier, ns, key, first, slots)
+    for copy_id, tier, n in data["load_pages"]:
+        tiers.load_pages[copy_id] = (by_tier[tier], n)
+    tiers.queue.from_host = [_copy_of(r) for r in data["queue"][0]]
+    tiers.queue.from_device = [_copy_of(r) for r in data["queue"][1]]
+    tiers.next_copy_id = int(data["next_copy_id"])

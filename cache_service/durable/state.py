@@ -46,7 +46,7 @@ import zlib
 from typing import Any
 
 from cache_service.durable.journal import Journal, read_records
-from cache_service.durable.replay import STEP_HEADER, Kind, Replayer, path_tokens, step_digest
+from cache_service.durable.replay import STEP_HEADER, Kind, Replayer, path_tokens, step_digest, tier_record
 from cache_service.durable.snapshot import FORMAT_VERSION, dump_pool, restore_pool
 from cache_service.errors import IntegrityError
 from cache_service.pool import Pool
@@ -227,6 +227,7 @@ class DurableState:
             "model_fingerprint": pool.model_fingerprint, "vocab_size": pool.vocab_size,
             "serving_addr": pool.serving_addr, "incarnation": pool.attach.incarnation, "epoch": pool.epoch,
             "reattached": reattached, "owner": pool.attach.owner,
+            "tiers": tier_record(pool.tier_spec) if pool.tier_spec.enabled else None,
         }).encode())
 
     def retired(self, pool_id: str, why: str) -> None:

@@ -1,0 +1,171 @@
+"""Performs the tier copies a cache Step reply orders (cache.proto TierCopy) on this replica's KV.
+
+Order (cache.proto "Ordering contract"): the reply's offloads in list order, then each admission's
+loads, all before the forward pass that writes any block the reply handed out. Each copy's outcome
+(leading pages done) goes back in the next Step. A load that fails part-way loads only its
+leading pages; the rest of the prompt is computed, as on a miss.
+
+It also measures what a load costs next to computing: seconds per loaded token over seconds per
+prefilled token (the engine reports its forward passes), sent with every Step as the replica's
+host_load_cost / disk_load_cost, so Route prices tier hits, and the cache manager stops loading
+from a tier that is slower than recomputing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from model_service.kv_cache import KVCache
+from model_service.metrics import ModelMetrics
+from model_service.tiers.disk_tier import DiskTier, PageInfo
+from model_service.tiers.host_tier import HostTier
+from protos import cache_pb2
+
+log = logging.getLogger(__name__)
+
+POLICIES = {"evict": cache_pb2.OFFLOAD_POLICY_EVICT, "write-through": cache_pb2.OFFLOAD_POLICY_WRITE_THROUGH}
+TIER_NAMES = {cache_pb2.TIER_DEVICE: "device", cache_pb2.TIER_HOST: "host", cache_pb2.TIER_DISK: "disk"}
+_EMA = 0.2  # weight of the newest sample in the cost averages
+# A load cost not refreshed for this long is reported as unknown (0): a tier the cache manager stopped
+# loading from because it measured slower than computing gets tried again now and then.
+COST_TTL_SECONDS = 60.0
+# Batches with fewer tokens than this are decode-bound: they say little about prefill cost.
+MIN_PREFILL_SAMPLE_TOKENS = 64
+
+
+class TierCopier:
+    """The replica's lower tiers and the copies between them and the KV pool (engine thread only)."""
+
+    def __init__(self, kv: KVCache, host: HostTier | None, disk: DiskTier | None, policy: str = "evict",
+                 metrics: ModelMetrics | None = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"offload policy must be one of {', '.join(POLICIES)}")
+        self.kv = kv
+        self.host = host
+        self.disk = disk
+        self.policy = policy
+        self.metrics = metrics
+        self.page_tokens = kv.block_size
+        self._seconds_per_token: dict[int, float] = {}  # per tier: loads
+        self._sampled_at: dict[int, float] = {}
+        self._prefill_seconds_per_token = 0.0
+        if metrics is not None:
+            for tier, store in ((cache_pb2.TIER_HOST, host), (cache_pb2.TIER_DISK, disk)):
+                if store is not None:
+                    metrics.tier_slots.labels(TIER_NAMES[tier]).set(store.num_slots)
+
+    def tier_config(self) -> cache_pb2.TierConfig:
+        """What RegisterPool says of the tiers, with what the disk tier holds (from an earlier run too)."""
+        runs = [cache_pb2.DiskRun(namespace=r.namespace, packed_token_ids=r.token_bytes, slots=r.slots)
+                for r in (self.disk.runs() if self.disk is not None else [])]
+        return cache_pb2.TierConfig(num_host_slots=self.host.num_slots if self.host is not None else 0,
+                                    num_disk_slots=self.disk.num_slots if self.disk is not None else 0,
+                                    offload_policy=POLICIES[self.policy], disk_runs=runs)
+
+    # ------------------------------------------------------------------ copies
+
+    def run_offloads(self, copies: Sequence[cache_pb2.TierCopy]) -> list[cache_pb2.CopyOutcome]:
+        return [self._outcome(copy, self._offload(copy), "offload", copy.dst_tier) for copy in copies]
+
+    def run_loads(self, copies: Sequence[cache_pb2.TierCopy]) -> tuple[list[cache_pb2.CopyOutcome], int, int]:
+        """One admission's loads (host first, then disk): (outcomes, host tokens loaded, disk tokens
+        loaded). Pages after the first that failed are not loaded (the prefix must be whole)."""
+        outcomes, loaded = [], {cache_pb2.TIER_HOST: 0, cache_pb2.TIER_DISK: 0}
+        whole = True
+        for copy in copies:
+            started = time.perf_counter()
+            done = self._load(copy) if whole else 0
+            elapsed = time.perf_counter() - started
+            outcomes.append(self._outcome(copy, done, "load", copy.src_tier))
+            if done:
+                self._observe_load(copy.src_tier, elapsed, done * self.page_tokens)
+            loaded[copy.src_tier] = loaded.get(copy.src_tier, 0) + done * self.page_tokens
+            whole = whole and done == len(copy.src)
+        return outcomes, loaded[cache_pb2.TIER_HOST], loaded[cache_pb2.TIER_DISK]
+
+    def _offload(self, copy: cache_pb2.TierCopy) -> int:
+        src, dst = list(copy.src), list(copy.dst)
+        try:
+            if copy.dst_tier == cache_pb2.TIER_HOST and copy.src_tier == cache_pb2.TIER_DEVICE and self.host:
+                self.host.store(self.kv, src, dst)
+                return len(src)
+            if copy.dst_tier == cache_pb2.TIER_DISK and self.disk is not None:
+                pages = self._pages(copy)
+                if copy.src_tier == cache_pb2.TIER_DEVICE:
+                    return self.disk.write_from_device(self.kv, src, dst, pages)
+                if copy.src_tier == cache_pb2.TIER_HOST and self.host is not None:
+                    return self.disk.write_from_host(self.host, src, dst, pages)
+        except Exception:  # a failed copy loses its pages, never the replica
+            log.exception("tier copy %d failed", copy.copy_id)
+            return 0
+        log.warning("tier copy %d from %s to %s: no such tier here", copy.copy_id, TIER_NAMES.get(copy.src_tier),
+                    TIER_NAMES.get(copy.dst_tier))
+        return 0
+
+    def _load(self, copy: cache_pb2.TierCopy) -> int:
+        src, dst = list(copy.src), list(copy.dst)
+        try:
+            if copy.src_tier == cache_pb2.TIER_HOST and self.host is not None:
+                self.host.load(self.kv, src, dst)
+                return len(src)
+            if copy.src_tier == cache_pb2.TIER_DISK and self.disk is not None:
+                expected = [(copy.namespace, h) for h in copy.page_hashes]
+                return self.disk.load_to_device(self.kv, src, dst, expected)
+        except Exception:
+            log.exception("tier load %d failed", copy.copy_id)
+            return 0
+        return 0
+
+    def _pages(self, copy: cache_pb2.TierCopy) -> list[PageInfo]:
+        size = self.page_tokens * 4
+        hashes = list(copy.page_hashes)
+        tokens = copy.packed_token_ids
+        return [PageInfo(copy.namespace, copy.parent_hash if i == 0 else hashes[i - 1], h,
+                         tokens[i * size:(i + 1) * size]) for i, h in enumerate(hashes)]
+
+    def _outcome(self, copy: cache_pb2.TierCopy, done: int, direction: str, tier: int) -> cache_pb2.CopyOutcome:
+        if self.metrics is not None:
+            name = TIER_NAMES.get(tier, "?")
+            if done:
+                self.metrics.tier_pages.labels(direction, name, "ok").inc(done)
+            if done < len(copy.src):
+                self.metrics.tier_pages.labels(direction, name, "failed").inc(len(copy.src) - done)
+        return cache_pb2.CopyOutcome(copy_id=copy.copy_id, num_pages_copied=done)
+
+    # ------------------------------------------------------------------ cost
+
+    def _observe_load(self, tier: int, seconds: float, tokens: int) -> None:
+        per_token = seconds / tokens
+        old = self._seconds_per_token.get(tier)
+        fresh = old is None or time.monotonic() - self._sampled_at[tier] > COST_TTL_SECONDS
+        self._seconds_per_token[tier] = per_token if fresh else (1 - _EMA) * old + _EMA * per_token
+        self._sampled_at[tier] = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.tier_load_seconds.labels(TIER_NAMES[tier]).observe(seconds)
+
+    def observe_forward(self, seconds: float, num_tokens: int) -> None:
+        """A forward pass computed `num_tokens` tokens in `seconds` (prefill-sized ones count)."""
+        if num_tokens < MIN_PREFILL_SAMPLE_TOKENS:
+            return
+        per_token = seconds / num_tokens
+        old = self._prefill_seconds_per_token
+        self._prefill_seconds_per_token = per_token if not old else (1 - _EMA) * old + _EMA * per_token
+
+    def load_costs(self) -> tuple[float, float]:
+        """(host, disk): seconds per loaded token / seconds per computed token (0: not measured yet)."""
+        prefill = self._prefill_seconds_per_token
+        costs = []
+        for tier in (cache_pb2.TIER_HOST, cache_pb2.TIER_DISK):
+            load = self._seconds_per_token.get(tier)
+            stale = load is None or time.monotonic() - self._sampled_at[tier] > COST_TTL_SECONDS
+            cost = load / prefill if not stale and prefill else 0.0
+            costs.append(cost)
+            if self.metrics is not None and cost:
+                self.metrics.tier_load_cost.labels(TIER_NAMES[tier]).set(cost)
+        return costs[0], costs[1]
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()

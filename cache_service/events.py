@@ -181,15 +181,16 @@ def removed_by_namespace(evicted: Sequence[EvictedNode], tier: int = 0) -> list[
 
 
 def tree_snapshot(pool_id: str, tree: RadixTree, sequence: int, timestamp: float,
-                  publisher_epoch: int = 0) -> list[CacheEvent]:
+                  publisher_epoch: int = 0, tier: int = 0) -> list[CacheEvent]:
     """The tree's content as BlockStored events, parents before children, all at once (WatchEvents
     walks the live tree a node at a time instead: cache_service/tree_walk.py).
 
     Every snapshot event carries `sequence`: the state is that after event `sequence`, so live
-    events to apply next start at `sequence + 1`.
+    events to apply next start at `sequence + 1`. `tier`: the tier whose tree it is (a lower
+    tier's tree holds slot ids).
     """
     return [
-        CacheEvent(sequence, pool_id, timestamp, stored_from_node(node, tree.page_size), is_snapshot=True,
+        CacheEvent(sequence, pool_id, timestamp, stored_from_node(node, tree.page_size, tier), is_snapshot=True,
                    publisher_epoch=publisher_epoch)
         for node in tree.iter_nodes()
     ]

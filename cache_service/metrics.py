@@ -17,9 +17,19 @@ from cache_service.durable import DurableState
 from cache_service.pool_registry import PoolRegistry
 from common.metrics_server import MetricsServer
 
+# Counters of a lower tier (cache.proto TierStats): metric name, help, TierStats field.
+_TIER_COUNTERS = [
+    ("tier_hit_tokens", "First-admission prompt tokens ordered loaded from the tier", "hit_tokens"),
+    ("tier_loaded_pages", "Pages ordered loaded from the tier into the pool's blocks", "num_loaded_pages"),
+    ("tier_offloaded_pages", "Pages copied into the tier (copies reported complete)", "num_offloaded_pages"),
+    ("tier_failed_pages", "Pages whose copy into or out of the tier was reported failed", "num_failed_pages"),
+    ("tier_evicted_pages", "Pages that left the tier (to the next one down, or dropped)", "num_evicted_pages"),
+]
+
 
 class PoolCollector(Collector):
-    """Block accounting, token hit counters and request counters of every live pool."""
+    """Block accounting, token hit counters and request counters of every live pool, and the
+    slots and copy counters of each pool's lower tiers (docs/tiers.md)."""
 
     def __init__(self, pools: PoolRegistry) -> None:
         self._pools = pools
@@ -46,9 +56,25 @@ class PoolCollector(Collector):
                  "cached in the pool under another namespace (aggregate only: never told to a caller)"),
             ]
         }
+        tier_slots = GaugeMetricFamily("radixkv_cache_tier_slots", "Slots (one page each) of a pool's lower tier",
+                                       labels=["pool", "tier"])
+        tier_pages = GaugeMetricFamily(
+            "radixkv_cache_tier_pages", "Slots of a pool's lower tier by state (cached: the page's copy "
+            "completed; pending: reserved for a copy not reported yet; free)", labels=["pool", "tier", "state"])
+        tier_counters = {name: CounterMetricFamily(f"radixkv_cache_{name}", doc, labels=["pool", "tier"])
+                         for name, doc, _ in _TIER_COUNTERS}
         for pool in pools:
             s = pool.stats()
             pid = s.pool_id
+            for tier, t in (("host", s.host_tier), ("disk", s.disk_tier)):
+                if t is None:
+                    continue
+                tier_slots.add_metric([pid, tier], t.num_slots)
+                for state, value in [("cached", t.num_cached_pages), ("pending", t.num_pending_pages),
+                                     ("free", t.num_slots - t.num_cached_pages - t.num_pending_pages)]:
+                    tier_pages.add_metric([pid, tier, state], value)
+                for name, _, attr in _TIER_COUNTERS:
+                    tier_counters[name].add_metric([pid, tier], getattr(t, attr))
             for state, value in [
                 ("free", s.num_free_blocks),
                 ("cached", s.num_cached_blocks),
@@ -70,7 +96,8 @@ class PoolCollector(Collector):
                 ("miss_other_namespace_tokens", pool.miss_other_namespace_tokens),
             ]:
                 counters[name].add_metric([pid], value)
-        yield from (blocks, total, running, hit_rate, *counters.values())
+        yield from (blocks, total, running, hit_rate, *counters.values(), tier_slots, tier_pages,
+                    *tier_counters.values())
 
 
 class DurabilityCollector(Collector):

@@ -147,6 +147,12 @@ class Pool:
         self.tier_spec = tiers if tiers is not None else TierSpec()
         self.tiers = PoolTiers(self.tier_spec, block_size, self._publish) if self.tier_spec.enabled else None
 
+    @property
+    def num_charged_pages(self) -> int:
+        """Blocks and lower-tier slots: what the registry's memory cap counts (registry_limits.py)."""
+        spec = self.tier_spec
+        return self.num_blocks + spec.num_host_slots + spec.num_disk_slots
+
     def _publish(self, payload: EventPayload) -> None:
         if self._events is not None:
             self._events.publish(self.pool_id, payload)

@@ -29,12 +29,13 @@ from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from cache_service.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from cache_service.events import EventLog
+from cache_service.events import EventLog, stored_from_node
 from cache_service.pool import Pool
 from cache_service.registry_limits import RegistryLimits
 from cache_service.routed import RouteJournal
 from cache_service.routing import RouteQuery, RouteResult, check_route_size, route
 from cache_service.schema import ReplicaLoad, TierSpec
+from cache_service.tiers.lower_tier import TIER_DISK
 from common.limits import quote_id
 
 log = logging.getLogger(__name__)
@@ -200,7 +201,8 @@ class PoolRegistry:
                      worker_id, old.epoch, old.attach.restored, len(old.requests), old.tree.total_size)
             return Registration(old, True)
         if epoch is None:  # the pool this replaces (if any) gives its share back
-            self.limits.check((p for p in self.pools.values() if p is not old), owner, num_blocks, block_size)
+            self.limits.check((p for p in self.pools.values() if p is not old), owner,
+                              num_blocks + tiers.num_host_slots + tiers.num_disk_slots, block_size)
         pool = self._create(worker_id, num_blocks, block_size, model_fingerprint, vocab_size, serving_addr,
                             epoch, tiers)
         pool.attach.incarnation = incarnation
@@ -223,6 +225,11 @@ class PoolRegistry:
         pool.epoch = epoch
         self.add_pool(pool)
         self._tombstones.pop(worker_id, None)
+        if pool.tiers is not None and pool.tiers.disk is not None:
+            # What the replica's disk holds from an earlier run, announced after the old pool's
+            # AllCleared (a journal replay re-registers the same way: the numbering is the same).
+            for node in pool.tiers.disk.tree.iter_nodes():
+                self.events.publish(pool.pool_id, stored_from_node(node, block_size, TIER_DISK))
         log.info(
             "pool registered pool=%s epoch=%d num_blocks=%d block_size=%d fingerprint=%s serving_addr=%s",
             worker_id, pool.epoch, num_blocks, block_size, model_fingerprint, serving_addr or "-",

@@ -51,8 +51,12 @@ class PoolShape(Protocol):
     """What the caps read of a registered pool."""
 
     attach: AttachState  # its owner
-    num_blocks: int
     block_size: int
+
+    @property
+    def num_charged_pages(self) -> int:
+        """Its blocks and lower-tier slots (each slot may hold a page in a tier's tree)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,13 +83,14 @@ class RegistryLimits:
 
     def check(self, others: Iterable[PoolShape], owner: str, num_blocks: int, block_size: int) -> None:
         """ResourceExhausted unless a new pool of `owner` fits next to `others` (every pool that
-        stays: a pool the registration replaces is not among them)."""
+        stays: a pool the registration replaces is not among them). `num_blocks`: its blocks and
+        lower-tier slots (a slot costs the registry what a block does, less the request state)."""
         total = mine = 0
         memory = 0
         for pool in others:
             total += 1
             mine += pool.attach.owner == owner
-            memory += pool_memory_bytes(pool.num_blocks, pool.block_size)
+            memory += pool_memory_bytes(pool.num_charged_pages, pool.block_size)
         if self.max_pools and total >= self.max_pools:
             raise ResourceExhausted(
                 f"the cache manager holds {total} pools, its limit (max_pools {self.max_pools}); "

@@ -30,9 +30,10 @@ from cache_service.events import BlockStored, stored_from_node
 from cache_service.radix_tree import RadixTree, TreeNode
 
 
-def walk_live(tree: RadixTree, namespaces: Iterable[str]) -> Iterator[BlockStored]:
+def walk_live(tree: RadixTree, namespaces: Iterable[str], tier: int = 0) -> Iterator[BlockStored]:
     """BlockStored events of the tree's nodes in `namespaces` (in that order), parents before
-    children; the tree may change between two steps (see the module docstring)."""
+    children; the tree may change between two steps (see the module docstring). `tier`: the tier
+    whose tree it is (a lower tier's events carry its slot ids as block ids)."""
     page_size = tree.page_size
     for namespace in namespaces:
         root = tree.root(namespace)
@@ -51,9 +52,9 @@ def walk_live(tree: RadixTree, namespaces: Iterable[str]) -> Iterator[BlockStore
                 if node.in_tree:
                     heads.append(node)
                 node = node.parent
-            found = [stored_from_node(head, page_size) for head in reversed(heads)]
+            found = [stored_from_node(head, page_size, tier) for head in reversed(heads)]
             if child.in_tree:
-                found.append(stored_from_node(child, page_size))
+                found.append(stored_from_node(child, page_size, tier))
                 if child.children:
                     stack.append((child, iter(tuple(child.children.values()))))
             yield from found

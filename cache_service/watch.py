@@ -3,7 +3,9 @@ events, and the numbering of a namespace-limited token's view.
 
 Memory: a stream holds no queue of its own. It reads the EventLog's one bounded replay buffer
 through a cursor, a chunk of rows at a time (the rows stay shared with the buffer), and a
-snapshot walks the live tree a node at a time (cache_service/tree_walk.py). The stream yields
+snapshot walks the live trees a node at a time (cache_service/tree_walk.py): the pool's device
+tree, then the tree of each lower tier (host, disk) of its replica, as BlockStored events with
+their tier. The stream yields
 one event and waits until gRPC has taken it, so a reader that does not read holds the stream at
 one event (flow control) instead of making the server copy what it would have sent. A watcher
 whose next event has left the buffer, or that has more than `max_lag` undelivered events of
@@ -129,12 +131,17 @@ class Watch:
         events, view, pool_id = self.events, self.view, self.pool_id
         now, epoch = events.now(), events.epoch
         for pool in self._snapshot_pools:
-            namespaces = sorted(view) if view is not None else pool.tree.namespaces()
-            for payload in walk_live(pool.tree, namespaces):
-                self._check_lag()
-                yield CacheEvent(self._snapshot_number, pool.pool_id, now,
-                                 for_view(payload) if view is not None else payload, is_snapshot=True,
-                                 publisher_epoch=epoch)
+            # The device tree, then each lower tier's (a page held by several tiers is in each).
+            trees = [(pool.tree, 0)]
+            if pool.tiers is not None:
+                trees += [(tier.tree, tier.tier) for tier in pool.tiers.tiers]
+            for tree, tier in trees:
+                namespaces = sorted(view) if view is not None else tree.namespaces()
+                for payload in walk_live(tree, namespaces, tier):
+                    self._check_lag()
+                    yield CacheEvent(self._snapshot_number, pool.pool_id, now,
+                                     for_view(payload) if view is not None else payload, is_snapshot=True,
+                                     publisher_epoch=epoch)
         self._snapshot_pools = []
         while True:
             self._wake.clear()

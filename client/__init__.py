@@ -5,7 +5,16 @@ from .aio import AsyncRadixKVClient
 from .channel import RetryPolicy
 from .errors import RadixKVError
 from .messages import ChatMessage, GenerateOptions
-from .results import GenerateChunk, GenerateResult, Load, ModelInfo, PoolStats, TokenizeResult, Usage
+from .results import (
+    GenerateChunk,
+    GenerateResult,
+    Load,
+    ModelInfo,
+    PoolStats,
+    TierStats,
+    TokenizeResult,
+    Usage,
+)
 from .sync import DEFAULT_CACHE_ADDR, DEFAULT_MODEL_ADDR, RadixKVClient
 
 __all__ = [
@@ -22,6 +31,7 @@ __all__ = [
     "RadixKVClient",
     "RadixKVError",
     "RetryPolicy",
+    "TierStats",
     "TokenizeResult",
     "Usage",
 ]

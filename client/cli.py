@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from .errors import RadixKVError
 from .messages import GenerateOptions
-from .results import PoolStats
+from .results import PoolStats, TierStats
 from .sync import DEFAULT_CACHE_ADDR, DEFAULT_MODEL_ADDR, RadixKVClient
 
 EXIT_RPC_ERROR = 1
@@ -256,21 +256,52 @@ STATS_COLUMNS: tuple[tuple[str, str], ...] = (
 )
 
 
+TIER_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("TIER", ""),
+    ("SLOTS", "num_slots"),
+    ("CACHED", "num_cached_pages"),
+    ("PENDING", "num_pending_pages"),
+    ("HIT TOKENS", "hit_tokens"),
+    ("LOADED", "num_loaded_pages"),
+    ("OFFLOADED", "num_offloaded_pages"),
+    ("FAILED", "num_failed_pages"),
+    ("EVICTED", "num_evicted_pages"),
+    ("POLICY", ""),
+)
+
+
 def format_stats_table(pools: Sequence[PoolStats]) -> str:
-    """An aligned text table, one row per pool."""
-    rows = [[title for title, _ in STATS_COLUMNS]]
-    for pool in pools:
-        row = []
-        for _, name in STATS_COLUMNS:
-            value = getattr(pool, name)
-            if name == "hit_rate":
-                row.append(f"{value:.1%}")
-            elif name == "hit_tokens":
-                row.append(f"{pool.hit_tokens}/{pool.queried_tokens}")
-            else:
-                row.append(str(value))
-        rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(STATS_COLUMNS))]
+    """An aligned text table, one row per pool; then, when some pool has lower tiers (host / disk,
+    docs/tiers.md), a table with one POOL/TIER row per tier."""
+    table = _align([[title for title, _ in STATS_COLUMNS]] + [_pool_row(pool) for pool in pools])
+    tier_rows = [_tier_row(pool, name, tier) for pool in pools
+                 for name, tier in (("host", pool.host_tier), ("disk", pool.disk_tier)) if tier is not None]
+    if tier_rows:  # no blank line: every line starts with a pool id or a column title
+        table += "\n" + _align([[title for title, _ in TIER_COLUMNS]] + tier_rows)
+    return table
+
+
+def _pool_row(pool: PoolStats) -> list[str]:
+    row = []
+    for _, name in STATS_COLUMNS:
+        value = getattr(pool, name)
+        if name == "hit_rate":
+            row.append(f"{value:.1%}")
+        elif name == "hit_tokens":
+            row.append(f"{pool.hit_tokens}/{pool.queried_tokens}")
+        else:
+            row.append(str(value))
+    return row
+
+
+def _tier_row(pool: PoolStats, name: str, tier: TierStats) -> list[str]:
+    return ([f"{pool.pool_id}/{name}"] + [str(getattr(tier, field)) for _, field in TIER_COLUMNS[1:-1]]
+            + [pool.offload_policy or "-"])
+
+
+def _align(rows: list[list[str]]) -> str:
+    """Rows as aligned text: the first column left-aligned, the others right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for row in rows:
         cells = [

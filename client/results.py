@@ -47,6 +47,11 @@ class Usage:
     miss_other_namespace_tokens: int = 0  # deprecated: always 0 (other namespaces never show)
     miss_new_tokens: int = 0
     served_by: str = ""  # the serving address of the replica that ran the request
+    # cached_prompt_tokens by where their KV came from (docs/tiers.md): the replica's KV pool, its
+    # host tier, its disk tier; 0 from servers without tiers.
+    cached_device_tokens: int = 0
+    cached_host_tokens: int = 0
+    cached_disk_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +157,20 @@ class Load:
 
 
 @dataclass(frozen=True, slots=True)
+class TierStats:
+    """One lower tier (host or disk) of a pool (cache.proto TierStats, docs/tiers.md)."""
+
+    num_slots: int
+    num_cached_pages: int
+    num_pending_pages: int  # reserved for copies not reported complete yet
+    hit_tokens: int
+    num_loaded_pages: int
+    num_offloaded_pages: int
+    num_failed_pages: int
+    num_evicted_pages: int
+
+
+@dataclass(frozen=True, slots=True)
 class PoolStats:
     """One KV pool as the cache service sees it (CacheManager.Stats)."""
 
@@ -176,7 +195,33 @@ class PoolStats:
     num_released: int
     lease_remaining_seconds: float
     serving_addr: str = ""
+    # The replica's lower tiers (None: it has none, or the server predates tiers).
+    host_tier: TierStats | None = None
+    disk_tier: TierStats | None = None
+    offload_policy: str = ""  # "evict" or "write-through"; "" without tiers
+
+
+_TIER_FIELDS = ("host_tier", "disk_tier", "offload_policy")
+
+
+def _pool_stats(message: cache_pb2.PoolStats) -> PoolStats:
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(PoolStats):
+        if f.name not in _TIER_FIELDS:
+            value = getattr(message, f.name)
+            values[f.name] = list(value) if not isinstance(value, (str, bytes, int, float, bool)) else value
+    for name in ("host_tier", "disk_tier"):
+        if message.HasField(name):
+            values[name] = from_proto(TierStats, getattr(message, name))
+    if message.host_tier.num_slots or message.disk_tier.num_slots:
+        policy = message.offload_policy or cache_pb2.OFFLOAD_POLICY_EVICT  # unspecified: the default
+        try:
+            values["offload_policy"] = (cache_pb2.OffloadPolicy.Name(policy).removeprefix("OFFLOAD_POLICY_")
+                                        .lower().replace("_", "-"))
+        except ValueError:  # a policy newer than this client
+            values["offload_policy"] = str(policy)
+    return PoolStats(**values)
 
 
 def pool_stats_list(response: cache_pb2.StatsResponse) -> list[PoolStats]:
-    return [from_proto(PoolStats, pool) for pool in response.pools]
+    return [_pool_stats(pool) for pool in response.pools]

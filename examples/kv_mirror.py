@@ -1,9 +1,13 @@
 """A KV-cache mirror for external routers, built from `CacheManager.WatchEvents` alone.
 
-`KvMirror` holds, per pool, the set of cached page hashes (BlockStored adds pages, BlockRemoved
-drops them, AllCleared empties the pool) and answers `match(pool_id, token_ids, namespace)` the way
-the cache manager's `Match` does: the longest cached page-aligned prefix, found by hashing the
-prompt's pages with the chained hash of protos/cache.proto (`page_hashes` below).
+`KvMirror` holds, per pool and per tier, the set of cached page hashes (BlockStored adds pages,
+BlockRemoved drops them, each for the tier the event names; AllCleared empties the pool, every
+tier) and answers `match(pool_id, token_ids, namespace)` the way the cache manager's `Match` does:
+the longest page-aligned prefix in the pool's device blocks, found by hashing the prompt's pages
+with the chained hash of protos/cache.proto (`page_hashes` below). `match_tiers` adds what `Match`
+reports as matched_host_tokens / matched_disk_tokens: the tokens after that the replica's host
+tier, then its disk tier, holds (docs/tiers.md). A page may be held by several tiers at once.
+Events of servers without tiers carry no tier: they are about device blocks (TIER_DEVICE = 0).
 
 `KvMirrorWatcher` keeps a mirror in sync over one stream, in a background thread:
 
@@ -17,7 +21,7 @@ prompt's pages with the chained hash of protos/cache.proto (`page_hashes` below)
 
     python -m examples.kv_mirror --cache-addr 127.0.0.1:50051 [--pool-id P] [--interval 5]
 
-prints each pool's mirrored page count every --interval seconds.
+prints each pool's mirrored page count per tier every --interval seconds.
 """
 
 from __future__ import annotations
@@ -56,11 +60,33 @@ def page_hashes(parent_hash: int, namespace: str, tokens: Sequence[int], page_si
     return hashes
 
 
+TIER_DEVICE, TIER_HOST, TIER_DISK = cache_pb2.TIER_DEVICE, cache_pb2.TIER_HOST, cache_pb2.TIER_DISK
+TIER_NAMES = {TIER_DEVICE: "device", TIER_HOST: "host", TIER_DISK: "disk"}
+
+
 @dataclass
 class PoolMirror:
     block_size: int = 0
-    # page hash -> namespace (hashes already differ across namespaces; kept for inspection)
-    pages: dict[int, str] = field(default_factory=dict)
+    # tier -> page hash -> namespace (hashes already differ across namespaces; kept for inspection)
+    tiers: dict[int, dict[int, str]] = field(default_factory=dict)
+
+    @property
+    def pages(self) -> dict[int, str]:
+        """The device tier's pages (what a mirror without tiers held)."""
+        return self.tiers.setdefault(TIER_DEVICE, {})
+
+    def tier(self, tier: int) -> dict[int, str]:
+        return self.tiers.setdefault(tier, {})
+
+    def prefix_pages(self, hashes: Sequence[int], tier: int) -> int:
+        """Leading pages of a prompt (its page hash chain) the tier holds."""
+        pages = self.tiers.get(tier, {})
+        n = 0
+        for h in hashes:
+            if h not in pages:
+                break
+            n += 1
+        return n
 
 
 class KvMirror:
@@ -92,33 +118,54 @@ class KvMirror:
                 stored = event.stored
                 pool = self.pools.setdefault(event.pool_id, PoolMirror())
                 pool.block_size = stored.block_size
+                pages = pool.tier(stored.tier)  # tier absent (older servers): 0, the device
                 for h in stored.block_hashes:
-                    pool.pages[h] = stored.namespace
+                    pages[h] = stored.namespace
             elif kind == "removed":
                 pool = self.pools.get(event.pool_id)
                 if pool is not None:
+                    pages = pool.tier(event.removed.tier)
                     for h in event.removed.block_hashes:
-                        pool.pages.pop(h, None)
+                        pages.pop(h, None)
             elif kind == "cleared":
                 self.pools.pop(event.pool_id, None)
             self.last_sequence = max(self.last_sequence, event.sequence)
 
-    def match(self, pool_id: str, token_ids: Sequence[int], namespace: str = "") -> int:
-        """Tokens of the longest cached page-aligned prefix of token_ids in that pool."""
+    def match(self, pool_id: str, token_ids: Sequence[int], namespace: str = "", tier: int = TIER_DEVICE) -> int:
+        """Tokens of the longest cached page-aligned prefix of token_ids in that pool's `tier`
+        (default: its device blocks, as Match's matched_tokens)."""
         with self._lock:
             pool = self.pools.get(pool_id)
             if pool is None or not pool.block_size:
                 return 0
-            matched = 0
-            for h in page_hashes(0, namespace, token_ids, pool.block_size):
-                if h not in pool.pages:
-                    break
-                matched += pool.block_size
-            return matched
+            return pool.prefix_pages(page_hashes(0, namespace, token_ids, pool.block_size), tier) * pool.block_size
+
+    def match_tiers(self, pool_id: str, token_ids: Sequence[int], namespace: str = "") -> tuple[int, int, int]:
+        """(device, host, disk) tokens as Match reports them: the device hit, then the tokens after
+        it the host tier holds, then those after both the disk tier holds."""
+        with self._lock:
+            pool = self.pools.get(pool_id)
+            if pool is None or not pool.block_size:
+                return 0, 0, 0
+            hashes = page_hashes(0, namespace, token_ids, pool.block_size)
+            covered = device = pool.prefix_pages(hashes, TIER_DEVICE)
+            found = []
+            for tier in (TIER_HOST, TIER_DISK):
+                pages = pool.prefix_pages(hashes, tier)
+                found.append(max(0, pages - covered))
+                covered = max(covered, pages)
+            return device * pool.block_size, found[0] * pool.block_size, found[1] * pool.block_size
 
     def num_pages(self) -> dict[str, int]:
+        """Device pages per pool."""
         with self._lock:
-            return {pool_id: len(pool.pages) for pool_id, pool in self.pools.items()}
+            return {pool_id: len(pool.tiers.get(TIER_DEVICE, {})) for pool_id, pool in self.pools.items()}
+
+    def num_pages_by_tier(self) -> dict[str, dict[str, int]]:
+        """Pages per pool and tier name ("device", "host", "disk"; tiers never seen are left out)."""
+        with self._lock:
+            return {pool_id: {TIER_NAMES.get(t, str(t)): len(pages) for t, pages in sorted(pool.tiers.items())}
+                    for pool_id, pool in self.pools.items()}
 
 
 class KvMirrorWatcher:
@@ -234,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             time.sleep(args.interval)
             m = watcher.mirror
-            print(f"sequence={m.last_sequence} epoch={m.publisher_epoch} pages={m.num_pages()}", flush=True)
+            print(f"sequence={m.last_sequence} epoch={m.publisher_epoch} pages={m.num_pages_by_tier()}", flush=True)
     except KeyboardInterrupt:
         watcher.stop()
         return 0

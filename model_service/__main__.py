@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         offload_policy=args.offload_policy)
     try:
         return asyncio.run(serve(config))
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # a missing model, a disk tier in use by another replica ...
         print(f"model_service: {e}", file=sys.stderr, flush=True)
         return 2
 

@@ -201,3 +201,48 @@ def test_reattach_drops_pending_copies() -> None:
     assert pool.tiers.host.num_pending == 0 and pool.tiers.host.allocator.num_free_blocks == 8
     step(pool, outcomes=done(res.offloads))  # a late report changes nothing
     assert pool.tiers.host.tree.total_size == 0
+
+
+def test_tier_slots_count_against_the_memory_cap() -> None:
+    from cache_service.errors import ResourceExhausted
+    from cache_service.pool_registry import PoolRegistry
+    from cache_service.registry_limits import RegistryLimits, pool_memory_bytes
+
+    limits = RegistryLimits(max_memory_bytes=pool_memory_bytes(1000, BS))
+    registry = PoolRegistry(limits=limits)
+    registry.register_replica("a", 400, BS, tiers=TierSpec(num_host_slots=400))  # 800 pages: fits
+    with pytest.raises(ResourceExhausted, match="memory"):
+        registry.register_replica("b", 100, BS, tiers=TierSpec(num_disk_slots=200))  # 300 more: does not
+    registry.register_replica("b", 100, BS)
+
+
+def test_route_prices_tier_hits_between_a_device_hit_and_a_miss() -> None:
+    from cache_service.pool_registry import PoolRegistry
+    from cache_service.routing import RouteQuery
+    from cache_service.schema import ReplicaLoad
+
+    registry = PoolRegistry()
+    tiers = TierSpec(num_host_slots=16)
+    for name in ("device", "host", "miss"):
+        registry.register_replica(name, 8, BS, "fp", 1000, f"127.0.0.1:{len(name)}", tiers=tiers)
+    long = prompt(1, 21)  # 5 cacheable pages
+    for name in ("device", "host"):
+        pool = registry.pools[name]
+        step(pool, [Admit("a", long)])
+        step(pool, finishes=[Finish("a", [], 21)])
+    host = registry.pools["host"]  # flood its device pool: the prompt goes to its host tier
+    res = step(host, [Admit("b", prompt(2, 29))])
+    step(host, finishes=[Finish("b", [], 0)], outcomes=done(res.offloads))
+    host.step(StepInput(load=ReplicaLoad(host_load_cost=0.1)))
+    by_name = {c.pool_id: c for c in registry.route(RouteQuery(token_ids=tuple(long), model_fingerprint="fp")).candidates}
+    assert [c.pool_id for c in registry.route(RouteQuery(token_ids=tuple(long), model_fingerprint="fp")).candidates] == [
+        "device", "host", "miss"]
+    assert by_name["host"].matched_tokens == 0 and by_name["host"].matched_host_tokens == 20
+    assert by_name["host"].prefill_tokens == 1
+    assert by_name["host"].score == pytest.approx(2 * (1 + 20 * 0.1) + 16 * 0)
+    assert by_name["miss"].prefill_tokens == 21
+    # a tier measured slower than computing is neither loaded from nor priced as a hit
+    host.step(StepInput(load=ReplicaLoad(host_load_cost=1.5)))
+    assert registry.route(RouteQuery(token_ids=tuple(long), model_fingerprint="fp")).candidates[1].matched_host_tokens == 0
+    (adm,) = step(host, [Admit("c", long)]).admits
+    assert adm.admitted and not adm.loads

@@ -447,3 +447,47 @@ def test_metrics_endpoint(start_server) -> None:
     assert 'radixkv_cache_queried_tokens_total{pool="m"} 9.0' in text
     assert "radixkv_cache_step_seconds_count 3.0" in text
     assert 'radixkv_cache_rpc_errors_total{code="FAILED_PRECONDITION",method="Step"} 1.0' in text
+
+
+def test_metrics_of_the_lower_tiers(start_server) -> None:
+    """Per-pool, per-tier series from the pools' TierStats (none for a pool without tiers)."""
+    srv = start_server("--metrics-port", "0")
+    port = int(re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", srv.stderr()).group(1))
+    register(srv.stub, "plain", num_blocks=8)
+    reg = srv.stub.RegisterPool(pb.RegisterPoolRequest(
+        worker_id="t", num_blocks=4, block_size=4, model_fingerprint="fp",
+        tiers=pb.TierConfig(num_host_slots=8, num_disk_slots=6)), timeout=5)
+    a, b = list(range(100, 113)), list(range(200, 215))  # 3 and 3 whole pages (+ the next token)
+    step(srv.stub, reg, admits=[admit("a", a)])
+    step(srv.stub, reg, finishes=[fin("a", len(a))])
+    evicting = step(srv.stub, reg, admits=[admit("b", b)])  # a's pages go down to the host tier
+    (copy,) = evicting.offloads
+    assert len(copy.src) == 3
+    # two of the three pages copied, the third failed
+    step(srv.stub, reg, finishes=[fin("b", len(b))],
+         copy_outcomes=[pb.CopyOutcome(copy_id=copy.copy_id, num_pages_copied=2)])
+    again = step(srv.stub, reg, admits=[admit("a2", a)])  # loads the two pages the host tier holds
+    (load,) = again.admits[0].loads  # ... into blocks of b's, whose 3 pages go down
+    (down,) = again.offloads
+    assert len(load.src) == 2 and len(down.src) == 3
+    pending = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'radixkv_cache_tier_pages{pool="t",state="pending",tier="host"} 3.0' in pending
+    step(srv.stub, reg, copy_outcomes=[pb.CopyOutcome(copy_id=load.copy_id, num_pages_copied=2),
+                                       pb.CopyOutcome(copy_id=down.copy_id, num_pages_copied=3)])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for line in [
+        'radixkv_cache_tier_slots{pool="t",tier="host"} 8.0',
+        'radixkv_cache_tier_slots{pool="t",tier="disk"} 6.0',
+        'radixkv_cache_tier_pages{pool="t",state="cached",tier="host"} 5.0',
+        'radixkv_cache_tier_pages{pool="t",state="pending",tier="host"} 0.0',
+        'radixkv_cache_tier_pages{pool="t",state="free",tier="host"} 3.0',
+        'radixkv_cache_tier_pages{pool="t",state="free",tier="disk"} 6.0',
+        'radixkv_cache_tier_hit_tokens_total{pool="t",tier="host"} 8.0',
+        'radixkv_cache_tier_loaded_pages_total{pool="t",tier="host"} 2.0',
+        'radixkv_cache_tier_offloaded_pages_total{pool="t",tier="host"} 5.0',
+        'radixkv_cache_tier_failed_pages_total{pool="t",tier="host"} 1.0',
+        'radixkv_cache_tier_evicted_pages_total{pool="t",tier="host"} 0.0',
+        'radixkv_cache_tier_hit_tokens_total{pool="t",tier="disk"} 0.0',
+    ]:
+        assert line in text, line
+    assert 'pool="plain",tier=' not in text  # a pool without tiers has no tier series

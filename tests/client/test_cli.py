@@ -170,3 +170,46 @@ def test_generate_with_a_request_id_echoes_it(model_service: Running):
     result = run_cli(*gen(model_service, "--json", "--request-id", "cli-chosen-id"))
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["request_id"] == "cli-chosen-id"
+
+
+def test_stats_shows_the_tiers_of_a_pool_that_has_them(tmp_path):
+    """A pool with host and disk tiers: a POOL/TIER row per tier under the pool table, and the
+    TierStats in --json (absent tiers are null); a pool without tiers gets no tier row."""
+    from protos import cache_pb2 as pb
+    from tests.cache.conftest import register, spawn_server, stop_server
+
+    srv = spawn_server(tmp_path / "cache.stderr")
+    try:
+        register(srv.stub, "plain", num_blocks=8)
+        reg = srv.stub.RegisterPool(pb.RegisterPoolRequest(
+            worker_id="tiered", num_blocks=4, block_size=4, model_fingerprint="fp",
+            tiers=pb.TierConfig(num_host_slots=8, num_disk_slots=6,
+                                offload_policy=pb.OFFLOAD_POLICY_WRITE_THROUGH)), timeout=5)
+        tokens = list(range(100, 113))
+        srv.stub.Step(pb.StepRequest(pool_id=reg.pool_id, epoch=reg.epoch,
+                                     admits=[pb.Admit(request_id="a", token_ids=tokens)]), timeout=5)
+        done = srv.stub.Step(pb.StepRequest(pool_id=reg.pool_id, epoch=reg.epoch, finishes=[
+            pb.Finish(request_id="a", num_computed_tokens=len(tokens))]), timeout=5)
+        (copy,) = done.offloads  # write-through: the 3 pages go down at once
+        srv.stub.Step(pb.StepRequest(pool_id=reg.pool_id, epoch=reg.epoch, copy_outcomes=[
+            pb.CopyOutcome(copy_id=copy.copy_id, num_pages_copied=len(copy.src))]), timeout=5)
+        address = f"{srv.host}:{srv.port}"
+        result = run_cli("stats", "--cache-addr", address)
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        (tier_header,) = [line for line in lines if line.startswith("TIER ")]
+        for column in ("SLOTS", "CACHED", "PENDING", "HIT TOKENS", "LOADED", "OFFLOADED", "FAILED", "EVICTED"):
+            assert column in tier_header
+        rows = {line.split()[0]: line.split() for line in lines[lines.index(tier_header) + 1:]}
+        assert set(rows) == {"tiered/host", "tiered/disk"}
+        assert rows["tiered/host"][1:4] == ["8", "3", "0"] and rows["tiered/disk"][1:4] == ["6", "0", "0"]
+        assert "write-through" in result.stdout
+
+        pools = {p["pool_id"]: p for p in json.loads(run_cli("stats", "--cache-addr", address, "--json").stdout)["pools"]}
+        assert pools["plain"]["host_tier"] is None and pools["plain"]["disk_tier"] is None
+        assert pools["tiered"]["host_tier"]["num_cached_pages"] == 3
+        assert pools["tiered"]["host_tier"]["num_offloaded_pages"] == 3
+        assert pools["tiered"]["disk_tier"]["num_slots"] == 6
+        assert pools["tiered"]["offload_policy"] == "write-through"
+    finally:
+        stop_server(srv)

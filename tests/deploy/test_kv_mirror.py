@@ -1,13 +1,14 @@
 """examples/kv_mirror.py against the real `python -m cache_service` process: a random workload
 (admits, finishes, Evict, Clear, a lease expiry), a disconnect + resume, and a kill -9 restart
-(detected through OUT_OF_RANGE and through a publisher_epoch change)."""
+(detected through OUT_OF_RANGE and through a publisher_epoch change); a pool with host and disk
+tiers mirrored per tier."""
 
 from __future__ import annotations
 
 import random
 import time
 
-from examples.kv_mirror import KvMirror, KvMirrorWatcher
+from examples.kv_mirror import KvMirror, KvMirrorWatcher, page_hashes
 from protos import cache_pb2 as pb
 from tests.cache.conftest import register, spawn_server, stop_server
 
@@ -189,3 +190,85 @@ def test_mirror_follows_a_random_workload_reconnects_and_survives_restarts(start
     finally:
         watcher.stop()
 
+
+
+def test_mirror_follows_every_tier_of_a_pool_with_host_and_disk_tiers(start_server) -> None:
+    """Pages copied down to the host and disk tiers (and dropped from them) are mirrored per tier,
+    through the snapshot and live: match_tiers agrees with Match's device / host / disk tokens."""
+    srv = start_server()
+    stub = srv.stub
+    reg = stub.RegisterPool(pb.RegisterPoolRequest(
+        worker_id="tiered", num_blocks=8, block_size=BLOCK, model_fingerprint="fp",
+        tiers=pb.TierConfig(num_host_slots=6, num_disk_slots=12)), timeout=5)
+    rng = random.Random(3)
+    unreported: list = []
+    prompts: list[tuple[list[int], str]] = []
+
+    def step(**items) -> pb.StepResponse:
+        outcomes = [pb.CopyOutcome(copy_id=c.copy_id, num_pages_copied=len(c.src)) for c in unreported]
+        reply = stub.Step(pb.StepRequest(pool_id=reg.pool_id, epoch=reg.epoch, copy_outcomes=outcomes, **items),
+                          timeout=5)
+        unreported[:] = list(reply.offloads) + [c for a in reply.admits for c in a.loads]
+        return reply
+
+    def run_some(n: int) -> None:
+        for i in range(n):
+            tokens = [rng.randrange(1000) for _ in range(rng.choice((5, 9, 13)))]
+            if prompts and rng.random() < 0.4:
+                tokens, namespace = rng.choice(prompts)  # a repeat: loads from a tier
+            else:
+                namespace = rng.choice(("", "tenant-a"))
+                prompts.append((tokens, namespace))
+            rid = f"t{len(prompts)}-{i}-{rng.randrange(10**6)}"
+            reply = step(admits=[pb.Admit(request_id=rid, token_ids=tokens, namespace=namespace)])
+            if reply.admits[0].status == pb.ADMIT_STATUS_ADMITTED:
+                step(finishes=[pb.Finish(request_id=rid, num_computed_tokens=len(tokens))])
+        step()  # report the last copies
+
+    def tier_disagreements() -> list:
+        bad = []
+        for tokens, namespace in prompts:
+            (m,) = stub.Match(pb.MatchRequest(pool_id=reg.pool_id, token_ids=tokens, namespace=namespace),
+                              timeout=5).matches
+            served = (m.matched_tokens, m.matched_host_tokens, m.matched_disk_tokens)
+            mirrored = mirror.match_tiers(reg.pool_id, tokens, namespace)
+            if served != mirrored:
+                bad.append((tokens, namespace, served, mirrored))
+        return bad
+
+    def in_sync() -> None:
+        deadline = time.monotonic() + 10
+        while bad := tier_disagreements():
+            assert time.monotonic() < deadline, f"mirror disagrees with Match: {bad[:5]} ({len(bad)} in all)"
+            time.sleep(0.1)
+
+    run_some(25)  # before the mirror: its snapshot must carry every tier
+    watcher = KvMirrorWatcher(srv.address).start()
+    mirror = watcher.mirror
+    try:
+        in_sync()
+        counts = mirror.num_pages_by_tier()[reg.pool_id]
+        assert counts.get("host") and counts.get("disk"), counts
+        run_some(40)  # live: pages move down and out of the tiers
+        in_sync()
+        assert any(sum(mirror.match_tiers(reg.pool_id, t, ns)[1:]) for t, ns in prompts), "some tier hits"
+        (stats,) = stub.Stats(pb.StatsRequest(pool_id=reg.pool_id), timeout=5).pools
+        counts = mirror.num_pages_by_tier()[reg.pool_id]
+        assert (counts.get("host", 0), counts.get("disk", 0)) == (stats.host_tier.num_cached_pages,
+                                                                   stats.disk_tier.num_cached_pages)
+    finally:
+        watcher.stop()
+
+
+def test_events_without_a_tier_are_device_events() -> None:
+    """An older server's events carry no tier: the mirror reads them as the device tier's."""
+    mirror = KvMirror()
+    hashes = page_hashes(0, "", [1, 2, 3, 4, 5, 6, 7, 8], BLOCK)
+    mirror.apply(pb.CacheEvent(sequence=1, pool_id="p", stored=pb.BlockStored(block_hashes=hashes, block_size=BLOCK)))
+    mirror.apply(pb.CacheEvent(sequence=2, pool_id="p", stored=pb.BlockStored(
+        block_hashes=hashes, block_size=BLOCK, tier=pb.TIER_HOST)))
+    assert mirror.match_tiers("p", [1, 2, 3, 4, 5, 6, 7, 8]) == (8, 0, 0)
+    assert mirror.num_pages() == {"p": 2}
+    mirror.apply(pb.CacheEvent(sequence=3, pool_id="p", removed=pb.BlockRemoved(block_hashes=hashes)))
+    assert mirror.match_tiers("p", [1, 2, 3, 4, 5, 6, 7, 8]) == (0, 8, 0)
+    assert mirror.num_pages_by_tier() == {"p": {"device": 0, "host": 2}}

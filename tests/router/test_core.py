@@ -203,6 +203,15 @@ def test_replica_set_serves_one_model_and_forgets_stale_learnt_replicas() -> Non
 # ---------------------------------------------------------------------- routing
 
 
+def test_usage_split_by_tier_passes_through_unchanged() -> None:
+    split = dict(prompt_tokens=40, cached_prompt_tokens=28, cached_device_tokens=16, cached_host_tokens=8,
+                 cached_disk_tokens=4, completion_tokens=2)
+    fakes = FakeReplicas(streams={A: [message("a", [5]), message("b", [6], model_pb2.FINISH_REASON_LENGTH, **split)]})
+    core, fakes, _ = make_core(cache=FakeCache(candidates=[candidate(A)]), fakes=fakes)
+    usage = run(collect(core, prompt_request("hey")))[-1].usage
+    assert {name: getattr(usage, name) for name in split} == split and usage.served_by == A
+
+
 def test_kv_policy_routes_by_route_and_forwards_token_ids_and_id() -> None:
     cache = FakeCache(candidates=[candidate(B, matched=16), candidate(A)])
     core, fakes, cache = make_core(cache=cache)

@@ -103,7 +103,9 @@ def test_router_errors_map_to_http_statuses(code: str, message: str, status: int
 
 def _messages() -> list[model_pb2.GenerateResponse]:
     final = model_pb2.GenerateResponse(text="!", token_ids=[3], finish_reason=model_pb2.FINISH_REASON_STOP)
-    final.usage.CopyFrom(model_pb2.Usage(prompt_tokens=10, cached_prompt_tokens=8, completion_tokens=3))
+    # cached_prompt_tokens is the sum of the tier split (docs/tiers.md): the OpenAI door reports the sum
+    final.usage.CopyFrom(model_pb2.Usage(prompt_tokens=10, cached_prompt_tokens=8, completion_tokens=3,
+                                         cached_device_tokens=4, cached_host_tokens=3, cached_disk_tokens=1))
     return [model_pb2.GenerateResponse(text="Hel", token_ids=[1]), model_pb2.GenerateResponse(token_ids=[2]), final]
 
 

@@ -444,6 +444,22 @@ class RadixTree:
             evicted.append(EvictedNode(node.namespace, node.value, node))
         return evicted
 
+    def remove_subtree(self, node: TreeNode) -> list[EvictedNode]:
+        """Remove `node` and every node below it (pages found bad); nothing when any is locked.
+        Returns the removed nodes, children before parents (the caller frees their blocks)."""
+        order, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack.extend(n.children.values())
+        if not node.in_tree or node.parent is None or any(n.lock_ref for n in order):
+            return []
+        removed = []
+        for n in reversed(order):  # preorder reversed: every child before its parent
+            self._remove_leaf(n)
+            removed.append(EvictedNode(n.namespace, n.value, n))
+        return removed
+
     def evict_all(self) -> list[EvictedNode]:
         """Evict every unlocked page."""
         return self.evict(self.evictable_size)

@@ -28,8 +28,8 @@ from cache_service.pool import Pool, RequestState
 from cache_service.radix_tree import RadixTree, TreeNode
 from cache_service.routed import RoutedRequest
 from cache_service.schema import ReplicaLoad, TierCopy, TierSpec
-from cache_service.tiers.lower_tier import TierCounters
-from cache_service.tiers.pool_tiers import PendingCopy, PoolTiers
+from cache_service.tiers.lower_tier import TIER_DISK, TIER_HOST, TierCounters
+from cache_service.tiers.pool_tiers import PendingCopy, PendingLoad, PoolTiers
 
 FORMAT_VERSION = 1
 
@@ -134,7 +134,8 @@ def dump_pool(pool: Pool) -> dict[str, Any]:
         "incarnation": pool.attach.incarnation,
         "owner": pool.attach.owner,
         "counters": {name: getattr(pool, name) for name in _COUNTERS},
-        "load": [load.num_waiting_requests, load.num_waiting_tokens, load.num_running_requests],
+        "load": [load.num_waiting_requests, load.num_waiting_tokens, load.num_running_requests,
+                 load.host_load_cost, load.disk_load_cost],
         "free": _pack(pool.allocator.free_block_ids()),
         "nodes": node_rows,
         "requests": requests,
@@ -229,8 +230,11 @@ def canonical(pool: Pool) -> dict[str, Any]:
                              routed.num_pages]
     data["evicted_pages"] = sorted(_unpack(data["evicted_pages"], "Q"))
     if data["tiers"] is not None:
-        for tier in data["tiers"]["tiers"]:
+        for tier, live in zip(data["tiers"]["tiers"], pool.tiers.tiers, strict=True):
             tier["nodes"] = sorted((row[1], row[2], row[3]) for row in tier["nodes"])
+            # What the tier evicts next, as for the device tree.
+            tier_leaves = [n for n in live.tree.iter_nodes() if not n.children and n.lock_ref == 0]
+            tier["lru_leaves"] = [list(n.value) for n in sorted(tier_leaves, key=lambda n: n.last_access)]
     data.pop("epoch")
     return data
 
@@ -262,9 +266,12 @@ def dump_tiers(tiers: PoolTiers) -> dict[str, Any]:
         "tiers": [{"tier": t.tier, "nodes": dump_tree(t.tree), "free": _pack(t.allocator.free_block_ids()),
                    "counters": dataclasses.astuple(t.counters)} for t in tiers.tiers],
         "next_copy_id": tiers.next_copy_id,
+        # The replica's last reported load costs: whether an admission loads from a tier (`match`).
+        "load_costs": [tiers.load_costs[TIER_HOST], tiers.load_costs[TIER_DISK]],
         "pending": [[copy_id, p.tier.tier, p.namespace, base64.b64encode(p.key).decode(), p.first_page,
                      _pack(p.slots)] for copy_id, p in tiers.pending.items()],
-        "load_pages": [[copy_id, tier.tier, n] for copy_id, (tier, n) in tiers.load_pages.items()],
+        "load_pages": [[copy_id, p.tier.tier, p.namespace, base64.b64encode(p.key).decode(), p.first_page,
+                        p.num_pages] for copy_id, p in tiers.load_pages.items()],
         "queue": [[_copy_row(c) for c in tiers.queue.from_host], [_copy_row(c) for c in tiers.queue.from_device]],
     }
 
@@ -292,8 +299,10 @@ def restore_tiers(tiers: PoolTiers, data: dict[str, Any]) -> None:
         tier.counters = TierCounters(*row["counters"])
     for copy_id, tier, ns, key, first, slots in pending:
         tiers.pending[copy_id] = PendingCopy(tier, ns, key, first, slots)
-    for copy_id, tier, n in data["load_pages"]:
-        tiers.load_pages[copy_id] = (by_tier[tier], n)
+    for copy_id, tier, ns, key, first, n in data["load_pages"]:
+        tiers.load_pages[copy_id] = PendingLoad(by_tier[tier], ns, base64.b64decode(key), first, n)
     tiers.queue.from_host = [_copy_of(r) for r in data["queue"][0]]
     tiers.queue.from_device = [_copy_of(r) for r in data["queue"][1]]
     tiers.next_copy_id = int(data["next_copy_id"])
+    host_cost, disk_cost = data.get("load_costs", (0.0, 0.0))  # absent from the first tier snapshots
+    tiers.load_costs = {TIER_HOST: float(host_cost), TIER_DISK: float(disk_cost)}

@@ -21,7 +21,6 @@ out with the next reply, ahead of its own.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -38,8 +37,6 @@ log = logging.getLogger(__name__)
 
 # A tier whose reported load cost is unknown (0) is assumed this cheap next to prefill.
 DEFAULT_LOAD_COST = {TIER_HOST: 0.02, TIER_DISK: 0.05}
-# Load copies whose outcome is kept for counting failures (replicas report them in their next Step).
-MAX_TRACKED_LOADS = 4096
 POLICY_EVICT = "evict"
 POLICY_WRITE_THROUGH = "write-through"
 POLICIES = (POLICY_EVICT, POLICY_WRITE_THROUGH)
@@ -54,6 +51,17 @@ class PendingCopy:
     key: bytes  # the whole prefix through the copy's last page (encoded tokens)
     first_page: int
     slots: list[int]
+
+
+@dataclass(slots=True)
+class PendingLoad:
+    """A load ordered in the last reply: pages [first_page, first_page + num_pages) of `key`."""
+
+    tier: LowerTier
+    namespace: str
+    key: bytes  # the prefix through the load's last page (encoded tokens)
+    first_page: int
+    num_pages: int
 
 
 class TierHit(NamedTuple):
@@ -104,7 +112,8 @@ class PoolTiers:
         self.next_copy_id = 1
         self.pending: dict[int, PendingCopy] = {}
         self.loading: list[tuple[LowerTier, TreeNode]] = []  # locked for the current Step
-        self.load_pages: OrderedDict[int, tuple[LowerTier, int]] = OrderedDict()  # copy id -> pages
+        # Loads of the last reply: their outcome comes in the next Step (and only then).
+        self.load_pages: dict[int, PendingLoad] = {}
         self.queue = _Queue()
 
     @property
@@ -125,18 +134,25 @@ class PoolTiers:
                 raise InvalidArgument(f"copy {o.copy_id} is reported more than once in the step")
             seen.add(o.copy_id)
             pending = self.pending.get(o.copy_id)
-            pages = len(pending.slots) if pending is not None else self.load_pages.get(o.copy_id, (None, None))[1]
+            load = self.load_pages.get(o.copy_id)
+            pages = len(pending.slots) if pending is not None else load.num_pages if load is not None else None
             if pages is not None and o.num_pages_copied > pages:
                 raise InvalidArgument(f"copy {o.copy_id}: num_pages_copied {o.num_pages_copied} exceeds its "
                                       f"{pages} pages")
 
     def apply_outcomes(self, outcomes: Sequence[CopyOutcome]) -> None:
-        """Copies reported complete join their tier; failed pages free their slots. Outcomes of
-        copies not waited for (already reported, or dropped at a re-attach) change nothing."""
+        """Copies reported complete join their tier; failed pages free their slots. A load that
+        failed drops the page it failed on, and what follows it, from its tier (they are bad: the
+        next hit would fail again, and the recomputed pages could never be copied down again).
+        Outcomes of copies not waited for (already reported, of an older reply's loads, or dropped
+        at a re-attach) change nothing."""
+        loads, self.load_pages = self.load_pages, {}
         for o in outcomes:
-            loaded = self.load_pages.pop(o.copy_id, None)
-            if loaded is not None:
-                loaded[0].counters.num_failed_pages += loaded[1] - o.num_pages_copied
+            load = loads.get(o.copy_id)
+            if load is not None:
+                if o.num_pages_copied < load.num_pages:
+                    load.tier.counters.num_failed_pages += load.num_pages - o.num_pages_copied
+                    self._drop_from(load.tier, load.key, load.first_page + o.num_pages_copied, load.namespace)
                 continue
             pending = self.pending.pop(o.copy_id, None)
             if pending is None:
@@ -261,15 +277,28 @@ class PoolTiers:
                 copy = copy._replace(namespace=namespace, page_hashes=path_hashes(node, n))
             self.next_copy_id += 1
             copies.append(copy)
-            self.load_pages[copy.copy_id] = (tier, n)
-            if len(self.load_pages) > MAX_TRACKED_LOADS:
-                self.load_pages.popitem(last=False)
+            self.load_pages[copy.copy_id] = PendingLoad(tier, namespace, path_key(node), start, n)
             tier.counters.num_loaded_pages += n
             if first_admission:
                 tier.counters.hit_tokens += n * self.block_size
             counts[tier.tier] = n
             start, last_hash = pages, node.last_hash
         return TierLoads(copies, counts[TIER_HOST], counts[TIER_DISK], last_hash)
+
+    def _drop_from(self, tier: LowerTier, key: bytes, page: int, namespace: str) -> None:
+        """Remove page `page` of `key` and every page after it from `tier` (slots freed)."""
+        page_bytes = self.block_size * TOKEN_BYTES
+        match = tier.tree.match_prefix(key[: page * page_bytes], namespace)  # splits there
+        if match.last_node is None or match.num_tokens != page * self.block_size:
+            return
+        child = match.last_node.children.get(key[page * page_bytes : (page + 1) * page_bytes])
+        removed = tier.tree.remove_subtree(child) if child is not None else []
+        if removed:
+            tier.allocator.free([s for node in removed for s in node.block_ids])
+            tier.counters.num_evicted_pages += sum(len(node.block_ids) for node in removed)
+            if self.publish is not None:
+                for event in removed_by_namespace(removed, tier.tier):
+                    self.publish(event)
 
     def peek(self, key: bytes, namespace: str, device_pages: int) -> tuple[int, int]:
         """Pages after a device hit of `device_pages` the host, then the disk tier would load: read-only."""

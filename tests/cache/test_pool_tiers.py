@@ -246,3 +246,31 @@ def test_route_prices_tier_hits_between_a_device_hit_and_a_miss() -> None:
     assert registry.route(RouteQuery(token_ids=tuple(long), model_fingerprint="fp")).candidates[1].matched_host_tokens == 0
     (adm,) = step(host, [Admit("c", long)]).admits
     assert adm.admitted and not adm.loads
+
+
+def test_a_failed_load_drops_the_bad_pages_and_the_recomputed_ones_are_copied_down_again() -> None:
+    p = prompt(1, 21)  # 5 cacheable pages, all on disk
+    pool = make(num_blocks=12, disk=8, runs=[DiskRun("", encode_tokens(p[:20]), [0, 1, 2, 3, 4])])
+    (adm,) = step(pool, [Admit("a", p)]).admits
+    (load,) = adm.loads
+    assert len(load.src) == 5
+    # the replica found the third page corrupt: two loaded, the rest recomputed and finished
+    step(pool, finishes=[Finish("a", [], len(p))], outcomes=[CopyOutcome(load.copy_id, 2)])
+    disk = pool.tiers.disk
+    assert disk.tree.total_size == 2 and disk.counters.num_failed_pages == 3
+    assert disk.allocator.num_free_blocks == 6
+    pool.clear()  # the device evicts the recomputed pages: they go down again
+    res = step(pool, [])
+    assert [(c.src_tier, c.dst_tier, len(c.src)) for c in res.offloads] == [(TIER_DEVICE, TIER_DISK, 3)]
+    step(pool, outcomes=done(res.offloads))
+    (adm,) = step(pool, [Admit("b", p)]).admits
+    assert [len(c.src) for c in adm.loads] == [5]
+
+
+def test_a_load_outcome_counts_only_in_the_next_step() -> None:
+    p = prompt(1, 21)
+    pool = make(num_blocks=12, disk=8, runs=[DiskRun("", encode_tokens(p[:20]), [0, 1, 2, 3, 4])])
+    (adm,) = step(pool, [Admit("a", p)]).admits
+    step(pool)
+    step(pool, outcomes=[CopyOutcome(adm.loads[0].copy_id, 0)])  # too late: ignored
+    assert pool.tiers.disk.tree.total_size == 5

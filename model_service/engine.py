@@ -106,6 +106,9 @@ class Engine:
         """`tiers`: the replica's host / disk tiers (model_service/tiers/), None without."""
         self.config = config
         self.tiers = tiers
+        if tiers is not None:  # disk writes finish on their own thread: their outcomes go in a later Step
+            scheduler.finished_copy_outcomes = tiers.finished_outcomes
+            tiers.on_write_done = lambda: self._inbox.put(("wake",))
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler
@@ -212,7 +215,8 @@ class Engine:
         return self.cache.registered and bool(self.scheduler.running)
 
     def _has_work(self) -> bool:
-        return self.scheduler.has_work() or (self._pipeline is not None and self._pipeline.in_flight)
+        return (self.scheduler.has_work() or (self._pipeline is not None and self._pipeline.in_flight)
+                or (self.tiers is not None and self.tiers.has_finished()))
 
     def _step(self) -> None:
         if self._pipeline is not None:
@@ -448,6 +452,8 @@ class Engine:
         # Copies the cache manager may not have seen reported: it stops waiting for them at the
         # re-registration (a kept pool drops its pending copies; a new pool never had them).
         self.scheduler.pending_copy_outcomes.clear()
+        if self.tiers is not None:
+            self.tiers.reset()
         self._sync_counts()
 
     def _abort_all(self, why: str) -> None:

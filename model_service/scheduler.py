@@ -14,7 +14,7 @@ Prefill and decode are one concept: a running request computes tokens
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -150,8 +150,10 @@ class Scheduler:
         self.pending_finishes: list[Request] = []
         # Preempted (or, after a re-attach, stale) requests whose blocks go back in the next plan.
         self.pending_releases: list[FinishRecord] = []
-        # Outcomes of tier copies the engine performed, for the next plan (cache.proto CopyOutcome).
+        # Outcomes of tier copies the engine performed, for the next plan (cache.proto CopyOutcome),
+        # and where the ones finishing later (disk writes) come from.
         self.pending_copy_outcomes: list[object] = []
+        self.finished_copy_outcomes: Callable[[], list[object]] = list
         self._pause_admission = False
         self._lookahead_paused = False  # a lookahead ask failed: ask for need only until space returns
         self._held_back_long = False  # the last batch left a long prefill out for short ones
@@ -240,7 +242,7 @@ class Scheduler:
         token will have one more (its sampled token), and extensions carry lookahead."""
         plan = CachePlan(releases=self.pending_releases,
                          finishes=[self._record(r) for r in self.pending_finishes],
-                         copy_outcomes=self.pending_copy_outcomes)
+                         copy_outcomes=self.pending_copy_outcomes + self.finished_copy_outcomes())
         self.pending_copy_outcomes = []
         if plan.releases or plan.finishes:
             self._admission_refused = False

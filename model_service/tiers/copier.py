@@ -2,8 +2,13 @@
 
 Order (cache.proto "Ordering contract"): the reply's offloads in list order, then each admission's
 loads, all before the forward pass that writes any block the reply handed out. Each copy's outcome
-(leading pages done) goes back in the next Step. A load that fails part-way loads only its
+(leading pages done) goes back in a later Step. A load that fails part-way loads only its
 leading pages; the rest of the prompt is computed, as on a miss.
+
+Writes to the disk tier run on its writer thread: their pages are read (from the KV pool or the
+host tier) into a buffer of their own before the copy returns, which is all the ordering needs,
+and the file writes and checksums overlap the next forward passes. Their outcomes go in the first
+Step after they finish (`finished_outcomes`; `on_write_done` wakes an idle engine to send it).
 
 It also measures what a load costs next to computing: seconds per loaded token over seconds per
 prefilled token (the engine reports its forward passes), sent with every Step as the replica's
@@ -15,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
 from model_service.kv_cache import KVCache
 from model_service.metrics import ModelMetrics
@@ -48,6 +54,9 @@ class TierCopier:
         self.policy = policy
         self.metrics = metrics
         self.page_tokens = kv.block_size
+        self.on_write_done: Callable[[], None] = lambda: None
+        # Disk writes in flight: (copy id, pages, future of the pages written).
+        self._writes: list[tuple[int, int, Future[int]]] = []
         self._seconds_per_token: dict[int, float] = {}  # per tier: loads
         self._sampled_at: dict[int, float] = {}
         self._prefill_seconds_per_token = 0.0
@@ -67,7 +76,61 @@ class TierCopier:
     # ------------------------------------------------------------------ copies
 
     def run_offloads(self, copies: Sequence[cache_pb2.TierCopy]) -> list[cache_pb2.CopyOutcome]:
-        return [self._outcome(copy, self._offload(copy), "offload", copy.dst_tier) for copy in copies]
+        """Performs the offloads, in order; returns the outcomes known now (disk writes report
+        theirs through `finished_outcomes` once on file)."""
+        outcomes = []
+        for copy in copies:
+            if copy.dst_tier == cache_pb2.TIER_DISK and self.disk is not None:
+                future = self._write_to_disk(copy)
+                if future is not None:
+                    future.add_done_callback(lambda _f: self.on_write_done())
+                    self._writes.append((copy.copy_id, len(copy.src), future))
+                    continue
+                outcomes.append(self._outcome(copy.copy_id, len(copy.src), 0, "offload", copy.dst_tier))
+                continue
+            outcomes.append(self._outcome(copy.copy_id, len(copy.src), self._offload(copy), "offload",
+                                          copy.dst_tier))
+        return outcomes
+
+    def finished_outcomes(self) -> list[cache_pb2.CopyOutcome]:
+        """Outcomes of the disk writes finished since the last call."""
+        done, self._writes = [w for w in self._writes if w[2].done()], [w for w in self._writes if not w[2].done()]
+        outcomes = []
+        for copy_id, pages, future in done:
+            try:
+                written = future.result()
+            except Exception:  # a failed write loses its pages, never the replica
+                log.exception("disk tier write %d failed", copy_id)
+                written = 0
+            outcomes.append(self._outcome(copy_id, pages, written, "offload", cache_pb2.TIER_DISK))
+        return outcomes
+
+    def has_finished(self) -> bool:
+        """Whether a disk write finished whose outcome was not taken yet."""
+        return any(w[2].done() for w in self._writes)
+
+    def reset(self) -> None:
+        """The cache pool was lost: finish the disk writes in flight (so the disk is what the next
+        registration announces) and forget their outcomes (of copies the next pool never ordered)."""
+        for _, _, future in self._writes:
+            try:
+                future.result()
+            except Exception:
+                pass
+        self._writes = []
+
+    def _write_to_disk(self, copy: cache_pb2.TierCopy) -> Future[int] | None:
+        assert self.disk is not None
+        src, dst = list(copy.src), list(copy.dst)
+        try:
+            pages = self._pages(copy)
+            if copy.src_tier == cache_pb2.TIER_DEVICE:
+                return self.disk.write_from_device_async(self.kv, src, dst, pages)
+            if copy.src_tier == cache_pb2.TIER_HOST and self.host is not None:
+                return self.disk.write_from_host_async(self.host, src, dst, pages)
+        except Exception:
+            log.exception("tier copy %d failed", copy.copy_id)
+        return None
 
     def run_loads(self, copies: Sequence[cache_pb2.TierCopy]) -> tuple[list[cache_pb2.CopyOutcome], int, int]:
         """One admission's loads (host first, then disk): (outcomes, host tokens loaded, disk tokens
@@ -78,7 +141,7 @@ class TierCopier:
             started = time.perf_counter()
             done = self._load(copy) if whole else 0
             elapsed = time.perf_counter() - started
-            outcomes.append(self._outcome(copy, done, "load", copy.src_tier))
+            outcomes.append(self._outcome(copy.copy_id, len(copy.src), done, "load", copy.src_tier))
             if done:
                 self._observe_load(copy.src_tier, elapsed, done * self.page_tokens)
             loaded[copy.src_tier] = loaded.get(copy.src_tier, 0) + done * self.page_tokens
@@ -91,12 +154,6 @@ class TierCopier:
             if copy.dst_tier == cache_pb2.TIER_HOST and copy.src_tier == cache_pb2.TIER_DEVICE and self.host:
                 self.host.store(self.kv, src, dst)
                 return len(src)
-            if copy.dst_tier == cache_pb2.TIER_DISK and self.disk is not None:
-                pages = self._pages(copy)
-                if copy.src_tier == cache_pb2.TIER_DEVICE:
-                    return self.disk.write_from_device(self.kv, src, dst, pages)
-                if copy.src_tier == cache_pb2.TIER_HOST and self.host is not None:
-                    return self.disk.write_from_host(self.host, src, dst, pages)
         except Exception:  # a failed copy loses its pages, never the replica
             log.exception("tier copy %d failed", copy.copy_id)
             return 0
@@ -125,14 +182,14 @@ class TierCopier:
         return [PageInfo(copy.namespace, copy.parent_hash if i == 0 else hashes[i - 1], h,
                          tokens[i * size:(i + 1) * size]) for i, h in enumerate(hashes)]
 
-    def _outcome(self, copy: cache_pb2.TierCopy, done: int, direction: str, tier: int) -> cache_pb2.CopyOutcome:
+    def _outcome(self, copy_id: int, pages: int, done: int, direction: str, tier: int) -> cache_pb2.CopyOutcome:
         if self.metrics is not None:
             name = TIER_NAMES.get(tier, "?")
             if done:
                 self.metrics.tier_pages.labels(direction, name, "ok").inc(done)
-            if done < len(copy.src):
-                self.metrics.tier_pages.labels(direction, name, "failed").inc(len(copy.src) - done)
-        return cache_pb2.CopyOutcome(copy_id=copy.copy_id, num_pages_copied=done)
+            if done < pages:
+                self.metrics.tier_pages.labels(direction, name, "failed").inc(pages - done)
+        return cache_pb2.CopyOutcome(copy_id=copy_id, num_pages_copied=done)
 
     # ------------------------------------------------------------------ cost
 

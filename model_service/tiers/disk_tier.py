@@ -35,7 +35,10 @@ import hashlib
 import logging
 import os
 import struct
+import threading
+from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -64,6 +67,8 @@ _CHECKSUM = struct.Struct("<Q")
 _U64 = 1 << 64
 # Pages read or gathered per batch: bounds the staging buffer.
 _STAGING_BYTES = 64 << 20
+# Async writes staged and not yet on file: bounds their buffers (a write past it waits).
+_BACKLOG_BYTES = 256 << 20
 
 
 class PageInfo(NamedTuple):
@@ -118,7 +123,8 @@ def _owns(name: str) -> bool:
 
 
 class DiskTier:
-    """Pages of KV in a slot file (see the module docstring). Not thread-safe: one caller."""
+    """Pages of KV in a slot file (see the module docstring). One caller thread; the `*_async`
+    writes run on the tier's own writer thread (the index of held pages is locked for it)."""
 
     def __init__(self, path: str, fd: int, spec: KVCacheSpec, digest: bytes, num_slots: int) -> None:
         self.path = path
@@ -135,6 +141,9 @@ class DiskTier:
         self._staging: torch.Tensor | None = None
         self._copier: PageCopier | None = None
         self._pages: dict[int, _Page] = {}
+        self._index_lock = threading.Lock()  # _pages, against the writer thread
+        self._writer: ThreadPoolExecutor | None = None  # started by the first async write
+        self._backlog: deque[tuple[Future[int], int]] = deque()  # staged writes and their bytes
 
     @staticmethod
     def slot_size_for(spec: KVCacheSpec) -> int:
@@ -188,9 +197,13 @@ class DiskTier:
         os.fsync(self._fd)
 
     def close(self) -> None:
-        """flush() and close the file (idempotent)."""
+        """Finish the async writes, flush() and close the file (idempotent)."""
         if self._fd < 0:
             return
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+            self._backlog.clear()
         try:
             self.flush()
         finally:
@@ -259,23 +272,76 @@ class DiskTier:
                 raise ValueError(f"page hash {page.page_hash:#x} is not the hash of its tokens "
                                  f"after {page.parent_hash:#x} in its namespace")
 
-    def _write_slot(self, slot: int, page: PageInfo, payload: np.ndarray) -> bool:
-        """Invalidate, payload, header (see the module docstring). False (logged) on OSError."""
+    def write_from_device_async(self, kv: KVCache, blocks: Sequence[int], slots: Sequence[int],
+                                pages: Sequence[PageInfo]) -> Future[int]:
+        """`write_from_device` with the file writes on the writer thread: the blocks are read into
+        a buffer of this write's own before this returns (so they may be written again at once);
+        the future gives the leading pages written. Raises as `write_from_device`."""
+        if len(blocks) != len(slots):
+            raise ValueError(f"{len(blocks)} blocks but {len(slots)} disk slots")
+        blk = index_tensor(blocks, kv.num_blocks, "blocks")
+        self._check_writes(slots, pages)
+        copier = self._copier_for(kv)
+        rows = torch.empty((len(slots), *page_shape(self.spec)), dtype=self.spec.dtype, pin_memory=copier.pin)
+        copier.to_rows(blk, torch.arange(len(slots)), rows)
+        return self._submit(slots, pages, rows)
+
+    def write_from_host_async(self, host: HostTier, src_slots: Sequence[int], slots: Sequence[int],
+                              pages: Sequence[PageInfo]) -> Future[int]:
+        """`write_from_host` on the writer thread; the host slots are copied before this returns."""
+        if host.spec != self.spec:
+            raise ValueError(f"the host tier's layout {host.spec} is not the disk tier's {self.spec}")
+        if len(src_slots) != len(slots):
+            raise ValueError(f"{len(src_slots)} host slots but {len(slots)} disk slots")
+        src = index_tensor(src_slots, host.num_slots, "host slots")
+        self._check_writes(slots, pages)
+        return self._submit(slots, pages, host.data.index_select(0, src))
+
+    def _submit(self, slots: Sequence[int], pages: Sequence[PageInfo], rows: torch.Tensor) -> Future[int]:
+        nbytes = rows.numel() * rows.element_size()
+        while self._backlog and (self._backlog[0][0].done() or self._backlog_bytes() + nbytes > _BACKLOG_BYTES):
+            self._backlog.popleft()[0].result()  # bounded memory: wait for the oldest
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="radixkv-disk-tier")
+        future = self._writer.submit(self._write_rows, list(slots), list(pages), rows)
+        self._backlog.append((future, nbytes))
+        return future
+
+    def _backlog_bytes(self) -> int:
+        return sum(n for future, n in self._backlog if not future.done())
+
+    def drain(self) -> None:
+        """Wait for every async write."""
+        while self._backlog:
+            self._backlog.popleft()[0].result()
+
+    def _write_rows(self, slots: list[int], pages: list[PageInfo], rows: torch.Tensor) -> int:
+        data, header = _byte_rows(rows), bytearray(self.header_region)
+        for i, slot in enumerate(slots):
+            if not self._write_slot(slot, pages[i], data[i], header):
+                return i
+        return len(slots)
+
+    def _write_slot(self, slot: int, page: PageInfo, payload: np.ndarray, header: bytearray | None = None) -> bool:
+        """Invalidate, payload, header (see the module docstring). False (logged) on OSError.
+        `header`: the caller's buffer (the writer thread's; default the tier's own)."""
         offset = slot * self.slot_size
-        self._pages.pop(slot, None)
+        with self._index_lock:
+            self._pages.pop(slot, None)
         try:
             _pwrite_all(self._fd, bytes(len(MAGIC)), offset)
             _pwrite_all(self._fd, memoryview(payload), offset + self.header_region)
-            header = self._pack_header(page, xxh3_64_intdigest(memoryview(payload)))
-            _pwrite_all(self._fd, header, offset)
+            packed = self._pack_header(page, xxh3_64_intdigest(memoryview(payload)),
+                                       header if header is not None else self._header)
+            _pwrite_all(self._fd, packed, offset)
         except OSError as e:
             log.warning("disk tier %s: writing slot %d failed: %s", self.path, slot, e)
             return False
-        self._pages[slot] = _Page(page.namespace, page.parent_hash, page.page_hash, bytes(page.token_bytes))
+        with self._index_lock:
+            self._pages[slot] = _Page(page.namespace, page.parent_hash, page.page_hash, bytes(page.token_bytes))
         return True
 
-    def _pack_header(self, page: PageInfo, payload_checksum: int) -> memoryview:
-        buf = self._header
+    def _pack_header(self, page: PageInfo, payload_checksum: int, buf: bytearray) -> memoryview:
         ns = page.namespace.encode()
         _FIXED.pack_into(buf, 0, MAGIC, FORMAT_VERSION, self.spec.block_size, self._digest,
                          page.parent_hash, page.page_hash, payload_checksum, len(ns))
@@ -328,14 +394,16 @@ class DiskTier:
             return False
         page, payload_checksum = self._parse_header(header)
         if page is None:
-            self._pages.pop(slot, None)
+            with self._index_lock:
+                self._pages.pop(slot, None)
             return False
         if (page.namespace, page.page_hash) != tuple(expected):
             return False
         if xxh3_64_intdigest(memoryview(row)) != payload_checksum:
             log.warning("disk tier %s: slot %d fails its payload checksum (torn or corrupt): a miss",
                         self.path, slot)
-            self._pages.pop(slot, None)
+            with self._index_lock:
+                self._pages.pop(slot, None)
             return False
         return True
 
@@ -388,14 +456,16 @@ class DiskTier:
         a namespace. Pages whose chain does not reach a first page are left out; of two slots
         holding the same page, the lower one is used. A shared prefix appears in each run that
         continues it."""
+        with self._index_lock:
+            held = dict(self._pages)
         kept: dict[tuple[str, int], int] = {}
-        for slot in sorted(self._pages):
-            page = self._pages[slot]
+        for slot in sorted(held):
+            page = held[slot]
             kept.setdefault((page.namespace, page.page_hash), slot)
         children: dict[tuple[str, int], list[int]] = {}
         roots: list[int] = []
         for (namespace, _), slot in kept.items():  # slot order (dicts keep insertion order)
-            parent = self._pages[slot].parent_hash
+            parent = held[slot].parent_hash
             if parent == 0:
                 roots.append(slot)
             elif (namespace, parent) in kept:
@@ -411,12 +481,12 @@ class DiskTier:
             seen.add(slot)
             del path[depth:]
             path.append(slot)
-            page = self._pages[slot]
+            page = held[slot]
             below = children.get((page.namespace, page.page_hash))
             if below:
                 stack.extend((child, depth + 1) for child in reversed(below))
             else:
-                runs.append(DiskRun(page.namespace, b"".join(self._pages[s].token_bytes for s in path), list(path)))
+                runs.append(DiskRun(page.namespace, b"".join(held[s].token_bytes for s in path), list(path)))
         return runs
 
     @property

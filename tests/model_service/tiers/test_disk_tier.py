@@ -383,3 +383,28 @@ def test_batches_larger_than_the_staging_buffer(tmp_path: Path) -> None:
         assert tier.load_to_device(dst2, [0, 1, 2, 3, 4], [0, 1, 2, 3, 4], expected(pages)) == 3
         assert [block_bytes(dst2, b) for b in range(3)] == [block_bytes(src, 7 - b) for b in range(3)]
         assert pool_bytes(dst2)[3:] == before[3:]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_async_writes_read_their_source_at_once_and_land_bit_exact(tmp_path: Path, dtype: torch.dtype) -> None:
+    """The blocks (and host slots) are read before the async write returns: overwriting them right
+    after does not change what reaches the file."""
+    spec = small_spec(dtype)
+    src = random_kv(spec, 8, seed=1)
+    want = [block_bytes(src, b) for b in (5, 0, 7)]
+    host = HostTier(spec, 4, pin_memory=False)
+    host.store(src, [2, 3], [0, 1])
+    host_want = [block_bytes(src, b) for b in (2, 3)]
+    pages = sequence_pages("ns", list(range(100, 120)))  # 5 pages
+    with open_tier(tmp_path / "d", spec) as tier:
+        device_write = tier.write_from_device_async(src, [5, 0, 7], [3, 6, 1], pages[:3])
+        host_write = tier.write_from_host_async(host, [0, 1], [2, 4], pages[3:])
+        for layer in range(spec.num_layers):  # the pool and the host tier are written again at once
+            src.k[layer].zero_()
+            src.v[layer].zero_()
+        host.data.zero_()
+        assert device_write.result() == 3 and host_write.result() == 2
+        assert [r.slots for r in tier.runs()] == [[3, 6, 1, 2, 4]]
+        dst = random_kv(spec, 8, seed=2)
+        assert tier.load_to_device(dst, [3, 6, 1, 2, 4], [0, 1, 2, 3, 4], expected(pages)) == 5
+        assert [block_bytes(dst, b) for b in range(5)] == want + host_want

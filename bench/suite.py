@@ -220,6 +220,23 @@ def summary_table(r: Json) -> str:
                 f"TTFT p50 {r[f'fleet_{tag}_ttft_p50_s']:.2f} s, p99 {r[f'fleet_{tag}_ttft_p99_s']:.2f} s, "
                 f"{r[f'fleet_{tag}_tok_s']:.1f} tok/s", ".0f")
     add("router overhead per streamed token ms", r.get("router_overhead_per_token_ms"), None, "", "+.2f")
+    if "tiered_host_tok_s" in r:
+        add(f"tiered multi-turn (working set {_f(r.get('tiered_working_set_over_pool'), '.1f')}x the pool): "
+            "host tier on tok/s", r["tiered_host_tok_s"], None,
+            f"off {_f(r.get('tiered_off_tok_s'), '.1f')} tok/s: {_f(r.get('tiered_host_vs_off_tok_s'), '.2f')}x "
+            f"(target >= 2x), mean TTFT {_f(r.get('tiered_host_vs_off_ttft'), '.2f')}x (<= 0.5x), hit rate "
+            f"{_f(100 * r['tiered_host_hit_rate'], '.0f')}% (>= 80%)"
+            + (f"; write-through {r['tiered_host_wt_vs_off_tok_s']:.2f}x" if "tiered_host_wt_vs_off_tok_s" in r else "")
+            + (f"; disk tier only {r['tiered_disk_vs_off_tok_s']:.2f}x" if "tiered_disk_vs_off_tok_s" in r else ""))
+    if "tiered_host_hit_vs_miss" in r:
+        add(f"tiered {r.get('tiered_prompt_tokens')}-token TTFT: host-tier hit / miss", r["tiered_host_hit_vs_miss"], None,
+            f"target <= 0.1x; disk-tier hit {_f(r.get('tiered_disk_hit_vs_miss'), '.2f')}x (<= 0.2x); restarted on "
+            f"its disk {_f(r.get('tiered_restart_vs_miss'), '.2f')}x (<= 0.2x, "
+            f"{r.get('tiered_restart_cached_disk_tokens')} disk tokens); all-miss loss host "
+            f"{_f(r.get('tiered_all_miss_host_loss_pct'), '+.1f')}% / write-through "
+            f"{_f(r.get('tiered_all_miss_host_wt_loss_pct'), '+.1f')}% / disk "
+            f"{_f(r.get('tiered_all_miss_disk_loss_pct'), '+.1f')}%"
+            f" (<= 3%); greedy identical {_f(100 * (r.get('tiered_greedy_identical') or 0), '.0f')}%", ".2f")
     text = table(rows, ["measure", "radixkv", "transformers", "radixkv speedup", "other baselines / notes"]) if rows else ""
     notes = [f"skipped {k}: {v}" for k, v in (r.get("skipped") or {}).items()]
     notes += [f"FAILED {k}: {v.splitlines()[0] if isinstance(v, str) else v}" for k, v in (r.get("failed") or {}).items()]

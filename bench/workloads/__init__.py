@@ -10,8 +10,9 @@ from bench.workloads.latency import LATENCY
 from bench.workloads.multiturn import MULTITURN
 from bench.workloads.no_share import NO_SHARE
 from bench.workloads.shared_prefix import SHARED_PREFIX, SHARED_PREFIX_LARGE
+from bench.workloads.tiered import TIERED
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
-    SHARED_PREFIX, SHARED_PREFIX_LARGE, MULTITURN, NO_SHARE, CONCURRENCY, LATENCY, CACHE_LINK, CACHE, JOURNAL, STEP, FLEET)}
+    SHARED_PREFIX, SHARED_PREFIX_LARGE, MULTITURN, NO_SHARE, CONCURRENCY, LATENCY, CACHE_LINK, CACHE, JOURNAL, STEP, FLEET, TIERED)}
 
 __all__ = ["WORKLOADS", "Context", "Workload"]

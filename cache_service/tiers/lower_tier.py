@@ -62,9 +62,7 @@ class LowerTier:
             evicted: list[EvictedNode] = []
             if short > 0:
                 evicted = self.tree.evict(min(short, self.tree.evictable_size))
-                freed = [s for node in evicted for s in node.block_ids]
-                self.allocator.free(freed)
-                self.counters.num_evicted_pages += len(freed)
+                self._let_go(evicted)
         finally:
             self.tree.dec_lock_ref(keep)
         slots = self.allocator.allocate(min(n, self.allocator.num_free_blocks))
@@ -97,12 +95,23 @@ class LowerTier:
             self.allocator.free(slots[: existing - first_page])
         return result.new_node
 
-    def evict_all(self) -> list[EvictedNode]:
-        """Every unlocked page leaves the tier (slots freed)."""
-        evicted = self.tree.evict_all()
-        self.allocator.free([s for node in evicted for s in node.block_ids])
-        self.counters.num_evicted_pages += sum(len(node.block_ids) for node in evicted)
-        return evicted
+    def drop_from(self, key: bytes, page: int, namespace: str) -> list[EvictedNode]:
+        """Page `page` of `key` and every page held after it leave the tier (found bad by a load);
+        returns the removed nodes (nothing when they are locked or already gone)."""
+        page_bytes = self.tree.page_size * TOKEN_BYTES
+        match = self.tree.match_prefix(key[: page * page_bytes], namespace)  # splits there
+        if match.last_node is None or match.num_tokens != page * self.tree.page_size:
+            return []
+        child = match.last_node.children.get(key[page * page_bytes : (page + 1) * page_bytes])
+        removed = self.tree.remove_subtree(child) if child is not None else []
+        self._let_go(removed)
+        return removed
+
+    def _let_go(self, nodes: list[EvictedNode]) -> None:
+        """Nodes out of the tree: their slots are free again."""
+        slots = [s for node in nodes for s in node.block_ids]
+        self.allocator.free(slots)
+        self.counters.num_evicted_pages += len(slots)
 
     def stats(self) -> TierStats:
         c = self.counters

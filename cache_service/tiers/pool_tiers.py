@@ -25,9 +25,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from cache_service.block_allocator import BlockAllocator
 from cache_service.errors import IntegrityError, InvalidArgument
 from cache_service.events import EventPayload, removed_by_namespace, stored_from_node
-from cache_service.radix_tree import EvictedNode, TreeNode, path_hashes, path_key, path_values
+from cache_service.radix_tree import EvictedNode, RadixTree, TreeNode, path_hashes, path_key, path_values
 from cache_service.schema import CopyOutcome, DiskRun, TierCopy, TierSpec
 from cache_service.tiers.lower_tier import TIER_DEVICE, TIER_DISK, TIER_HOST, LowerTier
 from common.limits import MAX_ID_BYTES
@@ -152,7 +153,8 @@ class PoolTiers:
             if load is not None:
                 if o.num_pages_copied < load.num_pages:
                     load.tier.counters.num_failed_pages += load.num_pages - o.num_pages_copied
-                    self._drop_from(load.tier, load.key, load.first_page + o.num_pages_copied, load.namespace)
+                    removed = load.tier.drop_from(load.key, load.first_page + o.num_pages_copied, load.namespace)
+                    self._published_removed(load.tier, removed)
                 continue
             pending = self.pending.pop(o.copy_id, None)
             if pending is None:
@@ -222,8 +224,11 @@ class PoolTiers:
         if tier.tier == TIER_HOST and self.disk is not None:
             for node in _batch_leaves(evicted):
                 self._copy_down(node, TIER_HOST)
+        self._published_removed(tier, evicted)
+
+    def _published_removed(self, tier: LowerTier, removed: list[EvictedNode]) -> None:
         if self.publish is not None:
-            for event in removed_by_namespace(evicted, tier.tier):
+            for event in removed_by_namespace(removed, tier.tier):
                 self.publish(event)
 
     # ------------------------------------------------------------------ loads
@@ -285,36 +290,18 @@ class PoolTiers:
             start, last_hash = pages, node.last_hash
         return TierLoads(copies, counts[TIER_HOST], counts[TIER_DISK], last_hash)
 
-    def _drop_from(self, tier: LowerTier, key: bytes, page: int, namespace: str) -> None:
-        """Remove page `page` of `key` and every page after it from `tier` (slots freed)."""
-        page_bytes = self.block_size * TOKEN_BYTES
-        match = tier.tree.match_prefix(key[: page * page_bytes], namespace)  # splits there
-        if match.last_node is None or match.num_tokens != page * self.block_size:
-            return
-        child = match.last_node.children.get(key[page * page_bytes : (page + 1) * page_bytes])
-        removed = tier.tree.remove_subtree(child) if child is not None else []
-        if removed:
-            tier.allocator.free([s for node in removed for s in node.block_ids])
-            tier.counters.num_evicted_pages += sum(len(node.block_ids) for node in removed)
-            if self.publish is not None:
-                for event in removed_by_namespace(removed, tier.tier):
-                    self.publish(event)
-
     def peek(self, key: bytes, namespace: str, device_pages: int) -> tuple[int, int]:
         """Pages after a device hit of `device_pages` the host, then the disk tier would load: read-only."""
-        covered, found = device_pages, []
-        for tier in (self.host, self.disk):
-            pages = tier.peek_pages(key, namespace) if tier is not None and self.load_cost(tier.tier) < 1.0 else 0
-            found.append(max(0, pages - covered))
-            covered = max(covered, pages)
-        return found[0], found[1]
+        return self._peek(lambda tier: tier.peek_pages(key, namespace), device_pages)
 
     def peek_hashes(self, hashes: Sequence[int], namespace: str, device_pages: int) -> tuple[int, int]:
         """`peek` for a prompt given as its page hash chain."""
+        return self._peek(lambda tier: tier.tree.peek_hashes(hashes, namespace), device_pages)
+
+    def _peek(self, held: Callable[[LowerTier], int], device_pages: int) -> tuple[int, int]:
         covered, found = device_pages, []
         for tier in (self.host, self.disk):
-            pages = (tier.tree.peek_hashes(hashes, namespace)
-                     if tier is not None and self.load_cost(tier.tier) < 1.0 else 0)
+            pages = held(tier) if tier is not None and self.load_cost(tier.tier) < 1.0 else 0
             found.append(max(0, pages - covered))
             covered = max(covered, pages)
         return found[0], found[1]
@@ -354,10 +341,10 @@ class PoolTiers:
             owned_list = []
         if (not owned_list or any(disk.tree.peek_prefix(run.token_bytes, run.namespace).block_ids != run.slots
                                   for run in runs)):
-            disk.tree = type(disk.tree)(self.block_size)
+            disk.tree = RadixTree(self.block_size)
             raise InvalidArgument("disk runs name one slot for two different pages")
         owned = set(owned_list)
-        disk.allocator = type(disk.allocator).restore(
+        disk.allocator = BlockAllocator.restore(
             disk.num_slots, [s for s in range(disk.num_slots - 1, -1, -1) if s not in owned],
             [1 if s in owned else 0 for s in range(disk.num_slots)])
         return len(owned)

@@ -37,7 +37,7 @@ import os
 import struct
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -136,7 +136,7 @@ class DiskTier:
         self.header_size = _header_size(spec)
         self.header_region = _round_up(self.header_size, ALIGN)
         self.slot_size = self.slot_size_for(spec)
-        self._header = bytearray(self.header_region)  # reused by every read and write
+        self._header = bytearray(self.header_region)  # reused by every read (writes: the writer's own)
         self._staging_rows = max(1, _STAGING_BYTES // self.payload_size)
         self._staging: torch.Tensor | None = None
         self._copier: PageCopier | None = None
@@ -221,39 +221,15 @@ class DiskTier:
     def write_from_device(self, kv: KVCache, blocks: Sequence[int], slots: Sequence[int],
                           pages: Sequence[PageInfo]) -> int:
         """Write device block blocks[i] to slot slots[i] as page pages[i]. Returns how many
-        leading pages were written (an OSError stops the writes and is logged). ValueError,
+        leading pages were written (an OSError stops its batch of writes and is logged). ValueError,
         nothing written, on ids out of range, unequal lengths, a repeated slot or a bad page."""
-        if len(blocks) != len(slots):
-            raise ValueError(f"{len(blocks)} blocks but {len(slots)} disk slots")
-        blk = index_tensor(blocks, kv.num_blocks, "blocks")
-        self._check_writes(slots, pages)
-        copier = self._copier_for(kv)
-        staging, rows = self._staging_for(copier, len(slots))
-        done = 0
-        for start in range(0, len(slots), staging.shape[0]):
-            end = min(start + staging.shape[0], len(slots))
-            copier.to_rows(blk[start:end], torch.arange(end - start), staging)
-            for i in range(start, end):
-                if not self._write_slot(slots[i], pages[i], rows[i - start]):
-                    return done
-                done += 1
-        return done
+        return self.write_from_device_async(kv, blocks, slots, pages).result()
 
     def write_from_host(self, host: HostTier, src_slots: Sequence[int], slots: Sequence[int],
                         pages: Sequence[PageInfo]) -> int:
-        """Write host slot src_slots[i] to disk slot slots[i] as page pages[i] (no copy: the host
-        slot is the payload). Returns and raises as `write_from_device`."""
-        if host.spec != self.spec:
-            raise ValueError(f"the host tier's layout {host.spec} is not the disk tier's {self.spec}")
-        if len(src_slots) != len(slots):
-            raise ValueError(f"{len(src_slots)} host slots but {len(slots)} disk slots")
-        index_tensor(src_slots, host.num_slots, "host slots")
-        self._check_writes(slots, pages)
-        rows = _byte_rows(host.data)
-        for i, slot in enumerate(slots):
-            if not self._write_slot(slot, pages[i], rows[src_slots[i]]):
-                return i
-        return len(slots)
+        """Write host slot src_slots[i] to disk slot slots[i] as page pages[i]. Returns and
+        raises as `write_from_device`."""
+        return self.write_from_host_async(host, src_slots, slots, pages).result()
 
     def _check_writes(self, slots: Sequence[int], pages: Sequence[PageInfo]) -> None:
         if len(slots) != len(pages):
@@ -275,16 +251,20 @@ class DiskTier:
     def write_from_device_async(self, kv: KVCache, blocks: Sequence[int], slots: Sequence[int],
                                 pages: Sequence[PageInfo]) -> Future[int]:
         """`write_from_device` with the file writes on the writer thread: the blocks are read into
-        a buffer of this write's own before this returns (so they may be written again at once);
+        buffers of this write's own before this returns (so they may be written again at once);
         the future gives the leading pages written. Raises as `write_from_device`."""
         if len(blocks) != len(slots):
             raise ValueError(f"{len(blocks)} blocks but {len(slots)} disk slots")
         blk = index_tensor(blocks, kv.num_blocks, "blocks")
         self._check_writes(slots, pages)
         copier = self._copier_for(kv)
-        rows = torch.empty((len(slots), *page_shape(self.spec)), dtype=self.spec.dtype, pin_memory=copier.pin)
-        copier.to_rows(blk, torch.arange(len(slots)), rows)
-        return self._submit(slots, pages, rows)
+
+        def stage(lo: int, hi: int) -> torch.Tensor:
+            rows = torch.empty((hi - lo, *page_shape(self.spec)), dtype=self.spec.dtype, pin_memory=copier.pin)
+            copier.to_rows(blk[lo:hi], torch.arange(hi - lo), rows)
+            return rows
+
+        return self._submit(slots, pages, stage)
 
     def write_from_host_async(self, host: HostTier, src_slots: Sequence[int], slots: Sequence[int],
                               pages: Sequence[PageInfo]) -> Future[int]:
@@ -295,17 +275,27 @@ class DiskTier:
             raise ValueError(f"{len(src_slots)} host slots but {len(slots)} disk slots")
         src = index_tensor(src_slots, host.num_slots, "host slots")
         self._check_writes(slots, pages)
-        return self._submit(slots, pages, host.data.index_select(0, src))
+        return self._submit(slots, pages, lambda lo, hi: host.data.index_select(0, src[lo:hi]))
 
-    def _submit(self, slots: Sequence[int], pages: Sequence[PageInfo], rows: torch.Tensor) -> Future[int]:
-        nbytes = rows.numel() * rows.element_size()
-        while self._backlog and (self._backlog[0][0].done() or self._backlog_bytes() + nbytes > _BACKLOG_BYTES):
-            self._backlog.popleft()[0].result()  # bounded memory: wait for the oldest
+    def _submit(self, slots: Sequence[int], pages: Sequence[PageInfo],
+                stage: Callable[[int, int], torch.Tensor]) -> Future[int]:
+        """Queue the writes of pages [0, n), staged (`stage(lo, hi)`: their rows) a batch of at
+        most `_staging_rows` pages at a time, each batch waiting while the staged bytes not yet on
+        file would pass `_BACKLOG_BYTES`. The future gives the leading pages written."""
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="radixkv-disk-tier")
-        future = self._writer.submit(self._write_rows, list(slots), list(pages), rows)
-        self._backlog.append((future, nbytes))
-        return future
+        batches: list[tuple[Future[int], int]] = []
+        for lo in range(0, len(slots), self._staging_rows):
+            hi = min(lo + self._staging_rows, len(slots))
+            rows = stage(lo, hi)
+            nbytes = rows.numel() * rows.element_size()
+            while self._backlog and (self._backlog[0][0].done() or self._backlog_bytes() + nbytes > _BACKLOG_BYTES):
+                self._backlog.popleft()[0].result()  # bounded memory: wait for the oldest
+            future = self._writer.submit(self._write_rows, list(slots[lo:hi]), list(pages[lo:hi]), rows)
+            self._backlog.append((future, nbytes))
+            batches.append((future, hi - lo))
+        # The single writer thread runs in order: by the time this runs, every batch is done.
+        return self._writer.submit(_leading_written, batches)
 
     def _backlog_bytes(self) -> int:
         return sum(n for future, n in self._backlog if not future.done())
@@ -324,7 +314,7 @@ class DiskTier:
 
     def _write_slot(self, slot: int, page: PageInfo, payload: np.ndarray, header: bytearray | None = None) -> bool:
         """Invalidate, payload, header (see the module docstring). False (logged) on OSError.
-        `header`: the caller's buffer (the writer thread's; default the tier's own)."""
+        `header`: the writer thread's buffer (default the tier's own, which the reads use)."""
         offset = slot * self.slot_size
         with self._index_lock:
             self._pages.pop(slot, None)
@@ -512,6 +502,17 @@ class DiskTier:
             self._staging = torch.empty((rows, *page_shape(self.spec)), dtype=self.spec.dtype,
                                         pin_memory=copier.pin)
         return self._staging, _byte_rows(self._staging)
+
+
+def _leading_written(batches: list[tuple[Future[int], int]]) -> int:
+    """Pages written before the first batch that stopped short."""
+    written = 0
+    for future, pages in batches:
+        done = future.result()
+        written += done
+        if done < pages:
+            break
+    return written
 
 
 def _byte_rows(rows: torch.Tensor) -> np.ndarray:

@@ -408,3 +408,15 @@ def test_async_writes_read_their_source_at_once_and_land_bit_exact(tmp_path: Pat
         dst = random_kv(spec, 8, seed=2)
         assert tier.load_to_device(dst, [3, 6, 1, 2, 4], [0, 1, 2, 3, 4], expected(pages)) == 5
         assert [block_bytes(dst, b) for b in range(5)] == want + host_want
+
+
+def test_a_write_larger_than_a_staging_batch_is_staged_batch_by_batch(tmp_path: Path) -> None:
+    spec = small_spec(torch.float32)
+    src = random_kv(spec, 8, seed=3)
+    pages = sequence_pages("ns", list(range(100, 120)))  # 5 pages
+    with open_tier(tmp_path / "d", spec) as tier:
+        tier._staging_rows = 2  # 3 batches: 2 + 2 + 1
+        assert tier.write_from_device(src, [4, 3, 2, 1, 0], [0, 1, 2, 3, 4], pages) == 5
+        dst = random_kv(spec, 8, seed=4)
+        assert tier.load_to_device(dst, [0, 1, 2, 3, 4], [0, 1, 2, 3, 4], expected(pages)) == 5
+        assert [block_bytes(dst, b) for b in range(5)] == [block_bytes(src, b) for b in (4, 3, 2, 1, 0)]

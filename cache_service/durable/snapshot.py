@@ -24,6 +24,7 @@ from typing import Any
 from cache_service.block_allocator import BlockAllocator
 from cache_service.errors import IntegrityError
 from cache_service.events import EventLog
+from cache_service.page_hash import page_hashes
 from cache_service.pool import Pool, RequestState
 from cache_service.radix_tree import RadixTree, TreeNode
 from cache_service.routed import RoutedRequest
@@ -298,7 +299,8 @@ def restore_tiers(tiers: PoolTiers, data: dict[str, Any]) -> None:
         tier.allocator = BlockAllocator.restore(tier.num_slots, _unpack(row["free"]), refcounts)
         tier.counters = TierCounters(*row["counters"])
     for copy_id, tier, ns, key, first, slots in pending:
-        tiers.pending[copy_id] = PendingCopy(tier, ns, key, first, slots)
+        hashes = page_hashes(0, ns, key, tiers.block_size)[first:first + len(slots)]
+        tiers.add_pending(copy_id, PendingCopy(tier, ns, key, first, slots, hashes))
     for copy_id, tier, ns, key, first, n in data["load_pages"]:
         tiers.load_pages[copy_id] = PendingLoad(by_tier[tier], ns, base64.b64decode(key), first, n)
     tiers.queue.from_host = [_copy_of(r) for r in data["queue"][0]]

@@ -52,6 +52,7 @@ class PendingCopy:
     key: bytes  # the whole prefix through the copy's last page (encoded tokens)
     first_page: int
     slots: list[int]
+    hashes: list[int]  # of its pages (a later copy of the same pages skips them)
 
 
 @dataclass(slots=True)
@@ -112,6 +113,8 @@ class PoolTiers:
         self.load_costs = {TIER_HOST: 0.0, TIER_DISK: 0.0}
         self.next_copy_id = 1
         self.pending: dict[int, PendingCopy] = {}
+        # (tier, page hash) of every page a pending copy writes, and how many copies write it.
+        self.pending_pages: dict[tuple[int, int], int] = {}
         self.loading: list[tuple[LowerTier, TreeNode]] = []  # locked for the current Step
         # Loads of the last reply: their outcome comes in the next Step (and only then).
         self.load_pages: dict[int, PendingLoad] = {}
@@ -156,7 +159,7 @@ class PoolTiers:
                     removed = load.tier.drop_from(load.key, load.first_page + o.num_pages_copied, load.namespace)
                     self._published_removed(load.tier, removed)
                 continue
-            pending = self.pending.pop(o.copy_id, None)
+            pending = self._pop_pending(o.copy_id)
             if pending is None:
                 continue
             tier, done = pending.tier, o.num_pages_copied
@@ -201,6 +204,17 @@ class PoolTiers:
         held = match.num_tokens // ps
         if held >= end:
             return
+        # Pages an earlier copy is still writing are not copied again (a leaf's copy takes the
+        # pages before it that the tier lacks; evicting those next must not write them twice):
+        # this copy extends that one, and commits after it (outcomes come in copy order).
+        hashes = path_hashes(node, end - held)
+        writing = 0
+        while writing < len(hashes) and (dst.tier, hashes[writing]) in self.pending_pages:
+            writing += 1
+        if writing == len(hashes):
+            return
+        held += writing
+        hashes = hashes[writing:]
         slots, evicted = dst.reserve(end - held, keep=match.last_node)
         if evicted:
             self._left_tier(dst, evicted)
@@ -208,16 +222,34 @@ class PoolTiers:
             return
         n = len(slots)
         src = path_values(node, end - held)[:n]
+        hashes = hashes[:n]
         copy = TierCopy(self.next_copy_id, src_tier, dst.tier, src, slots)
         if dst.tier == TIER_DISK:  # a disk slot records its page (docs/tiers.md, disk format)
-            hashes = path_hashes(node, end - held)[:n]
             parent = path_hashes(node, end - held + 1)[0] if held else 0
             lo = held * ps * TOKEN_BYTES
             copy = copy._replace(namespace=namespace, parent_hash=parent, page_hashes=hashes,
                                  token_bytes=key[lo : lo + n * ps * TOKEN_BYTES])
-        self.pending[copy.copy_id] = PendingCopy(dst, namespace, key[: (held + n) * ps * TOKEN_BYTES], held, slots)
+        self.add_pending(copy.copy_id, PendingCopy(dst, namespace, key[: (held + n) * ps * TOKEN_BYTES], held,
+                                                   slots, hashes))
         self.next_copy_id += 1
         (self.queue.from_device if src_tier == TIER_DEVICE else self.queue.from_host).append(copy)
+
+    def add_pending(self, copy_id: int, pending: PendingCopy) -> None:
+        """A copy down ordered: its slots wait for its outcome."""
+        self.pending[copy_id] = pending
+        for h in pending.hashes:
+            at = (pending.tier.tier, h)
+            self.pending_pages[at] = self.pending_pages.get(at, 0) + 1
+
+    def _pop_pending(self, copy_id: int) -> PendingCopy | None:
+        pending = self.pending.pop(copy_id, None)
+        if pending is not None:
+            for h in pending.hashes:
+                at = (pending.tier.tier, h)
+                left = self.pending_pages.pop(at) - 1
+                if left:
+                    self.pending_pages[at] = left
+        return pending
 
     def _left_tier(self, tier: LowerTier, evicted: list[EvictedNode]) -> None:
         """Pages evicted from `tier`: host pages go down to the disk tier; events either way."""
@@ -313,6 +345,7 @@ class PoolTiers:
         for pending in self.pending.values():
             pending.tier.release(pending.slots)
         self.pending.clear()
+        self.pending_pages.clear()
         self.load_pages.clear()
         self.queue = _Queue()
 
@@ -351,13 +384,20 @@ class PoolTiers:
 
     def check_integrity(self) -> None:
         pending = {t.name: 0 for t in self.tiers}
+        pages: dict[tuple[int, int], int] = {}
         for p in self.pending.values():
             pending[p.tier.name] += len(p.slots)
+            if len(p.hashes) != len(p.slots):
+                raise IntegrityError(f"a pending copy to the {p.tier.name} tier has {len(p.slots)} slots "
+                                     f"but {len(p.hashes)} page hashes")
+            for h in p.hashes:
+                pages[(p.tier.tier, h)] = pages.get((p.tier.tier, h), 0) + 1
+        if pages != self.pending_pages:
+            raise IntegrityError("the index of pages being copied down differs from the pending copies")
         for tier in self.tiers:
             if pending[tier.name] != tier.num_pending:
                 raise IntegrityError(f"{tier.name} tier: pending counter {tier.num_pending} != {pending[tier.name]}")
             tier.check_integrity()
-
 
 
 def _batch_leaves(evicted: Sequence[EvictedNode]) -> list[TreeNode]:

@@ -274,3 +274,43 @@ def test_a_load_outcome_counts_only_in_the_next_step() -> None:
     step(pool)
     step(pool, outcomes=[CopyOutcome(adm.loads[0].copy_id, 0)])  # too late: ignored
     assert pool.tiers.disk.tree.total_size == 5
+
+
+def test_pages_a_copy_is_still_writing_are_not_copied_again() -> None:
+    """A leaf's copy takes the pages before it that the tier lacks; a later copy through those
+    pages, ordered before the first is reported, does not write them a second time: it extends
+    the first and commits after it (outcomes come in copy order)."""
+    pool = make(num_blocks=12, host=12)
+    a = prompt(1, 8)
+    run(pool, "a", a)  # node A: 2 pages
+    run(pool, "b", a + prompt(2, 8))  # B below A: 2 more
+    run(pool, "c", a + prompt(3, 8))  # C below A, B's sibling
+    assert pool.evict(2) == 2  # the LRU leaf B: its copy takes A's pages too
+    first = step(pool).offloads
+    assert [len(c.src) for c in first] == [4]
+    assert pool.evict(2) == 2  # C, while A + B is in flight: only C's own pages
+    second = step(pool).offloads
+    assert [len(c.src) for c in second] == [2]
+    assert pool.evict(2) == 2  # A, in flight: nothing to copy
+    assert step(pool).offloads == [] and pool.tiers.host.num_pending == 6
+    step(pool, outcomes=done(first) + done(second))
+    host = pool.tiers.host
+    assert host.tree.total_size == 6 and host.num_pending == 0
+    assert host.peek_pages(encode_tokens(a + prompt(3, 8)), "") == 4  # C after A: a whole prefix
+
+
+def test_a_copy_extending_a_failed_one_is_dropped_whole() -> None:
+    """When the copy whose pages a later copy skipped fails, the later one has no prefix to hang
+    from: its pages are released, never held without the pages before them."""
+    pool = make(num_blocks=12, host=12)
+    a = prompt(1, 8)
+    run(pool, "a", a)
+    run(pool, "b", a + prompt(2, 8))
+    run(pool, "c", a + prompt(3, 8))
+    pool.evict(2)
+    first = step(pool).offloads
+    pool.evict(2)
+    second = step(pool).offloads
+    step(pool, outcomes=done(first, pages=0) + done(second))
+    host = pool.tiers.host
+    assert host.tree.total_size == 0 and host.num_pending == 0 and host.allocator.num_free_blocks == 12

@@ -173,7 +173,9 @@ def test_snapshot_of_a_lower_tier_gives_its_slots() -> None:
         log = EventLog()
         pool = make_pool(log)
         work = TierWorkload(pool, seed=5)
-        for _ in range(80):
+        for i in range(400):  # 80 ops, then on until every tier holds a page
+            if i >= 80 and all(t.tree.total_size for t in pool.tiers.tiers):
+                break
             work.op()
         watch = Watch(log, [pool], WatchRequest(snapshot=True), max_lag=10_000)
         try:

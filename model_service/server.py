@@ -191,10 +191,12 @@ def build_tiers(config: ModelServiceConfig, kv_cache: KVCache, fingerprint: str,
     if config.disk_cache_dir:
         if config.disk_cache_bytes < DiskTier.slot_size_for(spec):
             raise ValueError(f"--disk-cache-gib holds no page (a page takes {DiskTier.slot_size_for(spec)} bytes)")
-        disk = DiskTier.open(config.disk_cache_dir, spec, fingerprint, config.disk_cache_bytes)
+        disk = DiskTier.open(config.disk_cache_dir, spec, fingerprint, config.disk_cache_bytes,
+                             pin_memory=device.type == "cuda")
     log.info("KV tiers: host %s, disk %s, offload policy %s",
              f"{host.num_slots} pages ({host.num_bytes / 2**30:.2f} GiB)" if host is not None else "off",
-             f"{disk.num_slots} pages in {disk.path} ({disk.num_pages} held from an earlier run)"
+             f"{disk.num_slots} pages in {disk.path} ({disk.num_pages} held from an earlier run; "
+             f"{'direct' if disk.direct else 'buffered'} I/O)"
              if disk is not None else "off", config.offload_policy)
     return TierCopier(kv_cache, host, disk, config.offload_policy, metrics)
 

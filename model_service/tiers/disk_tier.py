@@ -14,8 +14,12 @@ Slot i lives at offset i * slot_size: a header region (4096-byte aligned) then t
 Payload: the page's KV, [num_layers, 2 (K, V), block_size, num_kv_heads, head_dim], raw bytes
 of the dtype (the host tier's slot, byte for byte).
 
-A write zeroes the slot's magic first, then writes the payload, then the header, so a write cut
-short by a crash leaves a slot that reads as empty, never as valid. fsync policy: none per
+A write zeroes the slot's header region first, then writes the payload, then the header (each
+region whole), so a write cut short by a crash leaves a slot that reads as empty, never as valid.
+I/O is direct (O_DIRECT, from 4096-aligned buffers) where the file system takes it, buffered
+where it does not (tmpfs on older kernels): a KV page is written once and read rarely, so the
+page cache would only hold a second copy of it, cost a copy and page allocations on every write
+and a writeback later, on the cores the forward passes use. fsync policy: none per
 write. The tier is a cache: a page lost at power failure is a miss, and a page whose header
 reached the disk without its payload (the kernel may write back pages in any order) fails its
 payload checksum, which `load_to_device` verifies before copying anything: a torn or corrupt
@@ -65,10 +69,11 @@ FILE_SUFFIX = ".slots"
 _FIXED = struct.Struct("<8sII32sQQQH")
 _CHECKSUM = struct.Struct("<Q")
 _U64 = 1 << 64
-# Pages read or gathered per batch: bounds the staging buffer.
-_STAGING_BYTES = 64 << 20
-# Async writes staged and not yet on file: bounds their buffers (a write past it waits).
-_BACKLOG_BYTES = 256 << 20
+# Pages read per batch, and at most per batch of a write: bounds the loads' staging rows.
+_STAGING_BYTES = 32 << 20
+# Async writes staged and not yet on file: the size of their ring of page rows (a write that
+# finds it full waits for the oldest).
+_BACKLOG_BYTES = 128 << 20
 
 
 class PageInfo(NamedTuple):
@@ -136,14 +141,17 @@ class DiskTier:
         self.header_size = _header_size(spec)
         self.header_region = _round_up(self.header_size, ALIGN)
         self.slot_size = self.slot_size_for(spec)
-        self._header = bytearray(self.header_region)  # reused by every read (writes: the writer's own)
+        self.direct = False  # O_DIRECT (set by `open` where the file system takes it)
+        self._header = _aligned_bytes(self.header_region)  # reused by every read
+        self._write_header = _aligned_bytes(self.header_region)  # the writer thread's
+        self._empty_header = _aligned_bytes(self.header_region)  # zeros: invalidates a slot
         self._staging_rows = max(1, _STAGING_BYTES // self.payload_size)
         self._staging: torch.Tensor | None = None
         self._copier: PageCopier | None = None
         self._pages: dict[int, _Page] = {}
         self._index_lock = threading.Lock()  # _pages, against the writer thread
         self._writer: ThreadPoolExecutor | None = None  # started by the first async write
-        self._backlog: deque[tuple[Future[int], int]] = deque()  # staged writes and their bytes
+        self._ring: _StagingRing | None = None  # the async writes' staged pages (made by the first)
 
     @staticmethod
     def slot_size_for(spec: KVCacheSpec) -> int:
@@ -151,9 +159,11 @@ class DiskTier:
         return _round_up(_header_size(spec), ALIGN) + _round_up(spec.bytes_per_block, ALIGN)
 
     @classmethod
-    def open(cls, directory: str, spec: KVCacheSpec, model_fingerprint: str, num_bytes: int) -> DiskTier:
+    def open(cls, directory: str, spec: KVCacheSpec, model_fingerprint: str, num_bytes: int,
+             pin_memory: bool = False) -> DiskTier:
         """Open (creating or resizing) the slot file for this model and KV layout in `directory`,
-        with num_bytes // slot_size slots, and scan it. Raises ValueError when that is not one
+        with num_bytes // slot_size slots, and scan it; its ring of staging rows is allocated and
+        touched now, pinned if `pin_memory` (the pool is on CUDA). Raises ValueError when that is not one
         slot, OSError when the directory holds files that are not slot files, can't be made
         private, the file can't be preallocated or another process has it open."""
         num_slots = num_bytes // cls.slot_size_for(spec)
@@ -170,7 +180,11 @@ class DiskTier:
                 raise OSError(errno.EBUSY, f"{path} is in use by another process") from None
             tier = cls(path, fd, spec, layout_digest(spec, model_fingerprint), num_slots)
             tier._size_file()
+            tier._set_direct(tier.payload_size % ALIGN == 0)
             tier.scan()
+            tier._ring = tier._new_ring(pin_memory)
+            tier._staging = _aligned_rows(min(tier._staging_rows, num_slots), spec, pin_memory)
+            tier._staging.view(torch.uint8).zero_()  # touched now, not by the first load
         except BaseException:
             os.close(fd)
             raise
@@ -190,6 +204,19 @@ class DiskTier:
                     raise
                 os.ftruncate(self._fd, size)
 
+    def _set_direct(self, on: bool) -> None:
+        """O_DIRECT on the file, if asked and the file system takes it."""
+        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, (flags | os.O_DIRECT) if on else (flags & ~os.O_DIRECT))
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            on = False
+        if self.direct and not on:
+            log.warning("disk tier %s: direct I/O refused, buffered I/O from now on", self.path)
+        self.direct = on
+
     # ------------------------------------------------------------------ lifecycle
 
     def flush(self) -> None:
@@ -203,7 +230,7 @@ class DiskTier:
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
-            self._backlog.clear()
+            self._ring = None
         try:
             self.flush()
         finally:
@@ -259,12 +286,10 @@ class DiskTier:
         self._check_writes(slots, pages)
         copier = self._copier_for(kv)
 
-        def stage(lo: int, hi: int) -> torch.Tensor:
-            rows = torch.empty((hi - lo, *page_shape(self.spec)), dtype=self.spec.dtype, pin_memory=copier.pin)
+        def stage(lo: int, hi: int, rows: torch.Tensor) -> None:
             copier.to_rows(blk[lo:hi], torch.arange(hi - lo), rows)
-            return rows
 
-        return self._submit(slots, pages, stage)
+        return self._submit(slots, pages, stage, copier.pin)
 
     def write_from_host_async(self, host: HostTier, src_slots: Sequence[int], slots: Sequence[int],
                               pages: Sequence[PageInfo]) -> Future[int]:
@@ -275,55 +300,67 @@ class DiskTier:
             raise ValueError(f"{len(src_slots)} host slots but {len(slots)} disk slots")
         src = index_tensor(src_slots, host.num_slots, "host slots")
         self._check_writes(slots, pages)
-        return self._submit(slots, pages, lambda lo, hi: host.data.index_select(0, src[lo:hi]))
+
+        def stage(lo: int, hi: int, rows: torch.Tensor) -> None:
+            torch.index_select(host.data, 0, src[lo:hi], out=rows)
+
+        return self._submit(slots, pages, stage, False)
 
     def _submit(self, slots: Sequence[int], pages: Sequence[PageInfo],
-                stage: Callable[[int, int], torch.Tensor]) -> Future[int]:
-        """Queue the writes of pages [0, n), staged (`stage(lo, hi)`: their rows) a batch of at
-        most `_staging_rows` pages at a time, each batch waiting while the staged bytes not yet on
-        file would pass `_BACKLOG_BYTES`. The future gives the leading pages written."""
+                stage: Callable[[int, int, torch.Tensor], None], pin: bool) -> Future[int]:
+        """Queue the writes of pages [0, n), staged (`stage(lo, hi, rows)` fills their rows) into
+        the ring a batch of at most `_staging_rows` pages at a time. The future gives the leading
+        pages written."""
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="radixkv-disk-tier")
+        if self._ring is None or self._ring.pin != pin:
+            self.drain()
+            self._ring = self._new_ring(pin)
+        ring = self._ring
         batches: list[tuple[Future[int], int]] = []
-        for lo in range(0, len(slots), self._staging_rows):
-            hi = min(lo + self._staging_rows, len(slots))
-            rows = stage(lo, hi)
-            nbytes = rows.numel() * rows.element_size()
-            while self._backlog and (self._backlog[0][0].done() or self._backlog_bytes() + nbytes > _BACKLOG_BYTES):
-                self._backlog.popleft()[0].result()  # bounded memory: wait for the oldest
+        step = min(self._staging_rows, ring.num_rows)
+        for lo in range(0, len(slots), step):
+            hi = min(lo + step, len(slots))
+            start, rows = ring.take(hi - lo)
+            stage(lo, hi, rows)
             future = self._writer.submit(self._write_rows, list(slots[lo:hi]), list(pages[lo:hi]), rows)
-            self._backlog.append((future, nbytes))
+            ring.hold(start, hi - lo, future)
             batches.append((future, hi - lo))
         # The single writer thread runs in order: by the time this runs, every batch is done.
         return self._writer.submit(_leading_written, batches)
 
-    def _backlog_bytes(self) -> int:
-        return sum(n for future, n in self._backlog if not future.done())
+    def _new_ring(self, pin: bool) -> _StagingRing:
+        # No more rows than slots: a slot is written once until its write is reported.
+        return _StagingRing(max(1, min(_BACKLOG_BYTES // self.payload_size, self.num_slots)), self.spec, pin)
 
     def drain(self) -> None:
         """Wait for every async write."""
-        while self._backlog:
-            self._backlog.popleft()[0].result()
+        if self._ring is not None:
+            self._ring.drain()
 
     def _write_rows(self, slots: list[int], pages: list[PageInfo], rows: torch.Tensor) -> int:
-        data, header = _byte_rows(rows), bytearray(self.header_region)
+        data = _byte_rows(rows)
         for i, slot in enumerate(slots):
-            if not self._write_slot(slot, pages[i], data[i], header):
+            if not self._write_slot(slot, pages[i], data[i]):
                 return i
         return len(slots)
 
-    def _write_slot(self, slot: int, page: PageInfo, payload: np.ndarray, header: bytearray | None = None) -> bool:
-        """Invalidate, payload, header (see the module docstring). False (logged) on OSError.
-        `header`: the writer thread's buffer (default the tier's own, which the reads use)."""
+    def _write_slot(self, slot: int, page: PageInfo, payload: np.ndarray) -> bool:
+        """Invalidate, payload, header (see the module docstring), on the writer thread. False
+        (logged) on OSError. `payload`: a row of the ring (4096-aligned, as direct I/O needs)."""
         offset = slot * self.slot_size
         with self._index_lock:
             self._pages.pop(slot, None)
+        header = self._pack_header(page, xxh3_64_intdigest(memoryview(payload)), self._write_header)
         try:
-            _pwrite_all(self._fd, bytes(len(MAGIC)), offset)
-            _pwrite_all(self._fd, memoryview(payload), offset + self.header_region)
-            packed = self._pack_header(page, xxh3_64_intdigest(memoryview(payload)),
-                                       header if header is not None else self._header)
-            _pwrite_all(self._fd, packed, offset)
+            for data, at in ((self._empty_header, offset), (payload, offset + self.header_region), (header, offset)):
+                try:
+                    _pwrite_all(self._fd, memoryview(data), at)
+                except OSError as e:
+                    if not (self.direct and e.errno == errno.EINVAL):
+                        raise
+                    self._set_direct(False)  # a device with stricter alignment: buffered from now on
+                    _pwrite_all(self._fd, memoryview(data), at)
         except OSError as e:
             log.warning("disk tier %s: writing slot %d failed: %s", self.path, slot, e)
             return False
@@ -331,7 +368,10 @@ class DiskTier:
             self._pages[slot] = _Page(page.namespace, page.parent_hash, page.page_hash, bytes(page.token_bytes))
         return True
 
-    def _pack_header(self, page: PageInfo, payload_checksum: int, buf: bytearray) -> memoryview:
+    def _pack_header(self, page: PageInfo, payload_checksum: int, region: np.ndarray) -> np.ndarray:
+        """The header of `page` packed into `region` (a header region: the bytes after the header
+        stay zero); returns `region`."""
+        buf = memoryview(region)
         ns = page.namespace.encode()
         _FIXED.pack_into(buf, 0, MAGIC, FORMAT_VERSION, self.spec.block_size, self._digest,
                          page.parent_hash, page.page_hash, payload_checksum, len(ns))
@@ -340,8 +380,8 @@ class DiskTier:
         at += MAX_NAMESPACE_BYTES
         buf[at:at + len(page.token_bytes)] = page.token_bytes
         at += len(page.token_bytes)
-        _CHECKSUM.pack_into(buf, at, xxh3_64_intdigest(memoryview(buf)[:at]))
-        return memoryview(buf)[:self.header_size]
+        _CHECKSUM.pack_into(buf, at, xxh3_64_intdigest(buf[:at]))
+        return region
 
     # ------------------------------------------------------------------ reads
 
@@ -376,7 +416,13 @@ class DiskTier:
     def _read_slot(self, slot: int, row: np.ndarray, expected: tuple[str, int]) -> bool:
         header = memoryview(self._header)
         try:
-            n = os.preadv(self._fd, [header, memoryview(row)], slot * self.slot_size)
+            try:
+                n = os.preadv(self._fd, [header, memoryview(row)], slot * self.slot_size)
+            except OSError as e:
+                if not (self.direct and e.errno == errno.EINVAL):
+                    raise
+                self._set_direct(False)
+                n = os.preadv(self._fd, [header, memoryview(row)], slot * self.slot_size)
         except OSError as e:
             log.warning("disk tier %s: reading slot %d failed: %s", self.path, slot, e)
             return False
@@ -491,7 +537,8 @@ class DiskTier:
             raise ValueError(f"the KV pool's layout {kv.spec} is not the disk tier's {self.spec}")
         if self._copier is None or self._copier.kv is not kv:
             self._copier = PageCopier(kv)
-            self._staging = None
+            if self._staging is not None and self._staging.is_pinned() != self._copier.pin:
+                self._staging = None
         return self._copier
 
     def _staging_for(self, copier: PageCopier, num_pages: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -499,9 +546,44 @@ class DiskTier:
         bytes: room for min(num_pages, a batch) pages, grown on demand and kept."""
         rows = min(max(num_pages, 1), self._staging_rows)
         if self._staging is None or self._staging.shape[0] < rows:
-            self._staging = torch.empty((rows, *page_shape(self.spec)), dtype=self.spec.dtype,
-                                        pin_memory=copier.pin)
+            self._staging = _aligned_rows(rows, self.spec, copier.pin)
         return self._staging, _byte_rows(self._staging)
+
+
+class _StagingRing:
+    """Page rows the async writes are staged in, reused in ring order (no allocation, page fault
+    or unmap per write; memory bounded by its size). The writer thread finishes batches in the
+    order they were taken, so a batch waits only for the oldest ones whose rows it needs."""
+
+    def __init__(self, num_rows: int, spec: KVCacheSpec, pin: bool) -> None:
+        self.num_rows = num_rows
+        self.pin = pin
+        self._rows = _aligned_rows(num_rows, spec, pin)
+        self._rows.view(torch.uint8).zero_()  # touched now, not page by page while serving
+        self._head = 0
+        self._held: deque[tuple[int, int, Future[int]]] = deque()  # (first row, rows, write), oldest first
+
+    def take(self, n: int) -> tuple[int, torch.Tensor]:
+        """n contiguous free rows (n <= num_rows), waiting for the writes that hold them."""
+        start = self._head if self._head + n <= self.num_rows else 0
+        while self._held and (self._held[0][2].done() or _overlaps(self._held[0], start, n)):
+            self._held.popleft()[2].exception()  # waits; a failure is the write's future's to report
+        while any(_overlaps(h, start, n) for h in self._held):
+            self._held.popleft()[2].exception()
+        self._head = start + n
+        return start, self._rows[start:start + n]
+
+    def hold(self, start: int, n: int, write: Future[int]) -> None:
+        """Rows [start, start + n) are in use until `write` is done."""
+        self._held.append((start, n, write))
+
+    def drain(self) -> None:
+        while self._held:
+            self._held.popleft()[2].exception()
+
+
+def _overlaps(held: tuple[int, int, Future[int]], start: int, n: int) -> bool:
+    return held[0] < start + n and start < held[0] + held[1]
 
 
 def _leading_written(batches: list[tuple[Future[int], int]]) -> int:
@@ -513,6 +595,21 @@ def _leading_written(batches: list[tuple[Future[int], int]]) -> int:
         if done < pages:
             break
     return written
+
+
+def _aligned_bytes(n: int) -> np.ndarray:
+    """n zero bytes starting at a 4096-aligned address (direct I/O buffers)."""
+    raw = np.zeros(n + ALIGN, dtype=np.uint8)
+    at = (-raw.ctypes.data) % ALIGN
+    return raw[at:at + n]
+
+
+def _aligned_rows(n: int, spec: KVCacheSpec, pin: bool) -> torch.Tensor:
+    """[n, *page_shape] page rows starting at a 4096-aligned address (pinned if `pin`)."""
+    nbytes = n * spec.bytes_per_block
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    at = (-raw.data_ptr()) % ALIGN
+    return raw[at:at + nbytes].view(spec.dtype).view(n, *page_shape(spec))
 
 
 def _byte_rows(rows: torch.Tensor) -> np.ndarray:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,10 +27,37 @@ from tests.model_service.tiers.kv_fixtures import (
 
 DTYPES = [torch.float32, torch.bfloat16]
 FP = "model-a"
+SpecFor = Callable[[torch.dtype], KVCacheSpec]
+
+
+def aligned_spec(dtype: torch.dtype) -> KVCacheSpec:
+    """Pages of a 4096-byte multiple (float32 and bfloat16): the tier uses direct I/O."""
+    return KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=32, block_size=4, dtype=dtype)
+
+
+def takes_direct_io(directory: Path) -> bool:
+    probe = directory / "probe"
+    try:
+        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        return False
+    probe.unlink()
+    return True
+
+
+@pytest.fixture(params=["buffered", "direct"])
+def spec_for(request: pytest.FixtureRequest, tmp_path: Path) -> SpecFor:
+    """Every test runs on pages the tier writes with buffered I/O (their size is not a multiple
+    of 4096 bytes) and on pages it writes with direct I/O."""
+    if request.param == "direct" and not takes_direct_io(tmp_path):
+        pytest.skip("the temporary directory's file system refuses O_DIRECT")
+    return small_spec if request.param == "buffered" else aligned_spec
 
 
 def open_tier(directory: Path, spec: KVCacheSpec, num_slots: int = 8, fingerprint: str = FP) -> DiskTier:
-    return DiskTier.open(str(directory), spec, fingerprint, num_slots * DiskTier.slot_size_for(spec))
+    tier = DiskTier.open(str(directory), spec, fingerprint, num_slots * DiskTier.slot_size_for(spec))
+    assert tier.direct == (spec.bytes_per_block % 4096 == 0), "direct I/O exactly where pages align"
+    return tier
 
 
 def expected(pages: list[PageInfo]) -> list[tuple[str, int]]:
@@ -50,8 +78,8 @@ def poke(tier: DiskTier, offset: int, data: bytes) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_device_disk_device_round_trip_is_bit_exact(tmp_path: Path, dtype: torch.dtype) -> None:
-    spec = small_spec(dtype)
+def test_device_disk_device_round_trip_is_bit_exact(tmp_path: Path, dtype: torch.dtype, spec_for: SpecFor) -> None:
+    spec = spec_for(dtype)
     src = random_kv(spec, 8, seed=1)
     pages = sequence_pages("ns", list(range(100, 112)))  # 3 pages
     with open_tier(tmp_path / "d", spec) as tier:
@@ -67,8 +95,8 @@ def test_device_disk_device_round_trip_is_bit_exact(tmp_path: Path, dtype: torch
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_host_disk_device_round_trip_is_bit_exact(tmp_path: Path, dtype: torch.dtype) -> None:
-    spec = small_spec(dtype)
+def test_host_disk_device_round_trip_is_bit_exact(tmp_path: Path, dtype: torch.dtype, spec_for: SpecFor) -> None:
+    spec = spec_for(dtype)
     src = random_kv(spec, 6, seed=3)
     host = HostTier(spec, 4, pin_memory=False)
     host.store(src, [4, 1], [2, 0])
@@ -81,8 +109,8 @@ def test_host_disk_device_round_trip_is_bit_exact(tmp_path: Path, dtype: torch.d
         assert block_bytes(dst, 0) == block_bytes(src, 1)
 
 
-def test_file_is_0600_in_a_0700_directory_named_by_the_layout(tmp_path: Path) -> None:
-    spec = small_spec(torch.float32)
+def test_file_is_0600_in_a_0700_directory_named_by_the_layout(tmp_path: Path, spec_for: SpecFor) -> None:
+    spec = spec_for(torch.float32)
     directory = tmp_path / "d"
     directory.mkdir(mode=0o755)
     old = os.umask(0o022)
@@ -97,11 +125,11 @@ def test_file_is_0600_in_a_0700_directory_named_by_the_layout(tmp_path: Path) ->
         assert len(file_name(spec, FP)) == len("kv-") + 16 + len(".slots")
         assert os.path.getsize(tier.path) == 5 * tier.slot_size
         assert tier.slot_size % 4096 == 0 and tier.header_region % 4096 == 0
-        assert file_name(spec, FP) != file_name(small_spec(torch.bfloat16), FP) != file_name(spec, "model-b")
+        assert file_name(spec, FP) != file_name(spec_for(torch.bfloat16), FP) != file_name(spec, "model-b")
 
 
-def test_a_corrupt_payload_byte_is_a_miss_and_its_block_is_never_written(tmp_path: Path) -> None:
-    spec = small_spec(torch.float32)
+def test_a_corrupt_payload_byte_is_a_miss_and_its_block_is_never_written(tmp_path: Path, spec_for: SpecFor) -> None:
+    spec = spec_for(torch.float32)
     src = random_kv(spec, 4, seed=5)
     pages = sequence_pages("ns", list(range(12)))
     with open_tier(tmp_path / "d", spec) as tier:
@@ -123,8 +151,8 @@ def test_a_corrupt_payload_byte_is_a_miss_and_its_block_is_never_written(tmp_pat
         assert tier.runs() == [DiskRun("ns", pages[0].token_bytes, [0])]
 
 
-def test_a_corrupt_header_is_dropped_by_scan(tmp_path: Path) -> None:
-    spec = small_spec(torch.float32)
+def test_a_corrupt_header_is_dropped_by_scan(tmp_path: Path, spec_for: SpecFor) -> None:
+    spec = spec_for(torch.float32)
     src = random_kv(spec, 4, seed=7)
     pages = sequence_pages("ns", list(range(8)))
     with open_tier(tmp_path / "d", spec) as tier:
@@ -134,8 +162,8 @@ def test_a_corrupt_header_is_dropped_by_scan(tmp_path: Path) -> None:
         assert tier.load_to_device(random_kv(spec, 4, seed=8), [1], [0], expected(pages[1:])) == 0
 
 
-def test_torn_writes_are_misses(tmp_path: Path) -> None:
-    spec = small_spec(torch.bfloat16)
+def test_torn_writes_are_misses(tmp_path: Path, spec_for: SpecFor) -> None:
+    spec = spec_for(torch.bfloat16)
     src = random_kv(spec, 4, seed=9)
     pages = sequence_pages("ns", list(range(8)))
     half = spec.bytes_per_block // 2
@@ -158,8 +186,8 @@ def test_torn_writes_are_misses(tmp_path: Path) -> None:
         assert block_bytes(dst, 2) == block_bytes(src, 0) and block_bytes(dst, 3) == block_bytes(src, 1)
 
 
-def test_a_different_expected_page_is_a_miss(tmp_path: Path) -> None:
-    spec = small_spec(torch.float32)
+def test_a_different_expected_page_is_a_miss(tmp_path: Path, spec_for: SpecFor) -> None:
+    spec = spec_for(torch.float32)
     src = random_kv(spec, 4, seed=11)
     pages = sequence_pages("ns", list(range(8)))
     other = sequence_pages("ns", list(range(1, 9)))
@@ -175,8 +203,8 @@ def test_a_different_expected_page_is_a_miss(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_reopen_announces_the_runs_and_loads_bit_exact(tmp_path: Path, dtype: torch.dtype) -> None:
-    spec = small_spec(dtype)
+def test_reopen_announces_the_runs_and_loads_bit_exact(tmp_path: Path, dtype: torch.dtype, spec_for: SpecFor) -> None:
+    spec = spec_for(dtype)
     src = random_kv(spec, 8, seed=13)
     shared = list(range(50, 54))
     a = sequence_pages("ns", shared + list(range(10, 18)))          # 3 pages
@@ -202,8 +230,8 @@ def test_reopen_announces_the_runs_and_loads_bit_exact(tmp_path: Path, dtype: to
         assert block_bytes(dst, 7) == block_bytes(src, 4)
 
 
-def test_namespaces_never_mix(tmp_path: Path) -> None:
-    spec = small_spec(torch.float32)
+def test_namespaces_never_mix(tmp_path: Path, spec_for: SpecFor) -> None:
+    spec = spec_for(torch.float32)
     src = random_kv(spec, 4, seed=14)
     tokens = list(range(8))
     a, b = sequence_pages("tenant-a", tokens), sequence_pages("tenant-b", tokens)
@@ -223,8 +251,8 @@ def test_namespaces_never_mix(tmp_path: Path) -> None:
         assert tier.scan() == tier.runs()
 
 
-def test_orphans_are_dropped_until_their_chain_is_whole(tmp_path: Path) -> None:
-    spec = small_spec(torch.float32)
+def test_orphans_are_dropped_until_their_chain_is_whole(tmp_path: Path, spec_for: SpecFor) -> None:
+    spec = spec_for(torch.float32)
     src = random_kv(spec, 4, seed=16)
     pages = sequence_pages("ns", list(range(12)))
     with open_tier(tmp_path / "d", spec) as tier:
@@ -241,8 +269,8 @@ def test_orphans_are_dropped_until_their_chain_is_whole(tmp_path: Path) -> None:
         assert tier.scan() == tier.runs()
 
 
-def test_a_page_held_twice_is_announced_once(tmp_path: Path) -> None:
-    spec = small_spec(torch.float32)
+def test_a_page_held_twice_is_announced_once(tmp_path: Path, spec_for: SpecFor) -> None:
+    spec = spec_for(torch.float32)
     src = random_kv(spec, 4, seed=17)
     pages = sequence_pages("ns", list(range(8)))
     with open_tier(tmp_path / "d", spec) as tier:
@@ -251,8 +279,8 @@ def test_a_page_held_twice_is_announced_once(tmp_path: Path) -> None:
         assert tier.runs() == [DiskRun("ns", encode_tokens(list(range(8))), [1, 4])]
 
 
-def test_another_fingerprint_or_layout_sees_nothing(tmp_path: Path) -> None:
-    spec = small_spec(torch.float32)
+def test_another_fingerprint_or_layout_sees_nothing(tmp_path: Path, spec_for: SpecFor) -> None:
+    spec = spec_for(torch.float32)
     pages = sequence_pages("ns", list(range(8)))
     with open_tier(tmp_path / "d", spec) as tier:
         tier.write_from_device(random_kv(spec, 2, seed=18), [0, 1], [0, 1], pages)
@@ -260,7 +288,7 @@ def test_another_fingerprint_or_layout_sees_nothing(tmp_path: Path) -> None:
     with open_tier(tmp_path / "d", spec, fingerprint="model-b") as tier:
         assert tier.path != path_a and tier.runs() == []
         path_b = tier.path
-    with open_tier(tmp_path / "d", small_spec(torch.bfloat16)) as tier:
+    with open_tier(tmp_path / "d", spec_for(torch.bfloat16)) as tier:
         assert tier.runs() == []
     # the file itself under the other model's name: every header names model-a's layout
     os.replace(path_a, path_b)
@@ -269,8 +297,8 @@ def test_another_fingerprint_or_layout_sees_nothing(tmp_path: Path) -> None:
         assert tier.load_to_device(random_kv(spec, 2, seed=19), [0], [0], expected(pages[:1])) == 0
 
 
-def test_the_directory_and_file_are_refused_when_not_ours(tmp_path: Path) -> None:
-    spec = small_spec(torch.float32)
+def test_the_directory_and_file_are_refused_when_not_ours(tmp_path: Path, spec_for: SpecFor) -> None:
+    spec = spec_for(torch.float32)
     directory = tmp_path / "d"
     directory.mkdir()
     (directory / "notes.txt").write_text("someone else's")
@@ -284,8 +312,8 @@ def test_the_directory_and_file_are_refused_when_not_ours(tmp_path: Path) -> Non
         DiskTier.open(str(directory), spec, FP, DiskTier.slot_size_for(spec) - 1)
 
 
-def test_resize_keeps_the_slots_that_still_fit(tmp_path: Path) -> None:
-    spec = small_spec(torch.float32)
+def test_resize_keeps_the_slots_that_still_fit(tmp_path: Path, spec_for: SpecFor) -> None:
+    spec = spec_for(torch.float32)
     pages = sequence_pages("ns", list(range(8)))
     with open_tier(tmp_path / "d", spec, num_slots=8) as tier:
         tier.write_from_device(random_kv(spec, 2, seed=20), [0, 1], [1, 6], pages)
@@ -296,8 +324,8 @@ def test_resize_keeps_the_slots_that_still_fit(tmp_path: Path) -> None:
         assert tier.num_slots == 16 and tier.runs() == [DiskRun("ns", pages[0].token_bytes, [1])]
 
 
-def test_bad_writes_are_refused_whole(tmp_path: Path) -> None:
-    spec = small_spec(torch.float32)
+def test_bad_writes_are_refused_whole(tmp_path: Path, spec_for: SpecFor) -> None:
+    spec = spec_for(torch.float32)
     src = random_kv(spec, 4, seed=21)
     pages = sequence_pages("ns", list(range(8)))
     bad_hash = [pages[0], pages[1]._replace(page_hash=pages[1].page_hash ^ 1)]
@@ -314,8 +342,8 @@ def test_bad_writes_are_refused_whole(tmp_path: Path) -> None:
             tier.load_to_device(src, [0, 1], [2, 2], expected(pages))
 
 
-def test_a_failing_write_returns_the_pages_written_before_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    spec = small_spec(torch.float32)
+def test_a_failing_write_returns_the_pages_written_before_it(tmp_path: Path, caplog: pytest.LogCaptureFixture, spec_for: SpecFor) -> None:
+    spec = spec_for(torch.float32)
     src = random_kv(spec, 4, seed=22)
     pages = sequence_pages("ns", list(range(8)))
     with open_tier(tmp_path / "d", spec) as tier:
@@ -332,8 +360,8 @@ def test_a_failing_write_returns_the_pages_written_before_it(tmp_path: Path, cap
 
 
 def test_a_write_cut_short_leaves_the_slot_empty_not_the_old_page(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = small_spec(torch.float32)
+                                                                  monkeypatch: pytest.MonkeyPatch, spec_for: SpecFor) -> None:
+    spec = spec_for(torch.float32)
     src = random_kv(spec, 4, seed=23)
     old, new = sequence_pages("ns", list(range(4))), sequence_pages("ns", list(range(4, 8)))
     real = disk_tier._pwrite_all
@@ -353,8 +381,8 @@ def test_a_write_cut_short_leaves_the_slot_empty_not_the_old_page(tmp_path: Path
         assert tier.load_to_device(random_kv(spec, 4, seed=24), [2], [0], expected(old)) == 0
 
 
-def test_scan_drops_a_page_whose_hash_is_not_its_tokens(tmp_path: Path) -> None:
-    spec = small_spec(torch.float32)
+def test_scan_drops_a_page_whose_hash_is_not_its_tokens(tmp_path: Path, spec_for: SpecFor) -> None:
+    spec = spec_for(torch.float32)
     src = random_kv(spec, 4, seed=25)
     pages = sequence_pages("ns", list(range(8)))
     with open_tier(tmp_path / "d", spec) as tier:
@@ -367,8 +395,8 @@ def test_scan_drops_a_page_whose_hash_is_not_its_tokens(tmp_path: Path) -> None:
 
 
 
-def test_batches_larger_than_the_staging_buffer(tmp_path: Path) -> None:
-    spec = small_spec(torch.bfloat16)
+def test_batches_larger_than_the_staging_buffer(tmp_path: Path, spec_for: SpecFor) -> None:
+    spec = spec_for(torch.bfloat16)
     src = random_kv(spec, 8, seed=26)
     pages = sequence_pages("ns", list(range(20)))  # 5 pages through a 2-page staging buffer
     with open_tier(tmp_path / "d", spec) as tier:
@@ -386,10 +414,10 @@ def test_batches_larger_than_the_staging_buffer(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_async_writes_read_their_source_at_once_and_land_bit_exact(tmp_path: Path, dtype: torch.dtype) -> None:
+def test_async_writes_read_their_source_at_once_and_land_bit_exact(tmp_path: Path, dtype: torch.dtype, spec_for: SpecFor) -> None:
     """The blocks (and host slots) are read before the async write returns: overwriting them right
     after does not change what reaches the file."""
-    spec = small_spec(dtype)
+    spec = spec_for(dtype)
     src = random_kv(spec, 8, seed=1)
     want = [block_bytes(src, b) for b in (5, 0, 7)]
     host = HostTier(spec, 4, pin_memory=False)
@@ -410,8 +438,8 @@ def test_async_writes_read_their_source_at_once_and_land_bit_exact(tmp_path: Pat
         assert [block_bytes(dst, b) for b in range(5)] == want + host_want
 
 
-def test_a_write_larger_than_a_staging_batch_is_staged_batch_by_batch(tmp_path: Path) -> None:
-    spec = small_spec(torch.float32)
+def test_a_write_larger_than_a_staging_batch_is_staged_batch_by_batch(tmp_path: Path, spec_for: SpecFor) -> None:
+    spec = spec_for(torch.float32)
     src = random_kv(spec, 8, seed=3)
     pages = sequence_pages("ns", list(range(100, 120)))  # 5 pages
     with open_tier(tmp_path / "d", spec) as tier:

@@ -30,6 +30,8 @@ def test_device_host_device_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
     after = pool_bytes(dst)
     untouched = [b for b in range(10) if b not in (1, 8, 7, 3, 4)]
     assert [after[b] for b in untouched] == [before[b] for b in untouched]
+    host.load(dst, [4, 5], [9, 0])  # a contiguous range of slots (the slice path) into scattered blocks
+    assert block_bytes(dst, 9) == block_bytes(src, 0) and block_bytes(dst, 0) == block_bytes(src, 1)
 
 
 def test_a_slot_is_the_page_of_every_layer_k_then_v() -> None:

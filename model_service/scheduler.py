@@ -153,7 +153,8 @@ class Scheduler:
         # Outcomes of tier copies the engine performed, for the next plan (cache.proto CopyOutcome),
         # and where the ones finishing later (disk writes) come from.
         self.pending_copy_outcomes: list[object] = []
-        self.finished_copy_outcomes: Callable[[], list[object]] = list
+        # (urgent) -> outcomes finished since; not urgent: may keep them for a Step made anyway.
+        self.finished_copy_outcomes: Callable[[bool], list[object]] = lambda urgent: []
         self._pause_admission = False
         self._lookahead_paused = False  # a lookahead ask failed: ask for need only until space returns
         self._held_back_long = False  # the last batch left a long prefill out for short ones
@@ -242,7 +243,7 @@ class Scheduler:
         token will have one more (its sampled token), and extensions carry lookahead."""
         plan = CachePlan(releases=self.pending_releases,
                          finishes=[self._record(r) for r in self.pending_finishes],
-                         copy_outcomes=self.pending_copy_outcomes + self.finished_copy_outcomes())
+                         copy_outcomes=self.pending_copy_outcomes)
         self.pending_copy_outcomes = []
         if plan.releases or plan.finishes:
             self._admission_refused = False
@@ -274,6 +275,8 @@ class Scheduler:
             self._pause_admission = False
         else:
             self._plan_admissions(plan, budget)
+        # Finished disk writes ride with a Step made anyway; one of their own only when idle (or late).
+        plan.copy_outcomes.extend(self.finished_copy_outcomes(not plan.is_empty or not self.running))
         queues, admitted = self.load(), len(plan.admits)
         plan.load = queues._replace(num_waiting_requests=queues.num_waiting_requests - admitted,
                                     num_running_requests=queues.num_running_requests + admitted)

@@ -6,9 +6,10 @@ loads, all before the forward pass that writes any block the reply handed out. E
 leading pages; the rest of the prompt is computed, as on a miss.
 
 Writes to the disk tier run on its writer thread: their pages are read (from the KV pool or the
-host tier) into a buffer of their own before the copy returns, which is all the ordering needs,
-and the file writes and checksums overlap the next forward passes. Their outcomes go in the first
-Step after they finish (`finished_outcomes`; `on_write_done` wakes an idle engine to send it).
+host tier) into a ring of staging rows before the copy returns, which is all the ordering needs,
+and the file writes and checksums overlap the next forward passes. Their outcomes ride with the
+next Step the engine makes anyway, or one of their own when it is idle (`on_write_done` wakes it)
+or they waited MAX_OUTCOME_DELAY_SECONDS: no cache RPC only for them while decode steps need none.
 
 It also measures what a load costs next to computing: seconds per loaded token over seconds per
 prefilled token (the engine reports its forward passes), sent with every Step as the replica's
@@ -39,6 +40,9 @@ _EMA = 0.2  # weight of the newest sample in the cost averages
 COST_TTL_SECONDS = 60.0
 # Batches with fewer tokens than this are decode-bound: they say little about prefill cost.
 MIN_PREFILL_SAMPLE_TOKENS = 64
+# While the engine is busy, finished disk writes wait for a Step it makes anyway, at most this long
+# (their pages are held, hittable, only once reported).
+MAX_OUTCOME_DELAY_SECONDS = 0.25
 
 
 class TierCopier:
@@ -57,6 +61,7 @@ class TierCopier:
         self.on_write_done: Callable[[], None] = lambda: None
         # Disk writes in flight: (copy id, pages, future of the pages written).
         self._writes: list[tuple[int, int, Future[int]]] = []
+        self._finished_seen_at: float | None = None  # when finished writes were first left waiting
         self._seconds_per_token: dict[int, float] = {}  # per tier: loads
         self._sampled_at: dict[int, float] = {}
         self._prefill_seconds_per_token = 0.0
@@ -92,8 +97,18 @@ class TierCopier:
                                           copy.dst_tier))
         return outcomes
 
-    def finished_outcomes(self) -> list[cache_pb2.CopyOutcome]:
-        """Outcomes of the disk writes finished since the last call."""
+    def finished_outcomes(self, urgent: bool = True) -> list[cache_pb2.CopyOutcome]:
+        """Outcomes of the disk writes finished since the last call. Not `urgent` (the Step would
+        be made for them alone): none until some waited MAX_OUTCOME_DELAY_SECONDS."""
+        if not any(w[2].done() for w in self._writes):
+            return []
+        if not urgent:
+            now = time.monotonic()
+            if self._finished_seen_at is None:
+                self._finished_seen_at = now
+            if now - self._finished_seen_at < MAX_OUTCOME_DELAY_SECONDS:
+                return []
+        self._finished_seen_at = None
         done, self._writes = [w for w in self._writes if w[2].done()], [w for w in self._writes if not w[2].done()]
         outcomes = []
         for copy_id, pages, future in done:
@@ -118,6 +133,7 @@ class TierCopier:
             except Exception:
                 pass
         self._writes = []
+        self._finished_seen_at = None
 
     def _write_to_disk(self, copy: cache_pb2.TierCopy) -> Future[int] | None:
         assert self.disk is not None

@@ -119,6 +119,7 @@ class Driver:
         if self.durable is not None:
             self.durable.step(request, result)
             self._recorded()
+        self.on_result(worker, result)
         for admit in result.admits:
             if admit.admitted:
                 self.running[worker][admit.request_id] = []
@@ -126,6 +127,9 @@ class Driver:
             if not ext.ok:  # preempt it: release everything
                 outputs = self.running[worker].pop(ext.request_id, [])
                 self.apply_release(worker, ext.request_id, outputs[:-1])
+
+    def on_result(self, worker: str, result: object) -> None:
+        """A Step's result, after it was recorded (subclasses track more of it)."""
 
     def apply_release(self, worker: str, rid: str, outputs: list[int]) -> None:
         pool = self.registry.pools[worker]

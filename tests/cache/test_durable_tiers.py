@@ -16,9 +16,7 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache_service import convert
 from cache_service.durable.snapshot import canonical
-from cache_service.errors import CacheError
 from cache_service.pool_registry import PoolRegistry
 from cache_service.schema import DiskRun, TierSpec
 from common.token_bytes import encode_tokens
@@ -67,30 +65,10 @@ class TierDriver(Driver):
             req.load.disk_load_cost = rng.choice((0.0, 0.3, 1.5))
         return req
 
-    def step(self, worker: str) -> None:
-        if worker not in self.registry.pools:
-            self.register(worker)
-        request = self.step_request(worker)
-        pool = self.registry.pools[worker]
-        try:
-            result = pool.step(convert.step_input(request))
-        except CacheError:
-            for item in list(request.finishes) + list(request.releases):
-                self.running[worker].pop(item.request_id, None)
-            return
-        if self.durable is not None:
-            self.durable.step(request, result)
-            self._recorded()
+    def on_result(self, worker: str, result) -> None:
         ordered = list(result.offloads) + [c for a in result.admits for c in a.loads]
         self.copies[worker].extend(ordered)
         self.num_copies += len(ordered)
-        for admit in result.admits:
-            if admit.admitted:
-                self.running[worker][admit.request_id] = []
-        for ext in result.extends:
-            if not ext.ok:
-                outputs = self.running[worker].pop(ext.request_id, [])
-                self.apply_release(worker, ext.request_id, outputs[:-1])
 
 
 def _tier_state(registry: PoolRegistry) -> dict[str, object]:

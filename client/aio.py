@@ -90,6 +90,12 @@ class AsyncRadixKVClient:
         response = await self._unary(self._model.Tokenize, request, "Tokenize", timeout)
         return TokenizeResult(token_ids=list(response.token_ids), tokens=list(response.tokens))
 
+    async def detokenize(self, token_ids: Sequence[int], *, timeout: float | None = None) -> str:
+        """The text of ``token_ids`` as the model's tokenizer decodes them (special tokens
+        included). INVALID_ARGUMENT for an id outside the vocabulary."""
+        request = model_pb2.DetokenizeRequest(token_ids=list(token_ids))
+        return (await self._unary(self._model.Detokenize, request, "Detokenize", timeout)).text
+
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         """The served model and its KV pool."""
         response = await self._unary(

@@ -2,7 +2,7 @@
 
 Retries are gRPC's own (the ``retryPolicy`` of the channel's service config), not a loop of
 ours. Every radixkv RPC the client makes is safe to retry on ``UNAVAILABLE``: Tokenize,
-ModelInfo and Stats are read-only, and gRPC commits a call (stops retrying it) as soon as the
+Detokenize, ModelInfo and Stats are read-only, and gRPC commits a call (stops retrying it) as soon as the
 server sends response headers, so a streaming Generate is only retried before its first
 message arrives, when no token has been produced for the caller yet.
 """
@@ -25,6 +25,7 @@ CACHE_SERVICE = "radixkv.v1.CacheManager"
 RETRIED_METHODS: tuple[tuple[str, str], ...] = (
     (MODEL_SERVICE, "Generate"),
     (MODEL_SERVICE, "Tokenize"),
+    (MODEL_SERVICE, "Detokenize"),
     (MODEL_SERVICE, "ModelInfo"),
     (CACHE_SERVICE, "Stats"),
     (CACHE_SERVICE, "Match"),

@@ -1,4 +1,4 @@
-"""The ``python -m client`` command line: generate, stats, tokenize, info, load, abort.
+"""The ``python -m client`` command line: generate, stats, tokenize, detokenize, info, load, abort.
 
 Output is for people by default and JSON with ``--json``. A failed call exits non-zero with
 ``error: CODE_NAME: message`` on stderr (never a traceback).
@@ -60,6 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
     gen.add_argument("--top-k", type=int, help="keep only the k most likely tokens (0: off)")
     gen.add_argument("--seed", type=int, help="sampler seed: same seed, same output")
+    gen.add_argument("--min-p", type=float, help="drop tokens below this share of the top token's probability, in [0, 1]")
+    gen.add_argument("--presence-penalty", type=float, help="OpenAI presence penalty in [-2, 2] (0: off)")
+    gen.add_argument("--frequency-penalty", type=float, help="OpenAI frequency penalty in [-2, 2] (0: off)")
+    gen.add_argument("--repetition-penalty", type=float, help="transformers' repetition penalty, > 0 (1: off)")
+    gen.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        type=_logit_bias_arg,
+        metavar="ID=BIAS",
+        help="add BIAS (in [-100, 100]) to token ID's logit (repeatable)",
+    )
+    gen.add_argument("--min-tokens", type=int, help="no end-of-sequence or stop token before this many tokens")
     gen.add_argument(
         "--stop", action="append", default=[], metavar="STR", help="stop before this string (repeatable)"
     )
@@ -97,6 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--chat", action="store_true", help="tokenize TEXT as one user chat message")
     tok.add_argument("--json", action="store_true", help="print token ids and token strings as JSON")
     tok.set_defaults(command=cmd_tokenize, default_timeout=UNARY_TIMEOUT_S)
+
+    detok = commands.add_parser(
+        "detokenize",
+        parents=[model_conn],
+        help="the text of token ids",
+        description="Prints the text of the token ids ID... (special tokens included).",
+    )
+    detok.add_argument("ids", metavar="ID", nargs="+", type=_token_id, help="token ids")
+    detok.add_argument("--json", action="store_true", help='print {"text": ...} as JSON')
+    detok.set_defaults(command=cmd_detokenize, default_timeout=UNARY_TIMEOUT_S)
 
     info = commands.add_parser("info", parents=[model_conn], help="the served model and KV pool")
     info.add_argument("--json", action="store_true", help="print JSON")
@@ -152,6 +175,17 @@ def _client(args: argparse.Namespace, *, cache: bool = False) -> RadixKVClient:
     return RadixKVClient(args.addr, **common)  # type: ignore[arg-type]
 
 
+def _logit_bias_arg(value: str) -> tuple[int, float]:
+    """``ID=BIAS`` of --logit-bias as (token id, bias)."""
+    token, sep, bias = value.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (e.g. 198=-100), got {value!r}") from None
+
+
 def _text_arg(value: str) -> str:
     return sys.stdin.read() if value == "-" else value
 
@@ -159,17 +193,24 @@ def _text_arg(value: str) -> str:
 # ---------------------------------------------------------------------------- commands
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    prompt = _text_arg(args.prompt)
+def generate_options(args: argparse.Namespace, prompt: str) -> tuple[str | None, GenerateOptions]:
+    """The prompt argument and options of ``generate()`` for the generate command's flags."""
     options = GenerateOptions(
         stop=args.stop, ignore_eos=args.ignore_eos, namespace=args.namespace, request_id=args.request_id
     )
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "min_tokens"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)  # type: ignore[literal-required]
+    if args.logit_bias:
+        options["logit_bias"] = dict(args.logit_bias)
     if args.chat:
         options["messages"] = [{"role": "user", "content": prompt}]
-    text_prompt = None if args.chat else prompt
+    return (None if args.chat else prompt), options
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    text_prompt, options = generate_options(args, _text_arg(args.prompt))
     with _client(args) as client:
         if not args.stream:
             result = client.generate(text_prompt, **options)
@@ -208,6 +249,23 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
         print(json.dumps(dataclasses.asdict(result), ensure_ascii=False))
     else:
         print(" ".join(str(t) for t in result.token_ids))
+    return 0
+
+
+def _token_id(value: str) -> int:
+    try:
+        token = int(value)
+    except ValueError:
+        token = -1
+    if not 0 <= token < 2**32:
+        raise argparse.ArgumentTypeError(f"not a token id: {value!r}")
+    return token
+
+
+def cmd_detokenize(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        text = client.detokenize(args.ids)
+    print(json.dumps({"text": text}, ensure_ascii=False) if args.json else text)
     return 0
 
 

@@ -16,7 +16,8 @@ class GenerateOptions(TypedDict, total=False):
 
     Give exactly one input: the ``prompt`` argument, ``token_ids`` or ``messages`` (chat,
     rendered with the model's chat template). Unset sampling values take the server's
-    defaults (temperature 1.0, top_p 1.0, max_tokens 128).
+    defaults (temperature 1.0, top_p 1.0, max_tokens 128; the penalties, ``logit_bias``,
+    ``min_tokens`` and ``min_p`` off). Their semantics: ``SamplingParams`` in docs/grpc-api.md.
     """
 
     token_ids: Sequence[int]
@@ -29,6 +30,12 @@ class GenerateOptions(TypedDict, total=False):
     stop: Sequence[str]
     stop_token_ids: Sequence[int]
     ignore_eos: bool
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: Mapping[int, float]
+    min_tokens: int
+    min_p: float
     namespace: str
     request_id: str
 
@@ -49,8 +56,13 @@ def generate_request(prompt: str | None, options: GenerateOptions) -> model_pb2.
         stop=list(options.get("stop") or ()),
         stop_token_ids=list(options.get("stop_token_ids") or ()),
         ignore_eos=bool(options.get("ignore_eos")),
+        presence_penalty=options.get("presence_penalty") or 0.0,
+        frequency_penalty=options.get("frequency_penalty") or 0.0,
+        logit_bias=dict(options.get("logit_bias") or {}),
+        min_tokens=options.get("min_tokens") or 0,
+        min_p=options.get("min_p") or 0.0,
     )
-    for name in ("temperature", "top_p", "seed", "max_tokens"):
+    for name in ("temperature", "top_p", "seed", "max_tokens", "repetition_penalty"):
         value = options.get(name)
         if value is not None:
             setattr(sampling, name, value)

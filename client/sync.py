@@ -109,6 +109,13 @@ class RadixKVClient:
         response = self._unary(self._model.Tokenize, tokenize_request(text, messages), "Tokenize", timeout)
         return TokenizeResult(token_ids=list(response.token_ids), tokens=list(response.tokens))
 
+    def detokenize(self, token_ids: Sequence[int], *, timeout: float | None = None) -> str:
+        """The text of ``token_ids`` as the model's tokenizer decodes them (special tokens
+        included): ``detokenize(tokenize(text).token_ids)`` gives ``text`` back.
+        INVALID_ARGUMENT for an id outside the vocabulary."""
+        request = model_pb2.DetokenizeRequest(token_ids=list(token_ids))
+        return self._unary(self._model.Detokenize, request, "Detokenize", timeout).text
+
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         """The served model and its KV pool."""
         response = self._unary(self._model.ModelInfo, model_pb2.ModelInfoRequest(), "ModelInfo", timeout)

@@ -12,9 +12,12 @@ Two layers, both O(1)-ish per token (independent of the output length so far):
    emoji is still caught on time). Decoding with a few earlier tokens as context keeps
    token-boundary-dependent rendering right (leading spaces of SentencePiece tokenizers); the
    prompt's last tokens are the context of the first output tokens.
+   An output that still ends inside a character when generation ends loses that incomplete tail
+   (vLLM drops it too: sending it as U+FFFD would send a character the model never completed).
    For byte-level BPE tokenizers (GPT-2 style, e.g. SmolLM2, Llama 3, Qwen2), the concatenation
    of everything emitted (`add` texts + `finish`) equals
-   `tokenizer.decode(output_ids, skip_special_tokens=...)` exactly, when no stop string hits.
+   `tokenizer.decode(output_ids, skip_special_tokens=...)` with its trailing U+FFFD run removed,
+   when no stop string hits.
 
 2. Stop strings, on the generated text only (never the prompt). Generation stops at the first
    point of the text where a stop string is complete: the occurrence with the smallest end
@@ -42,8 +45,8 @@ How the engine uses it, per request:
             elif max_tokens reached / context full / abort:
                 text = step.text + detok.finish()
 
-`finish()` releases whatever is still held back (an unfinished multi-byte character as U+FFFD, a
-tail that looked like the beginning of a stop string). It is idempotent and returns "" after a stop.
+`finish()` releases whatever is still held back (a tail that looked like the beginning of a stop
+string) and drops an unfinished multi-byte character. It is idempotent and returns "" after a stop.
 """
 
 from __future__ import annotations
@@ -133,7 +136,7 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """Ends the request (EOS, stop token id, max_tokens, abort): returns all text still held
-        back. A stop string completed by that text is honoured (text before it, see
+        back, less a trailing incomplete character (the U+FFFD run it decodes to). A stop string completed by that text is honoured (text before it, see
         `matched_stop`). Idempotent; "" after a stop."""
         if self._stopped or self._finished:
             return ""
@@ -150,16 +153,18 @@ class IncrementalDetokenizer:
     def _decode_new(self, final: bool) -> str:
         """The text the unread tokens add beyond what was already emitted. While the text ends
         with U+FFFD (an incomplete character) the offsets stay put and only the complete text
-        before it is released (counted in `_held_sent`); unless `final`, which flushes all."""
+        before it is released (counted in `_held_sent`); when `final`, the U+FFFD run is dropped
+        (no later token can complete it)."""
         if self._read_offset == len(self._ids):
             return ""
         full_text = self._decode(self._ids[self._prefix_offset:])
         start = len(self._prefix_text) + self._held_sent
-        if full_text.endswith(_REPLACEMENT_CHAR) and not final:
+        if full_text.endswith(_REPLACEMENT_CHAR):
             end = len(full_text.rstrip(_REPLACEMENT_CHAR))
             if end <= start:
                 return ""
-            self._held_sent = end - len(self._prefix_text)
+            if not final:
+                self._held_sent = end - len(self._prefix_text)
             return full_text[start:end]
         if len(full_text) <= start:
             return ""  # nothing visible yet (e.g. skipped special tokens)

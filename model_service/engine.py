@@ -25,8 +25,13 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
+
 from model_service.cache_client import CacheClient, CachePoolLost
 from model_service.cache_pipeline import CachePipeline, step_and_wait
+from model_service.logits_processors import LogitsProcessors
+from model_service.logprobs import Position, positions
+from model_service.logprobs import compute as compute_logprobs
 from model_service.metrics import ModelMetrics
 from model_service.model_runner import ModelRunner
 from model_service.reattach import reconcile
@@ -34,6 +39,7 @@ from model_service.request import FinishReason, MissBreakdown, Request
 from model_service.request_ids import LiveRequests
 from model_service.sampler import Sampler
 from model_service.scheduler import CachePlan, CacheReply, QueueFullError, ScheduledBatch, Scheduler
+from model_service.structured.decoding import GuidedDecoding
 from model_service.tiers.copier import TierCopier
 
 log = logging.getLogger(__name__)
@@ -84,6 +90,7 @@ class GenerationOutput(NamedTuple):
     matched_stop: str = ""
     usage: Usage | None = None
     error: str = ""
+    logprobs: list[Position] | None = None  # one per token id, when the request asked for them
 
 
 OutputSink = Callable[[GenerationOutput], None]
@@ -112,6 +119,10 @@ class Engine:
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler
+        # logit_bias, penalties and min_tokens, applied to the logits before the sampler picks
+        self.processors = LogitsProcessors(config.eos_token_ids, scheduler.config.max_num_seqs)
+        # structured outputs: token masks computed while the forward runs (model_service/structured/)
+        self.guided = GuidedDecoding()
         self.cache = cache
         self.metrics = metrics
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -147,6 +158,7 @@ class Engine:
         self._thread.join(timeout)
         if self.tiers is not None and not self._thread.is_alive():
             self.tiers.close()  # the disk tier's file flushed (its pages survive a restart)
+        self.guided.close()
 
     def submit(self, request: Request, sink: OutputSink) -> None:
         """Queues a request (never blocks) and sets its `request_id` to the unique id it runs
@@ -279,6 +291,8 @@ class Engine:
 
     def _execute(self, batch: ScheduledBatch) -> None:
         self._flush_outputs()  # the last step's: streamed while this forward runs
+        rows = [r for r, c in zip(batch.requests, batch.chunks, strict=True) if c.needs_logits]
+        masks = self.guided.start(rows)  # the guided rows' allowed tokens, computed meanwhile
         started = time.perf_counter()
         try:
             logits = self.runner.execute(batch.chunks)
@@ -294,14 +308,39 @@ class Engine:
             self.cache.load_costs = self.tiers.load_costs()
         self.metrics.steps.inc()
         self.scheduler.on_executed(batch)
-        rows = [r for r, c in zip(batch.requests, batch.chunks, strict=True) if c.needs_logits]
         if not rows:
             return
-        tokens = self.sampler.sample(logits, [r.sampling for r in rows], [r.generator for r in rows])
-        for request, token in zip(rows, tokens.tolist(), strict=True):
-            self._append_token(request, token)
+        try:
+            wanted = [i for i, r in enumerate(rows) if r.logprobs is not None]
+            # The model's own distribution: the raw logits, before any control changes them.
+            raw = logits.index_select(0, torch.tensor(wanted, device=logits.device)) if wanted else None
+            logits = self.processors.apply(logits, rows)
+            with torch.inference_mode():
+                GuidedDecoding.apply(logits, rows, masks)
+            tokens = self.sampler.sample(logits, [r.sampling for r in rows], [r.generator for r in rows])
+            self.processors.record(rows, tokens)
+            token_list = tokens.tolist()
+            complete = GuidedDecoding.advance(rows, token_list)
+            per_row: list[Position | None] = [None] * len(rows)
+            if raw is not None:
+                picked = [token_list[i] for i in wanted]
+                ks = [rows[i].logprobs or 0 for i in wanted]
+                batch_lp = compute_logprobs(raw, torch.tensor(picked), max(ks))
+                for i, position in zip(wanted, positions(batch_lp, picked, ks), strict=True):
+                    per_row[i] = position
+        except Exception as e:  # as a failed forward: fail these requests, not the server
+            log.exception("sampling failed")
+            for request in rows:
+                self._finish(request, FinishReason.ERROR, "", error=f"sampling failed: {e}")
+            return
+        for request, token, done, position in zip(rows, token_list, complete, per_row, strict=True):
+            self._append_token(request, token, done, position)
 
-    def _append_token(self, request: Request, token: int) -> None:
+    def _append_token(self, request: Request, token: int, format_complete: bool = False,
+                      position: Position | None = None) -> None:
+        """The request's next token. `format_complete`: its structured output is complete (or its
+        grammar failed): it ends here. `position`: the token's log probabilities, when asked."""
+        lp = [position] if position is not None else None
         now = time.monotonic()
         if request.first_token_time is None:
             request.first_token_time = now
@@ -312,22 +351,27 @@ class Engine:
         request.output_token_ids.append(token)
         self.metrics.generated_tokens.inc()
         if token in request.stop_token_ids:
-            self._finish(request, FinishReason.STOP, request.detokenizer.finish(), [token], matched_stop=str(token))
+            self._finish(request, FinishReason.STOP, request.detokenizer.finish(), [token], matched_stop=str(token),
+                         logprobs=lp)
             return
-        if token in self.config.eos_token_ids and not request.ignore_eos:
-            self._finish(request, FinishReason.STOP, request.detokenizer.finish(), [token])
+        if token in self.config.eos_token_ids and (not request.ignore_eos or format_complete):
+            self._finish(request, FinishReason.STOP, request.detokenizer.finish(), [token], logprobs=lp)
             return
         step = request.detokenizer.add(token)
         if step.stopped:
-            self._finish(request, FinishReason.STOP, step.text, [token], matched_stop=step.matched_stop or "")
+            self._finish(request, FinishReason.STOP, step.text, [token], matched_stop=step.matched_stop or "",
+                         logprobs=lp)
+        elif format_complete:
+            self._finish(request, FinishReason.STOP, step.text + request.detokenizer.finish(), [token], logprobs=lp)
         elif (len(request.output_token_ids) >= request.max_tokens
               or request.num_tokens >= self.config.max_context_tokens):
-            self._finish(request, FinishReason.LENGTH, step.text + request.detokenizer.finish(), [token])
+            self._finish(request, FinishReason.LENGTH, step.text + request.detokenizer.finish(), [token],
+                         logprobs=lp)
         else:
-            self._emit(GenerationOutput(request.request_id, step.text, [token]))
+            self._emit(GenerationOutput(request.request_id, step.text, [token], logprobs=lp))
 
     def _finish(self, request: Request, reason: FinishReason, text: str, token_ids: list[int] | None = None,
-                matched_stop: str = "", error: str = "") -> None:
+                matched_stop: str = "", error: str = "", logprobs: list[Position] | None = None) -> None:
         self.scheduler.finish(request, reason)
         self.metrics.requests.labels(reason.value).inc()
         now = time.monotonic()
@@ -351,9 +395,10 @@ class Engine:
         self._requests.pop(request.request_id, None)
         self._sync_counts(finished=request)
         self._last_token_time.pop(request.request_id, None)
+        self.processors.release(request)
         if sink is not None:
             self._outbox.append((sink, GenerationOutput(request.request_id, text, token_ids or [], reason,
-                                                        matched_stop, usage, error)))
+                                                        matched_stop, usage, error, logprobs)))
 
     def _sync_counts(self, finished: Request | None = None) -> None:
         """Keeps the counts `submit()` bounds the waiting queue with exact (engine thread only):

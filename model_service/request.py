@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from model_service.detokenizer import IncrementalDetokenizer
 from model_service.sampler import SamplingOptions
+
+if TYPE_CHECKING:
+    from model_service.logits_processors import ProcessorState
+    from model_service.structured.guide import Guide
 
 
 class RequestStatus(enum.Enum):
@@ -73,6 +77,13 @@ class Request:
     matched_stop: str = ""
     client_request_id: str = ""  # the caller's id (echoed, logged, aborted by); "" = request_id
     owner: str = ""  # principal key of the caller (common.auth.Principal.key); "" when anonymous
+    # Its logits processors' state (logit_bias, penalties, min_tokens), from its first sampled step
+    # until it finishes; None when it uses none (model_service/logits_processors.py).
+    processors: ProcessorState | None = None
+    # Its structured output's matcher (model_service/structured/); None: free text.
+    guide: Guide | None = None
+    # SamplingParams.logprobs: alternatives to return with each token's log probability; None: none.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.client_request_id:

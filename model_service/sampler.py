@@ -9,8 +9,12 @@ Semantics follow `radixkv.v1.SamplingParams`:
 - Otherwise, in this order (as `transformers`' logits warpers): divide the logits by the
   temperature; keep the `top_k` largest (0 = disabled; ties with the k-th value are kept); keep
   the smallest set of most likely tokens whose probability mass reaches `top_p` (the most likely
-  token is always kept; 1.0 = disabled), computed on the distribution left after top-k; sample
-  from the renormalised rest.
+  token is always kept; 1.0 = disabled), computed on the distribution left after top-k; drop
+  the tokens whose probability (after top-k and top-p) is below `min_p` times the most likely
+  token's (0 = disabled; transformers' MinPLogitsWarper); sample from the renormalised rest.
+- The penalties, `logit_bias` and `min_tokens` are applied to the logits before this sampler sees
+  them (model_service/logits_processors.py); a greedy row with any of them is the argmax of the
+  processed logits.
 - Sampling is a per-row exponential race: `argmax(probs / q)` with `q ~ Exp(1)` i.i.d. per vocab
   entry, which picks token i with probability `probs[i]`. Each row draws its `q` from its own
   `torch.Generator`, so a seeded request's tokens depend only on its seed, its logits and its
@@ -20,18 +24,21 @@ Semantics follow `radixkv.v1.SamplingParams`:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
 from model_service import native
 from model_service.native import registry
 
-__all__ = ["GREEDY_TEMPERATURE", "Sampler", "SamplingOptions", "make_generator"]
+__all__ = ["GREEDY_TEMPERATURE", "MAX_LOGIT_BIAS", "Sampler", "SamplingOptions", "make_generator"]
 
 _MAX_SEED = 2**64 - 1
 # Temperatures below this are greedy: logits / t would overflow float32 for tiny t.
 GREEDY_TEMPERATURE = 1e-5
+# Most logit_bias entries one request may set (OpenAI's limit is 300; 1024 bounds a step's work).
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass(slots=True)
@@ -40,24 +47,42 @@ class SamplingOptions:
 
     `temperature`: finite and >= 0; below `GREEDY_TEMPERATURE` (0 included) = greedy.
     `top_p`: in (0, 1], 1 = disabled. `top_k`: >= 0, 0 = disabled. `seed`: in [0, 2**64) or None (see `make_generator`).
+    `min_p`: in [0, 1], 0 = disabled. The logits processors' options (semantics in
+    model_service/logits_processors.py): `presence_penalty` and `frequency_penalty` in [-2, 2]
+    (0 = off), `repetition_penalty` > 0 (1 = off), `logit_bias` token id -> bias in [-100, 100]
+    (at most `MAX_LOGIT_BIAS` entries; ids are checked against the vocabulary by the caller),
+    `min_tokens` >= 0.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
 
     @classmethod
     def from_params(cls, temperature: float | None = None, top_p: float | None = None,
-                    top_k: int = 0, seed: int | None = None) -> SamplingOptions:
+                    top_k: int = 0, seed: int | None = None, *, min_p: float = 0.0,
+                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                    repetition_penalty: float | None = None, logit_bias: Mapping[int, float] | None = None,
+                    min_tokens: int = 0) -> SamplingOptions:
         """Builds options from the proto's optional fields: unset (None) temperature and top_p
-        mean 1.0. Raises ValueError on bad values."""
+        mean 1.0, unset repetition_penalty 1.0. Raises ValueError on bad values."""
         return cls(temperature=1.0 if temperature is None else float(temperature),
                    top_p=1.0 if top_p is None else float(top_p),
-                   top_k=int(top_k), seed=seed)
+                   top_k=int(top_k), seed=seed, min_p=float(min_p),
+                   presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
+                   repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
+                   logit_bias={int(k): float(v) for k, v in (logit_bias or {}).items()},
+                   min_tokens=int(min_tokens))
 
     def validate(self) -> None:
         """Raises ValueError with a message naming the field when any value is out of range."""
@@ -74,12 +99,47 @@ class SamplingOptions:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed <= _MAX_SEED):
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:  # also rejects nan
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a finite number in [-2, 2], got {value!r}")
+        if (not _is_number(self.repetition_penalty) or not math.isfinite(self.repetition_penalty)
+                or self.repetition_penalty <= 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        # Bounded: every step adds each entry to its row's logits (one scatter), and the request's
+        # bias tensors stay on the device for its whole life.
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+            if not _is_number(bias) or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be finite numbers in [-100, 100], "
+                                 f"got {bias!r} for token {token}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
 
     @property
     def is_greedy(self) -> bool:
         """True when the next token is the argmax of the logits (temperature below
         `GREEDY_TEMPERATURE`, 0 included, or top_k 1)."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when the request needs token counts (presence, frequency or repetition penalty)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def uses_processors(self) -> bool:
+        """True when any logits processor applies to the request (penalties, logit_bias, min_tokens)."""
+        return self.uses_penalties or bool(self.logit_bias) or self.min_tokens > 0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
@@ -132,7 +192,7 @@ class Sampler:
 
     def _sample_rows(self, logits: torch.Tensor, options: list[SamplingOptions],
                      generators: list[torch.Generator | None]) -> torch.Tensor:
-        """Samples every row of `logits` (all non-greedy) with temperature, top-k and top-p."""
+        """Samples every row of `logits` (all non-greedy) with temperature, top-k, top-p and min_p."""
         device = logits.device
         rows, vocab = logits.shape
         scores = logits.to(torch.float32, copy=True)
@@ -161,6 +221,11 @@ class Sampler:
             scores.masked_fill_(drop, -math.inf)
 
         probs = scores.softmax(dim=-1)
+        min_ps = [opt.min_p for opt in options]
+        if max(min_ps) > 0.0:  # transformers' MinPLogitsWarper, on the distribution after top-k / top-p
+            min_p = torch.tensor(min_ps, dtype=torch.float32, device=device).unsqueeze(1)
+            threshold = probs.amax(dim=-1, keepdim=True).mul_(min_p)
+            probs.masked_fill_(probs < threshold, 0.0)  # the race needs no renormalising
         race = self._exponentials(rows, vocab, generators, device)
         return _argmax(probs.div_(race))
 

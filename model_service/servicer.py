@@ -8,6 +8,7 @@ token limited by ns= may only Generate in its namespaces."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -19,12 +20,14 @@ from common.auth import current_principal, one_role
 from common.limits import RequestLimits, quote_id, request_limit_error
 from model_service.detokenizer import IncrementalDetokenizer
 from model_service.engine import Engine, GenerationOutput
+from model_service.logprobs import MAX_LOGPROBS, TokenTexts
 from model_service.loop_relay import LoopRelay
 from model_service.model_loader import LoadedModel
 from model_service.request import FinishReason, Request
 from model_service.request_ids import DuplicateRequestError
 from model_service.sampler import SamplingOptions, make_generator
 from model_service.scheduler import QueueFullError
+from model_service.structured import GrammarCompiler, Guide, spec_from_proto
 from protos import model_pb2, model_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -76,6 +79,8 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         self.tokenizer = loaded.tokenizer
         self.info = info
         self._relay: LoopRelay | None = None  # engine thread -> the server's event loop
+        self._grammars: GrammarCompiler | None = None  # made by the first structured request (~0.3 s)
+        self._token_texts = TokenTexts(self.tokenizer)  # for log probabilities
 
     # ------------------------------------------------------------------ Generate
 
@@ -106,7 +111,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE if out.finish_reason is FinishReason.ABORT
                                         else grpc.StatusCode.INTERNAL, out.error)
                 finished = out.finish_reason is not None
-                yield _response(request_id, out, self.info.serving_addr)
+                yield _response(request_id, out, self.info.serving_addr, self._token_texts)
         finally:
             if not finished:  # client cancelled, disconnected or its deadline passed
                 self.engine.cancel(engine_request)
@@ -132,13 +137,28 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
                 top_p=sampling.top_p if sampling.HasField("top_p") else None,
                 top_k=sampling.top_k,
                 seed=sampling.seed if sampling.HasField("seed") else None,
+                min_p=sampling.min_p,
+                presence_penalty=sampling.presence_penalty,
+                frequency_penalty=sampling.frequency_penalty,
+                repetition_penalty=sampling.repetition_penalty if sampling.HasField("repetition_penalty") else None,
+                logit_bias=sampling.logit_bias,  # at most MAX_LOGIT_BIAS entries: bounded work per step
+                min_tokens=sampling.min_tokens,
             )
         except ValueError as e:
             raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         if any(s == "" for s in sampling.stop):
             raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, "stop strings must not be empty")
         self._check_vocab(sampling.stop_token_ids, "stop_token_ids")
+        self._check_vocab(sorted(options.logit_bias), "logit_bias")
         max_tokens = self._max_tokens(sampling, len(prompt_ids))
+        if sampling.HasField("max_tokens") and options.min_tokens > max_tokens:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"min_tokens ({options.min_tokens}) must be <= max_tokens ({max_tokens})")
+        logprobs = sampling.logprobs if sampling.HasField("logprobs") else None
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+        guide = self._guide(sampling.structured_output) if sampling.HasField("structured_output") else None
         client_id = request.request_id or uuid.uuid4().hex
         return Request(
             # The client's id when given (a router aborts by it), unique among the caller's live
@@ -155,7 +175,21 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             arrival_time=arrival,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, list(sampling.stop)),
             generator=make_generator(options.seed, self.loaded.model.device),
+            guide=guide,
+            logprobs=logprobs,
         )
+
+    def _guide(self, message: model_pb2.StructuredOutput) -> Guide | None:
+        """The request's structured output matcher; INVALID_ARGUMENT when it does not compile."""
+        try:
+            spec = spec_from_proto(message)
+            if spec is None:
+                return None
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_ids)
+            return self._grammars.compile(spec)
+        except ValueError as e:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"structured_output: {e}") from e
 
     def _max_tokens(self, sampling: model_pb2.SamplingParams, num_prompt: int) -> int:
         """The request's max_tokens. The model's context is checked before the pool: a request the
@@ -201,9 +235,10 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
                 raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, "chat has no messages")
             if self.tokenizer.chat_template is None:
                 raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, "this model has no chat template")
+            tools = _chat_tools(request.chat.tools_json)
             try:
                 ids = list(self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=True).input_ids)
+                    messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True).input_ids)
             except Exception as e:  # template errors (unknown role ...) are the caller's input
                 raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"chat template failed: {e}") from e
         else:
@@ -219,7 +254,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
                                  f"{field} contains {bad}, outside the vocabulary [0, {vocab})")
 
-    # ------------------------------------------------------------------ Tokenize, ModelInfo
+    # ------------------------------------------------------------------ Tokenize, Detokenize, ModelInfo
 
     async def Tokenize(self, request: model_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
         try:
@@ -228,6 +263,16 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         except InvalidRequest as e:
             await context.abort(e.code, str(e))
         return model_pb2.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids))
+
+    async def Detokenize(self, request: model_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext):
+        """The ids' text as the tokenizer decodes them (special tokens included, as vLLM's
+        /detokenize does), so that Tokenize then Detokenize gives the text back."""
+        ids = list(request.token_ids)
+        try:
+            self._check_vocab(ids, "token_ids")
+        except InvalidRequest as e:
+            await context.abort(e.code, str(e))
+        return model_pb2.DetokenizeResponse(text=self.tokenizer.decode(ids))
 
     async def ModelInfo(self, request: model_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
         config = self.loaded.model.config
@@ -292,8 +337,11 @@ def _caller_key(namespace: str | None) -> str:
     return principal.key
 
 
-def _response(request_id: str, out: GenerationOutput, served_by: str) -> model_pb2.GenerateResponse:
+def _response(request_id: str, out: GenerationOutput, served_by: str, texts: TokenTexts) -> model_pb2.GenerateResponse:
     response = model_pb2.GenerateResponse(request_id=request_id, text=out.text, token_ids=out.token_ids)
+    for position in out.logprobs or ():
+        entry = response.logprobs.add(chosen=_token_logprob(texts, position.token_id, position.logprob, position.rank))
+        entry.top.extend(_token_logprob(texts, t, lp, rank) for rank, (t, lp) in enumerate(position.top, 1))
     if out.finish_reason is not None:
         response.finish_reason = _FINISH_REASONS[out.finish_reason]
         response.matched_stop = out.matched_stop
@@ -308,3 +356,21 @@ def _response(request_id: str, out: GenerationOutput, served_by: str) -> model_p
             cached_host_tokens=u.cached_host_tokens, cached_disk_tokens=u.cached_disk_tokens,
             served_by=served_by))
     return response
+
+
+def _token_logprob(texts: TokenTexts, token_id: int, logprob: float, rank: int) -> model_pb2.TokenLogprob:
+    text, raw = texts.get(token_id)
+    return model_pb2.TokenLogprob(token_id=token_id, logprob=logprob, token=text, token_bytes=raw, rank=rank)
+
+
+def _chat_tools(tools_json: str) -> list[dict] | None:
+    """ChatMessages.tools_json as the chat template's `tools` (None without)."""
+    if not tools_json:
+        return None
+    try:
+        tools = json.loads(tools_json)
+    except ValueError as e:
+        raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"chat tools_json is not JSON: {e}") from None
+    if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, "chat tools_json must be a JSON list of objects")
+    return tools

@@ -43,6 +43,7 @@ REPLICA_FIXTURES = frozenset({
     "small_pool_service",  # tests/model_service/test_scheduling_tiny.py
     "services",            # tests/model_service/test_metrics.py, test_pipeline_tiny.py
     "replica",             # tests/model_service/test_replica_api.py
+    "sampling_replica",    # tests/model_service/test_sampling_controls.py
     "fleet",               # tests/router/conftest.py, tests/security/test_secure_fleet.py
     "door",                # tests/router/test_http_door.py
     "setup",               # tests/router/test_router_tenants.py, test_router_trust.py (security_setup.py)

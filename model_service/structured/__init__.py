@@ -3,6 +3,6 @@ choice, Lark / GBNF grammars). See `spec.py` for what a request may ask and `gui
 per-request matchers and the batch's token masks."""
 
 from model_service.structured.guide import GrammarCompiler, Guide, TokenMasks
-from model_service.structured.spec import KINDS, StructuredSpec
+from model_service.structured.spec import KINDS, StructuredSpec, spec_from_proto
 
-__all__ = ["KINDS", "GrammarCompiler", "Guide", "StructuredSpec", "TokenMasks"]
+__all__ = ["KINDS", "GrammarCompiler", "Guide", "StructuredSpec", "TokenMasks", "spec_from_proto"]

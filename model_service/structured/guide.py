@@ -26,10 +26,11 @@ from model_service.structured.spec import StructuredSpec, grammar_of
 class Guide:
     """One request's matcher: what its output may continue with."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "vocab_size")
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self.matcher = matcher
+        self.vocab_size = vocab_size  # the width of the masks it fills
 
     def accept(self, token: int) -> bool:
         """Advance past `token` (the sampled one, which the mask allowed); False if the grammar
@@ -67,7 +68,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, self._checked(spec))
         if matcher.is_error():
             raise ValueError(f"the {spec.kind} does not compile: {matcher.get_error()}")
-        return Guide(matcher)
+        return Guide(matcher, self.vocab_size)
 
 
 class TokenMasks:

@@ -50,6 +50,20 @@ class StructuredSpec:
             raise ValueError(f"the structured output {self.kind} is empty")
 
 
+def spec_from_proto(message: object) -> StructuredSpec | None:
+    """A `StructuredOutput` message (protos/model.proto) as a spec; None when no kind is set.
+    ValueError as StructuredSpec's."""
+    kind = message.WhichOneof("kind")  # type: ignore[attr-defined]
+    if kind is None:
+        return None
+    value = getattr(message, kind)
+    if kind == "json_object":
+        return StructuredSpec("json_object") if value else None
+    if kind == "choice":
+        return StructuredSpec("choice", choices=tuple(value.choices))
+    return StructuredSpec(kind, value)
+
+
 @functools.lru_cache(maxsize=512)
 def grammar_of(spec: StructuredSpec) -> str:
     """The llguidance grammar (its JSON form) of `spec`; ValueError when the text does not parse

@@ -55,7 +55,7 @@ def test_service_config_retries_unavailable_for_every_client_method():
     config = json.loads(service_config(RetryPolicy(), wait_for_ready=False))
     (method,) = config["methodConfig"]
     names = {(n["service"], n["method"]) for n in method["name"]}
-    for name in ("Generate", "Tokenize", "ModelInfo"):
+    for name in ("Generate", "Tokenize", "Detokenize", "ModelInfo"):
         assert ("radixkv.v1.ModelService", name) in names
     assert ("radixkv.v1.CacheManager", "Stats") in names
     assert method["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]

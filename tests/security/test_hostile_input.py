@@ -150,8 +150,9 @@ def test_cache_service_bytes_that_do_not_parse_are_invalid_argument(channels, me
 
 # ---------------------------------------------------------------------- random bytes (hypothesis)
 
-RANDOM_TARGETS = [("model", MODEL_SERVICE, m) for m in ("Generate", "Tokenize", "Abort", "GetLoad", "ModelInfo")] + \
-    [("router", MODEL_SERVICE, m) for m in ("Generate", "Tokenize", "Abort")] + \
+RANDOM_TARGETS = [("model", MODEL_SERVICE, m) for m in ("Generate", "Tokenize", "Detokenize", "Abort", "GetLoad",
+                                                        "ModelInfo")] + \
+    [("router", MODEL_SERVICE, m) for m in ("Generate", "Tokenize", "Detokenize", "Abort")] + \
     [("cache", CACHE_SERVICE, m) for m in ("Step", "Match", "Heartbeat", "Stats", "Route", "Evict", "Clear")]
 
 

@@ -10,7 +10,8 @@ import jsonschema
 import pytest
 import torch
 
-from model_service.structured import GrammarCompiler, StructuredSpec, TokenMasks
+from model_service.structured import GrammarCompiler, StructuredSpec, TokenMasks, spec_from_proto
+from protos import model_pb2
 from tests.model_service.tokenizer_fixture import load_smollm2_tokenizer
 
 
@@ -117,3 +118,47 @@ def test_masks_touch_only_the_guided_rows(compiler) -> None:
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     allowed = torch.isfinite(logits[1]).nonzero().flatten()
     assert 0 < allowed.numel() < 10 and torch.equal(logits[1, allowed], before[1, allowed])
+
+
+def test_specs_from_the_proto() -> None:
+    assert spec_from_proto(model_pb2.StructuredOutput()) is None
+    assert spec_from_proto(model_pb2.StructuredOutput(json_object=True)) == StructuredSpec("json_object")
+    assert spec_from_proto(model_pb2.StructuredOutput(json_schema="{}")) == StructuredSpec("json_schema", "{}")
+    assert spec_from_proto(model_pb2.StructuredOutput(regex="a+")) == StructuredSpec("regex", "a+")
+    assert spec_from_proto(model_pb2.StructuredOutput(grammar="start: /a/")) == StructuredSpec("grammar", "start: /a/")
+    assert spec_from_proto(model_pb2.StructuredOutput(choice=model_pb2.Choices(choices=["x", "y"]))) \
+        == StructuredSpec("choice", choices=("x", "y"))
+    with pytest.raises(ValueError, match="choice needs"):
+        spec_from_proto(model_pb2.StructuredOutput(choice=model_pb2.Choices()))
+
+
+def test_guided_decoding_masks_advances_and_ends(compiler, tokenizer) -> None:
+    from dataclasses import dataclass
+
+    from model_service.structured.decoding import GuidedDecoding
+
+    @dataclass
+    class Row:
+        guide: object = None
+
+    rows = [Row(), Row(compiler.compile(StructuredSpec("choice", choices=("alpha", "beta")))), Row()]
+    decoding = GuidedDecoding()
+    gen = torch.Generator().manual_seed(3)
+    out: list[int] = []
+    try:
+        for _ in range(20):
+            masks = decoding.start(rows)
+            logits = torch.randn(3, compiler.vocab_size, generator=gen)
+            free = logits[[0, 2]].clone()
+            decoding.apply(logits, rows, masks)
+            assert torch.equal(logits[[0, 2]], free)  # unguided rows untouched
+            tokens = logits.argmax(-1).tolist()
+            done = decoding.advance(rows, tokens)
+            assert done[0] is False and done[2] is False
+            out.append(tokens[1])
+            if done[1]:
+                break
+        assert tokenizer.decode(out).replace(tokenizer.eos_token, "") in ("alpha", "beta")
+        assert decoding.start([Row(), Row()]) is None
+    finally:
+        decoding.close()

@@ -1,0 +1,101 @@
+"""Log probabilities of generated tokens (SamplingParams.logprobs): the model's own distribution,
+log_softmax of the raw logits, for the chosen token (with its rank) and the top-k alternatives.
+
+`compute` works on the rows of a batch that asked for them, in one pass of tensor ops (no loop
+over rows or the vocabulary); `TokenTexts` gives each token id's text and bytes as it decodes
+alone, computed once per id and kept.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+MAX_LOGPROBS = 20
+
+
+class BatchLogprobs(NamedTuple):
+    """Row i: the chosen token's log probability and rank (1 = most likely), and the top-k ids
+    and log probabilities, most likely first (k = the largest any row asked for)."""
+
+    chosen: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+def compute(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> BatchLogprobs:
+    """`logits` [rows, vocab] (any float dtype: computed in float32), `tokens` [rows] the chosen ids."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, tokens.view(-1, 1).to(logprobs.device, torch.int64))
+    ranks = (logprobs > chosen).sum(dim=-1).add_(1)
+    if k > 0:
+        top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    else:
+        top_ids = top_values = [[] for _ in range(logits.shape[0])]
+    return BatchLogprobs(chosen.view(-1).tolist(), ranks.tolist(), top_ids, top_values)
+
+
+class Position(NamedTuple):
+    """One generated position: the chosen token's log probability and rank, and the top
+    alternatives as (token id, log probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+def positions(batch: BatchLogprobs, tokens: list[int], ks: list[int]) -> list[Position]:
+    """Row i of `batch` as a Position of token tokens[i] with its ks[i] top alternatives."""
+    return [Position(t, batch.chosen[i], batch.ranks[i], list(zip(batch.top_ids[i][:k], batch.top_logprobs[i][:k],
+                                                                strict=True)))
+            for i, (t, k) in enumerate(zip(tokens, ks, strict=True))]
+
+
+class TokenTexts:
+    """Token id -> (text, bytes), each as the token decodes alone (a piece of a multi-byte
+    character decodes to U+FFFD; its bytes are exact where the tokenizer is byte-level)."""
+
+    def __init__(self, tokenizer: object) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, bytes]] = {}
+        self._byte_decoder = _byte_decoder(tokenizer)
+
+    def get(self, token_id: int) -> tuple[str, bytes]:
+        found = self._cache.get(token_id)
+        if found is None:
+            text = self._tokenizer.decode([token_id])  # type: ignore[attr-defined]
+            raw = self._raw_bytes(token_id)
+            found = (text, raw if raw is not None else text.encode())
+            self._cache[token_id] = found
+        return found
+
+    def _raw_bytes(self, token_id: int) -> bytes | None:
+        if self._byte_decoder is None:
+            return None
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)  # type: ignore[attr-defined]
+        if not isinstance(piece, str) or any(ch not in self._byte_decoder for ch in piece):
+            return None  # a special or added token: its text is its bytes
+        return bytes(self._byte_decoder[ch] for ch in piece)
+
+
+def _byte_decoder(tokenizer: object) -> dict[str, int] | None:
+    """GPT-2's byte-level alphabet (printable stand-ins for the 256 bytes), inverted, when the
+    tokenizer is byte-level BPE; None otherwise."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    pre = getattr(backend, "pre_tokenizer", None)
+    if pre is None or "ByteLevel" not in repr(pre):
+        return None
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}

@@ -88,6 +88,8 @@ class ReplicaPort(Protocol):
                  timeout: float | None) -> AsyncIterator[model_pb2.GenerateResponse]: ...
     async def tokenize(self, addr: str, request: model_pb2.TokenizeRequest,
                        timeout: float | None) -> model_pb2.TokenizeResponse: ...
+    async def detokenize(self, addr: str, request: model_pb2.DetokenizeRequest,
+                         timeout: float | None) -> model_pb2.DetokenizeResponse: ...
     async def model_info(self, addr: str, timeout: float | None) -> model_pb2.ModelInfoResponse: ...
     async def abort(self, addr: str, request: model_pb2.AbortRequest, timeout: float | None) -> model_pb2.AbortResponse: ...
     async def get_load(self, addr: str, timeout: float | None) -> model_pb2.GetLoadResponse: ...
@@ -111,7 +113,8 @@ class CoreConfig:
     # After the cache manager failed, requests skip it for this long (the background check
     # brings routing back as soon as it answers again).
     cache_retry_s: float = 2.0
-    # Deadline of each unary call to a replica (Tokenize, ModelInfo, Abort, GetLoad, health).
+    # Deadline of each unary call to a replica (Tokenize, Detokenize, ModelInfo, Abort, GetLoad,
+    # health).
     call_timeout_s: float = 5.0
     # The router's own address (ModelInfo.serving_addr, GetLoad.serving_addr).
     serving_addr: str = ""
@@ -132,7 +135,7 @@ class RouterCore:
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self._clock = clock
         self._rotation = Rotation()  # round-robin and least-loaded ties
-        self._unary_rotation = Rotation()  # Tokenize, ModelInfo
+        self._unary_rotation = Rotation()  # Tokenize, Detokenize, ModelInfo
         self._cache_skip_until = 0.0
         self.cache_up: bool | None = None
         # (principal key, client request id) -> every Generate this router is serving.
@@ -409,6 +412,12 @@ class RouterCore:
                        deadline: float | None = None) -> model_pb2.TokenizeResponse:
         return await self._any_replica(
             lambda addr, timeout: self.upstream.tokenize(addr, request, timeout), deadline, "Tokenize")
+
+    async def detokenize(self, request: model_pb2.DetokenizeRequest,
+                         deadline: float | None = None) -> model_pb2.DetokenizeResponse:
+        """A live replica's Detokenize (any replica: they serve the same tokenizer)."""
+        return await self._any_replica(
+            lambda addr, timeout: self.upstream.detokenize(addr, request, timeout), deadline, "Detokenize")
 
     async def model_info(self, deadline: float | None = None) -> model_pb2.ModelInfoResponse:
         """A live replica's ModelInfo, with the router's own serving_addr (and no pool: there are

@@ -5,8 +5,8 @@ As vLLM does, unknown fields are accepted, not refused: clients (SDKs, proxies) 
 newer API versions and of other servers. Unlike vLLM, whose server only writes a log line, the
 client is told too: every field present with a non-null value that the door neither acts on
 nor validates to a no-op is listed, sorted, in the response header, on streamed responses too.
-That covers misspellings (``temprature``), fields of other servers (``min_p``,
-``repetition_penalty``, ``min_tokens``), OpenAI fields without effect here (``user``), keys of
+That covers misspellings (``temprature``), fields of other servers (``guided_decoding_backend``,
+``chat_template_kwargs``), OpenAI fields without effect here (``user``), keys of
 chat messages and content parts other than role / content / type / text
 (``messages[].name``), of ``stream_options`` other than include_usage, and, in chat,
 ``max_tokens`` when ``max_completion_tokens`` is given (it wins). A null value asks for the
@@ -33,14 +33,17 @@ MAX_LISTED = 32
 MAX_NAME_BYTES = 64
 
 # Fields each endpoint acts on: mapped to the request, or validated (a value other than the
-# no-op one is a 400: n, best_of, echo, logprobs, suffix, penalties, logit_bias, tools, ...).
+# no-op one is a 400: n, best_of, echo, logprobs, suffix, tools, ...).
 _COMMON = frozenset({
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
     "stop_token_ids", "ignore_eos", "cache_salt", "n", "presence_penalty", "frequency_penalty", "logit_bias",
+    "repetition_penalty", "min_tokens", "min_p",
+    # output formats (router/structured_formats.py)
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 })
 COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "logprobs", "suffix"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "tools", "functions", "tool_choice",
-                         "response_format"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "functions",
+                         "tool_choice", "function_call"}
 MESSAGE_FIELDS = frozenset({"role", "content"})
 PART_FIELDS = frozenset({"type", "text"})
 STREAM_OPTION_FIELDS = frozenset({"include_usage"})

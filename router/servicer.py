@@ -43,6 +43,12 @@ class RouterServicer(model_pb2_grpc.ModelServiceServicer):
         except RouterError as e:
             await _abort(context, e)
 
+    async def Detokenize(self, request: model_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext):
+        try:
+            return await self.core.detokenize(request, _deadline(context))
+        except RouterError as e:
+            await _abort(context, e)
+
     async def ModelInfo(self, request: model_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
         try:
             return await self.core.model_info(_deadline(context))

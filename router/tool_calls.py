@@ -43,9 +43,9 @@ class ToolPlan:
 
 def plan_tools(body: dict[str, Any]) -> ToolPlan:
     """Checks `tools` / `tool_choice` (the legacy `functions` / `function_call` too). Raises FormatError."""
-    if body.get("functions") is not None or body.get("function_call") is not None:
+    if body.get("functions") not in (None, []) or body.get("function_call") not in (None, "none"):
         raise FormatError("'functions' and 'function_call' are deprecated: use 'tools' and 'tool_choice'",
-                          "functions" if body.get("functions") is not None else "function_call")
+                          "functions" if body.get("functions") not in (None, []) else "function_call")
     tools = _tools(body.get("tools"))
     choice = body.get("tool_choice")
     if choice is None:

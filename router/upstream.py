@@ -86,6 +86,10 @@ class ReplicaClients:
                        timeout: float | None) -> model_pb2.TokenizeResponse:
         return await self._unary(self._stub(addr).Tokenize, request, timeout)
 
+    async def detokenize(self, addr: str, request: model_pb2.DetokenizeRequest,
+                         timeout: float | None) -> model_pb2.DetokenizeResponse:
+        return await self._unary(self._stub(addr).Detokenize, request, timeout)
+
     async def model_info(self, addr: str, timeout: float | None) -> model_pb2.ModelInfoResponse:
         return await self._unary(self._stub(addr).ModelInfo, model_pb2.ModelInfoRequest(), timeout)
 

@@ -102,8 +102,8 @@ def test_acted_on_fields_are_never_listed() -> None:
 def test_ignored_fields_per_endpoint() -> None:
     body = {"model": "m", "prompt": "x", "temprature": 1, "user": "u", "min_p": 0.1, "repetition_penalty": 1.2,
             "min_tokens": 2, "max_completion_tokens": 3, "messages": []}
-    assert ignored_fields(body, chat=False) == ["max_completion_tokens", "messages", "min_p", "min_tokens",
-                                                "repetition_penalty", "temprature", "user"]
+    # min_p, min_tokens, repetition_penalty are acted on (SamplingParams): not listed.
+    assert ignored_fields(body, chat=False) == ["max_completion_tokens", "messages", "temprature", "user"]
     chat = {"model": "m", "max_tokens": 5, "max_completion_tokens": 3, "best_of": 1, "echo": False,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
             "messages": [{"role": "user", "content": "x", "name": "n"},

@@ -1,15 +1,19 @@
-"""Unit tests of the OpenAI <-> radixkv translation (router/openai_api.py), no server."""
+"""Unit tests of the OpenAI <-> radixkv translation (router/openai_protocol.py, re-exported by
+router/openai_api.py), no server."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from openai.types import Model
+from openai.types.chat import ChatCompletionChunk
 
 from protos import model_pb2
 from router import errors
 from router.errors import RouterError
 from router.openai_api import OpenAIError, Reply, chat_request, completion_request, sse
+from router.openai_protocol import detokenize_request, model_card, tokenize_json, tokenize_request
 
 
 def test_completion_params_map_to_sampling() -> None:
@@ -53,8 +57,15 @@ def test_chat_messages_and_max_completion_tokens() -> None:
     ({"prompt": "x", "n": 2}, "n"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs"),
-    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"prompt": "x", "logit_bias": {"1.5": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"4294967296": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"3": True}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"3": float("nan")}}, "logit_bias"),
+    ({"prompt": "x", "repetition_penalty": -1}, "repetition_penalty"),
+    ({"prompt": "x", "min_p": -0.1}, "min_p"),
+    ({"prompt": "x", "min_tokens": 2**31}, "min_tokens"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "max_tokens": True}, "max_tokens"),
     ({"prompt": "x", "seed": -1}, "seed"),
@@ -76,9 +87,13 @@ def test_bad_completion_requests_are_400_naming_the_param(body: dict, param: str
     ({"messages": []}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"},
+      "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
 ])
 def test_bad_chat_requests_are_400(body: dict, param: str) -> None:
     with pytest.raises(OpenAIError) as info:
@@ -112,7 +127,8 @@ def _messages() -> list[model_pb2.GenerateResponse]:
 def test_completion_reply_and_chunks() -> None:
     reply = Reply(chat=False, model="m", request_id="abc")
     chunks = [c for m in _messages() for c in reply.add(m)]
-    assert [c["choices"][0]["text"] for c in chunks] == ["Hel", "!", ""]
+    # One chunk per token step, "" while a character is incomplete; the finish on the last token's.
+    assert [c["choices"][0]["text"] for c in chunks] == ["Hel", "", "!"]
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "stop"]
     assert all(c["object"] == "text_completion" and c["id"] == "cmpl-abc" for c in chunks)
     body = reply.response()
@@ -128,10 +144,60 @@ def test_chat_reply_and_chunks() -> None:
     first = reply.first_chunk()
     assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
     chunks = [c for m in _messages() for c in reply.add(m)]
-    assert [c["choices"][0]["delta"] for c in chunks] == [{"content": "Hel"}, {"content": "!"}, {}]
+    assert [c["choices"][0]["delta"] for c in chunks] == [{"content": "Hel"}, {"content": ""}, {"content": "!"}]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "stop"]
+    for chunk in [first, *chunks, reply.usage_chunk()]:
+        ChatCompletionChunk.model_validate(chunk)
     body = reply.response()
     assert body["object"] == "chat.completion" and body["id"] == "chatcmpl-abc"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hel!"}
+
+
+def test_a_finish_without_tokens_is_a_chunk_of_its_own() -> None:
+    """An abort ends the stream with a message that carries no token: its finish still arrives."""
+    reply = Reply(chat=True, model="m", request_id="abc")
+    assert reply.add(model_pb2.GenerateResponse()) == []  # nothing to tell
+    chunks = reply.add(model_pb2.GenerateResponse(finish_reason=model_pb2.FINISH_REASON_ABORT))
+    assert [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"]) for c in chunks] == [({}, "abort")]
+
+
+def test_penalties_and_vllm_sampling_fields_map_to_sampling() -> None:
+    for translate, body in ((completion_request, {"prompt": "x"}),
+                            (chat_request, {"messages": [{"role": "user", "content": "x"}]})):
+        request, _, _ = translate({"model": "m", **body, "max_tokens": 8, "presence_penalty": -2, "frequency_penalty": 2,
+                                   "repetition_penalty": 1.3, "min_tokens": 8, "min_p": 1,
+                                   "logit_bias": {"0": -100, "4294967295": 100, "17": 0.5}})
+        s = request.sampling
+        assert (s.presence_penalty, s.frequency_penalty, s.min_tokens, s.min_p) == (-2, 2, 8, 1)
+        assert s.repetition_penalty == pytest.approx(1.3) and s.HasField("repetition_penalty")
+        assert dict(s.logit_bias) == {0: -100, 2**32 - 1: 100, 17: 0.5}
+    request, _, _ = completion_request({"model": "m", "prompt": "x", "logit_bias": None, "min_p": None})
+    assert not request.sampling.HasField("repetition_penalty") and not request.sampling.logit_bias
+
+
+def test_model_card_has_vllms_fields() -> None:
+    info = model_pb2.ModelInfoResponse(model_name="org/m", max_context_tokens=2048, model_fingerprint="f")
+    card = model_card(info, 1700000000)
+    assert Model.model_validate(card).id == "org/m"
+    assert (card["root"], card["parent"], card["permission"], card["max_model_len"]) == ("org/m", None, [], 2048)
+
+
+def test_tokenize_and_detokenize_requests() -> None:
+    request, strs = tokenize_request({"prompt": "Hi", "add_special_tokens": True})
+    assert request.text == "Hi" and not strs
+    request, strs = tokenize_request({"messages": [{"role": "user", "content": "Hi"}], "return_token_strs": True,
+                                      "add_generation_prompt": True, "add_special_tokens": False})
+    assert [m.content for m in request.chat.messages] == ["Hi"] and strs
+    answer = model_pb2.TokenizeResponse(token_ids=[5, 6], tokens=["a", "b"])
+    assert tokenize_json(answer, 99, True) == {"count": 2, "max_model_len": 99, "tokens": [5, 6],
+                                               "token_strs": ["a", "b"]}
+    assert list(detokenize_request({"tokens": [1, 2]}).token_ids) == [1, 2]
+    with pytest.raises(OpenAIError) as info:
+        tokenize_request({"prompt": "\ud800"})
+    assert info.value.code == "invalid_unicode"
+    with pytest.raises(OpenAIError) as info:
+        tokenize_request({"prompt": "x", "messages": [{"role": "user", "content": "y"}]})
+    assert info.value.param == "prompt"
 
 
 def test_sse_framing() -> None:
@@ -163,3 +229,112 @@ def test_error_messages_quote_values_briefly() -> None:
     with pytest.raises(OpenAIError) as info:
         chat_request({"model": "m", "messages": [{"role": "\ud800", "content": "x"}]})
     assert info.value.code == "invalid_unicode"
+
+
+def test_output_formats_and_tools_reach_the_request() -> None:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    request, _, _ = chat_request({**chat, "response_format": {"type": "json_object"}})
+    assert request.sampling.structured_output.json_object
+    request, _, _ = completion_request({"model": "m", "prompt": "x", "structured_outputs": {"regex": "[a-z]+"}})
+    assert request.sampling.structured_output.regex == "[a-z]+"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    request, _, _ = chat_request({**chat, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert request.sampling.structured_output.json_schema == '{"type": "object"}'
+    assert json.loads(request.chat.tools_json) == tools
+    request, _, _ = chat_request({**chat, "tools": tools, "tool_choice": "none"})
+    assert not request.chat.tools_json and not request.sampling.HasField("structured_output")
+    request, _, _ = chat_request({**chat, "tools": tools})  # auto: the template sees them, the output is free
+    assert request.chat.tools_json and not request.sampling.HasField("structured_output")
+
+
+def _tool_messages(text: str) -> list[model_pb2.GenerateResponse]:
+    half = len(text) // 2
+    return [model_pb2.GenerateResponse(text=text[:half], token_ids=[1]),
+            model_pb2.GenerateResponse(text=text[half:], token_ids=[2], finish_reason=model_pb2.FINISH_REASON_STOP,
+                                       usage=model_pb2.Usage(prompt_tokens=3, completion_tokens=2))]
+
+
+def test_tool_calls_in_responses_and_streams() -> None:
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    from router.tool_calls import plan_tools
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    named = plan_tools({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    reply = Reply(True, "m", "r1", tools=named)
+    chunks = [c for m in _tool_messages('{"a": 1}') for c in reply.add(m)]
+    for chunk in chunks:
+        ChatCompletionChunk.model_validate(chunk)
+    calls = [c["choices"][0]["delta"].get("tool_calls") for c in chunks]
+    assert calls[0][0]["function"]["name"] == "f" and calls[0][0]["id"].startswith("call_")
+    assert "".join(c[0]["function"]["arguments"] for c in calls if c) == '{"a": 1}'
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    body = reply.response()
+    ChatCompletion.model_validate(body)
+    message = body["choices"][0]["message"]
+    assert message["content"] is None and message["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+
+    required = plan_tools({"tools": tools, "tool_choice": "required"})
+    reply = Reply(True, "m", "r2", tools=required)
+    chunks = [c for m in _tool_messages('[{"name": "f", "parameters": {"b": 2}}]') for c in reply.add(m)]
+    assert len(chunks) == 1  # decided on the whole output
+    ChatCompletionChunk.model_validate(chunks[0])
+    (call,) = chunks[0]["choices"][0]["delta"]["tool_calls"]
+    assert call["index"] == 0 and call["function"] == {"name": "f", "arguments": '{"b": 2}'}
+    assert chunks[0]["choices"][0]["finish_reason"] == "tool_calls"
+
+    auto = plan_tools({"tools": tools})
+    reply = Reply(True, "m", "r3", tools=auto)
+    for m in _tool_messages("just text"):
+        reply.add(m)
+    body = reply.response()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "just text"}
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def _logprob_messages() -> list[model_pb2.GenerateResponse]:
+    def position(token_id: int, token: str, logprob: float) -> model_pb2.PositionLogprobs:
+        chosen = model_pb2.TokenLogprob(token_id=token_id, logprob=logprob, token=token,
+                                        token_bytes=token.encode(), rank=1)
+        alt = model_pb2.TokenLogprob(token_id=9, logprob=-3.0, token="z", token_bytes=b"z", rank=2)
+        return model_pb2.PositionLogprobs(chosen=chosen, top=[chosen, alt])
+    return [model_pb2.GenerateResponse(text="Hi", token_ids=[1], logprobs=[position(1, "Hi", -0.5)]),
+            model_pb2.GenerateResponse(text=" there", token_ids=[2], logprobs=[position(2, " there", -0.25)],
+                                       finish_reason=model_pb2.FINISH_REASON_LENGTH,
+                                       usage=model_pb2.Usage(prompt_tokens=1, completion_tokens=2))]
+
+
+def test_logprobs_requests_and_replies() -> None:
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    request, _, _ = completion_request({"model": "m", "prompt": "x", "logprobs": 3})
+    assert request.sampling.logprobs == 3
+    request, _, _ = chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                                  "top_logprobs": 2})
+    assert request.sampling.logprobs == 2
+    request, _, _ = chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert not request.sampling.HasField("logprobs")
+
+    chat = Reply(True, "m", "r", logprobs=True)
+    chunks = [c for m in _logprob_messages() for c in chat.add(m)]
+    assert [c["choices"][0]["logprobs"]["content"][0]["token"] for c in chunks] == ["Hi", " there"]
+    for chunk in chunks:
+        ChatCompletionChunk.model_validate(chunk)
+    body = chat.response()
+    ChatCompletion.model_validate(body)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["logprob"], c["bytes"]) for c in content] == [("Hi", -0.5, list(b"Hi")),
+                                                                         (" there", -0.25, list(b" there"))]
+    assert [t["token"] for t in content[1]["top_logprobs"]] == [" there", "z"]
+
+    completion = Reply(False, "m", "r", logprobs=True)
+    for m in _logprob_messages():
+        completion.add(m)
+    body = completion.response()
+    Completion.model_validate(body)
+    assert body["choices"][0]["logprobs"] == {"tokens": ["Hi", " there"], "token_logprobs": [-0.5, -0.25],
+                                              "top_logprobs": [{"Hi": -0.5, "z": -3.0}, {" there": -0.25, "z": -3.0}],
+                                              "text_offset": [0, 2]}
+    assert Reply(False, "m", "r").response()["choices"][0]["logprobs"] is None

@@ -237,6 +237,16 @@ def summary_table(r: Json) -> str:
             f"{_f(r.get('tiered_all_miss_host_wt_loss_pct'), '+.1f')}% / disk "
             f"{_f(r.get('tiered_all_miss_disk_loss_pct'), '+.1f')}%"
             f" (<= 3%); greedy identical {_f(100 * (r.get('tiered_greedy_identical') or 0), '.0f')}%", ".2f")
+    for dataset, label in (("shared", "4 prefixes x 8, 1024 + 32"), ("random", "random 512, no sharing")):
+        for tag in ("fp32", "bf16"):
+            p = f"serve_{dataset}_{tag}"
+            if f"{p}_tok_s" in r:
+                add(f"serve (HTTP, vllm bench serve) {label}, {tag} tok/s", r[f"{p}_tok_s"], None,
+                    f"vLLM server {_f(r.get(f'vllm_{p}_tok_s'), '.1f')} tok/s: ours/vLLM "
+                    f"{_f(r.get(f'{p}_vs_vllm'), '.2f')}x (median of turns), TTFT "
+                    f"{_f(r.get(f'{p}_ttft_vs_vllm'), '.2f')}x, TPOT {_f(r.get(f'{p}_tpot_vs_vllm'), '.2f')}x; "
+                    f"checks {'ok' if r.get(f'{p}_checks_ok') else 'FAILED'}, 1 SSE event/token "
+                    f"{_f(100 * (r.get(f'{p}_per_token_events_share') or 0), '.0f')}%")
     text = table(rows, ["measure", "radixkv", "transformers", "radixkv speedup", "other baselines / notes"]) if rows else ""
     notes = [f"skipped {k}: {v}" for k, v in (r.get("skipped") or {}).items()]
     notes += [f"FAILED {k}: {v.splitlines()[0] if isinstance(v, str) else v}" for k, v in (r.get("failed") or {}).items()]

@@ -13,13 +13,14 @@ import collections
 import copy
 import os
 import platform
+import re
 import socket
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -651,6 +652,17 @@ class Progress:
 
 
 # ---------------------------------------------------------------------- machine description
+
+
+def kernels_line(log: Iterable[str]) -> str:
+    """A model service's start-up lines about what runs: model, dtype, attention backend and its
+    kernels, pool; the linear products' mode (for printing beside every number)."""
+    found = []
+    for line in log:
+        match = re.search(r"(model \S+ on .*KV pool.*)$", line) or re.search(r"(linear products, .*mode)", line)
+        if match:
+            found.append(match.group(1))
+    return "; ".join(found[:2])
 
 
 def machine_info(threads: int) -> Json:

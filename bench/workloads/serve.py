@@ -31,7 +31,6 @@ import collections
 import contextlib
 import json
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -52,6 +51,7 @@ from bench.harness import (
     Json,
     alternate,
     free_port,
+    kernels_line,
     machine_info,
     repetitions,
     table,
@@ -157,13 +157,7 @@ class RadixkvServer:
             raise ServiceError(f"the router's /v1/models answered {status} without a model id: {body}") from None
 
     def kernels(self) -> str:
-        """The model service's start-up lines: model, dtype, attention and its kernels; linear products."""
-        found = []
-        for line in self.log:
-            match = re.search(r"(model \S+ on .*KV pool.*)$", line) or re.search(r"(linear products, .*mode)", line)
-            if match:
-                found.append(match.group(1))
-        return "; ".join(found[:2])
+        return kernels_line(self.log)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs if p.running()]

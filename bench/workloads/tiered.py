@@ -44,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
-import re
 import shutil
 import statistics
 import tempfile
@@ -63,6 +62,7 @@ from bench.harness import (
     Streamed,
     clear_pools,
     identical_fraction,
+    kernels_line,
     machine_info,
     rotate,
     stream_async,
@@ -181,14 +181,7 @@ class Replica:
         return [p.pid for p in (self.cache, self.model) if p is not None and p.running()]
 
     def kernels(self) -> str:
-        """The model service's start-up lines: model, dtype, attention backend and its kernels, pool;
-        the linear products' mode."""
-        found = []
-        for line in self.log:
-            match = re.search(r"(model \S+ on .*KV pool.*)$", line) or re.search(r"(linear products, .*mode)", line)
-            if match:
-                found.append(match.group(1))
-        return "; ".join(found[:2])
+        return kernels_line(self.log)
 
     def tier_lines(self) -> list[str]:
         """The model service's start-up line about its tiers."""

@@ -294,7 +294,7 @@ def test_disk_round_trip_and_restart_on_the_disk_dir(cache_service, tiny_dir, re
         assert stats.num_failed_pages == 0, stats
     with replica(cache_service.addr, tiny_dir, worker, *flags) as r, cache_stub(cache_service.addr) as cstub:
         (held,) = [int(m.group(1)) for line in r.running.log
-                   if (m := re.search(r"\((\d+) held from an earlier run\)", line))]
+                   if (m := re.search(r"\((\d+) held from an earlier run", line))]
         assert held >= cacheable(prompt) // BS, r.running.output()  # the file's valid pages, scanned
         intruder = run(r.stub, prompt, namespace="intruder")
         assert usage_split(intruder) == (0, 0, 0)  # a disk page is its namespace's only

@@ -5,6 +5,7 @@ for failures a real one cannot be made to show on cue."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import threading
@@ -106,7 +107,55 @@ def fleet(tiny_model: Path) -> Iterator[Fleet]:
 # ---------------------------------------------------------------------- a scriptable replica
 
 
-class ScriptedReplica(model_pb2_grpc.ModelServiceServicer):
+class StandInReplica(model_pb2_grpc.ModelServiceServicer):
+    """A ModelService of the test's own that a router takes for a replica of the fleet's model:
+    model info, Tokenize and Detokenize come from the real replica at `real_addr`; subclasses
+    answer Generate. `pool_id` names it in ModelInfo."""
+
+    pool_id = "stand-in"
+
+    def __init__(self, real_addr: str) -> None:
+        self._lock = threading.Lock()
+        self._real = grpc.insecure_channel(real_addr)
+        self._stub = model_pb2_grpc.ModelServiceStub(self._real)
+        self.addr = ""
+
+    def Tokenize(self, request, context):
+        return self._stub.Tokenize(request, timeout=10)
+
+    def Detokenize(self, request, context):
+        return self._stub.Detokenize(request, timeout=10)
+
+    def ModelInfo(self, request, context):
+        info = self._stub.ModelInfo(request, timeout=10)
+        info.serving_addr, info.pool_id = self.addr, self.pool_id
+        return info
+
+    def GetLoad(self, request, context):
+        return model_pb2.GetLoadResponse(serving_addr=self.addr)
+
+    def close(self) -> None:
+        self._real.close()
+
+
+@contextlib.contextmanager
+def serving(servicer: StandInReplica, workers: int = 8) -> Iterator[StandInReplica]:
+    """`servicer` served on a loopback port (health SERVING) until the block ends."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
+    model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    servicer.addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    try:
+        yield servicer
+    finally:
+        server.stop(0)
+        servicer.close()
+
+
+class ScriptedReplica(StandInReplica):
     """A ModelService whose Generate fails on cue (`mode`), serving the real replica's model info
     and tokenizer (Tokenize is forwarded there) so the router treats it as one of the fleet.
 
@@ -114,13 +163,12 @@ class ScriptedReplica(model_pb2_grpc.ModelServiceServicer):
     sends one message, then fails with UNAVAILABLE.
     """
 
+    pool_id = "scripted"
+
     def __init__(self, real_addr: str) -> None:
+        super().__init__(real_addr)
         self.mode = "unavailable"
         self.generate_calls = 0
-        self._lock = threading.Lock()
-        self._real = grpc.insecure_channel(real_addr)
-        self._stub = model_pb2_grpc.ModelServiceStub(self._real)
-        self.addr = ""
 
     def Generate(self, request, context):
         with self._lock:
@@ -134,36 +182,11 @@ class ScriptedReplica(model_pb2_grpc.ModelServiceServicer):
         yield model_pb2.GenerateResponse(request_id=request.request_id, text="partial", token_ids=[7])
         context.abort(grpc.StatusCode.UNAVAILABLE, "scripted replica: crashed mid-stream")
 
-    def Tokenize(self, request, context):
-        return self._stub.Tokenize(request, timeout=10)
-
-    def ModelInfo(self, request, context):
-        info = self._stub.ModelInfo(request, timeout=10)
-        info.serving_addr, info.pool_id = self.addr, "scripted"
-        return info
-
-    def GetLoad(self, request, context):
-        return model_pb2.GetLoadResponse(serving_addr=self.addr)
-
-    def close(self) -> None:
-        self._real.close()
-
 
 @pytest.fixture(scope="module")
 def scripted(fleet: Fleet) -> Iterator[ScriptedReplica]:
-    servicer = ScriptedReplica(fleet.a.addr)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    servicer.addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    server.start()
-    try:
+    with serving(ScriptedReplica(fleet.a.addr)) as servicer:
         yield servicer
-    finally:
-        server.stop(0)
-        servicer.close()
 
 
 @pytest.fixture(scope="module")

@@ -14,23 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from concurrent import futures
 
 import grpc
 import openai
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from client import AsyncRadixKVClient, RadixKVClient, RadixKVError
 from protos import model_pb2, model_pb2_grpc
 from tests.client.helpers import run_cli
-from tests.router.conftest import Fleet, free_port, http_url
+from tests.router.conftest import Fleet, StandInReplica, free_port, http_url, serving
 from tests.services import Running, start_router
 
 pytestmark = pytest.mark.timeout(180)
@@ -39,17 +36,15 @@ pytestmark = pytest.mark.timeout(180)
 SCRIPT = [("He", [11]), ("", [12]), ("", [13]), ("llo", [14]), ("!", [15])]
 
 
-class RecordingReplica(model_pb2_grpc.ModelServiceServicer):
+class RecordingReplica(StandInReplica):
     """A ModelService that records each GenerateRequest and answers with SCRIPT, serving the real
-    replica's model info and tokenizer (Tokenize / Detokenize forwarded) so that a router takes
-    it for a replica of the model."""
+    replica's model info and tokenizer so that a router takes it for a replica of the model."""
+
+    pool_id = "recording"
 
     def __init__(self, real_addr: str) -> None:
+        super().__init__(real_addr)
         self.requests: list[model_pb2.GenerateRequest] = []
-        self._lock = threading.Lock()
-        self._real = grpc.insecure_channel(real_addr)
-        self._stub = model_pb2_grpc.ModelServiceStub(self._real)
-        self.addr = ""
 
     def Generate(self, request, context):
         with self._lock:
@@ -62,46 +57,18 @@ class RecordingReplica(model_pb2_grpc.ModelServiceServicer):
                                                        served_by=self.addr))
             yield message
 
-    def Tokenize(self, request, context):
-        return self._stub.Tokenize(request, timeout=10)
-
-    def Detokenize(self, request, context):
-        return self._stub.Detokenize(request, timeout=10)
-
-    def ModelInfo(self, request, context):
-        info = self._stub.ModelInfo(request, timeout=10)
-        info.serving_addr, info.pool_id = self.addr, "recording"
-        return info
-
-    def GetLoad(self, request, context):
-        return model_pb2.GetLoadResponse(serving_addr=self.addr)
-
-    def close(self) -> None:
-        self._real.close()
-
 
 @pytest.fixture(scope="module")
 def recording(fleet: Fleet) -> Iterator[tuple[RecordingReplica, Running]]:
     """The recording replica and a router (HTTP door) in front of it alone."""
-    servicer = RecordingReplica(fleet.a.addr)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    servicer.addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    server.start()
-    router = None
-    try:
+    with serving(RecordingReplica(fleet.a.addr), workers=4) as servicer:
         # No cache manager (a dead port): it would name the fleet's real replicas to route to.
         router = start_router(f"127.0.0.1:{free_port()}", "--http-port", "0", "--check-interval", "0.3",
                               "--replica", servicer.addr)
-        yield servicer, router
-    finally:
-        if router is not None:
+        try:
+            yield servicer, router
+        finally:
             router.process.stop(10.0)
-        server.stop(0)
-        servicer.close()
 
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,6 @@ from router.ignored_fields import HEADER as IGNORED_HEADER
 from router.ignored_fields import IgnoredFieldsLog, header_value, ignored_fields
 from router.openai_protocol import (  # re-exported: the door's translation, tested on its own
     OpenAIError,
-    Reply,
     chat_request,
     completion_request,
     detokenize_request,
@@ -92,11 +91,11 @@ from router.openai_protocol import (  # re-exported: the door's translation, tes
     model_card,
     requested_model,
     short_repr,
-    sse,
     tokenize_json,
     tokenize_request,
     tool_plan,
 )
+from router.openai_reply import Reply, sse
 
 __all__ = ["OpenAIError", "Reply", "build_app", "chat_request", "completion_request", "sse"]
 

@@ -1,24 +1,21 @@
-"""Request and response translation of the OpenAI door (router/openai_api.py), pure (no
-server): request JSON -> GenerateRequest / TokenizeRequest / DetokenizeRequest, GenerateResponse
-messages -> OpenAI JSON and stream chunks, errors as OpenAI's error JSON. Every bad value is an
+"""Request translation of the OpenAI door (router/openai_api.py), pure (no server): request JSON
+-> GenerateRequest / TokenizeRequest / DetokenizeRequest, model cards and tokenize answers,
+errors as OpenAI's error JSON (responses: router/openai_reply.py). Every bad value is an
 OpenAIError (a 400 naming the parameter), never a 500."""
 
 from __future__ import annotations
 
 import functools
-import json
 import math
 import reprlib
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from protos import model_pb2
 from router import errors
 from router.errors import RouterError
 from router.structured_formats import FormatError, structured_output
-from router.tool_calls import ToolPlan, calls_from_output, plan_tools, template_tools
+from router.tool_calls import ToolPlan, plan_tools, template_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20  # alternatives per token (vLLM's default cap; OpenAI's is 20 for chat)
@@ -47,11 +44,6 @@ _short = reprlib.Repr()
 _short.maxlevel, _short.maxlist, _short.maxdict, _short.maxstring, _short.maxother = 2, 4, 4, 60, 60
 _short.maxlong = 60
 short_repr = _short.repr
-_FINISH_REASONS = {
-    model_pb2.FINISH_REASON_STOP: "stop",
-    model_pb2.FINISH_REASON_LENGTH: "length",
-    model_pb2.FINISH_REASON_ABORT: "abort",
-}
 
 
 # ---------------------------------------------------------------------- errors
@@ -340,165 +332,6 @@ def _format(body: dict[str, Any]) -> model_pb2.StructuredOutput | None:
         return structured_output(body)
     except FormatError as e:
         raise invalid(str(e), e.param) from None
-
-
-# ---------------------------------------------------------------------- response translation
-
-
-def usage_json(usage: model_pb2.Usage) -> dict[str, Any]:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
-    }
-
-
-@dataclass(slots=True)
-class Reply:
-    """What one request produced, built from its GenerateResponse messages in order."""
-
-    chat: bool
-    model: str
-    request_id: str
-    created: int = field(default_factory=lambda: int(time.time()))
-    text: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-    usage: model_pb2.Usage | None = None
-    tools: ToolPlan | None = None  # chat with tools: the output may come back as tool calls
-    logprobs: bool = False  # the request asked for log probabilities
-    _logprobs: list[model_pb2.PositionLogprobs] = field(default_factory=list)
-    _call: dict[str, Any] | None = None  # a named call being streamed
-
-    @property
-    def id(self) -> str:
-        return ("chatcmpl-" if self.chat else "cmpl-") + self.request_id
-
-    def _envelope(self, chunk: bool) -> dict[str, Any]:
-        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
-
-    def _choice(self, text: str | None, finish_reason: str | None, chunk: bool,
-                logprobs: list[model_pb2.PositionLogprobs] | None = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            if chunk:
-                choice["delta"] = {} if text is None else {"content": text}
-            else:
-                choice["message"] = self._message(text or "")
-        else:
-            choice["text"] = text or ""
-        choice["logprobs"] = self._logprobs_json(logprobs) if self.logprobs else None
-        choice["finish_reason"] = finish_reason
-        return choice
-
-    def add(self, message: model_pb2.GenerateResponse) -> list[dict[str, Any]]:
-        """Records one message; returns the stream chunks it makes (usage chunk not included).
-
-        As vLLM does: one chunk per message that carries tokens, with the text complete so far
-        ("" while a multi-byte character or a possible stop string is incomplete), so that a
-        client counts one event per token step; the finish reason rides on the last one (a
-        separate chunk only when the last message carries neither tokens nor text, e.g. an abort)."""
-        if message.text:
-            self.text.append(message.text)
-        self._logprobs.extend(message.logprobs)
-        finish_reason = None
-        if message.finish_reason != model_pb2.FINISH_REASON_UNSPECIFIED:
-            finish_reason = self.finish_reason = _FINISH_REASONS.get(message.finish_reason, "stop")
-            self.usage = message.usage
-        if not (message.token_ids or message.text or finish_reason):
-            return []
-        text = message.text if (message.token_ids or message.text) else None
-        if self._calls_tools:
-            return self._tool_chunks(text, finish_reason)
-        return [{**self._envelope(True), "choices": [self._choice(text, finish_reason, True, list(message.logprobs))]}]
-
-    @property
-    def _calls_tools(self) -> bool:
-        return self.chat and self.tools is not None and self.tools.mode != "none"
-
-    def _message(self, text: str) -> dict[str, Any]:
-        """The assistant message of a whole reply: content, or tool calls parsed from it."""
-        if not self._calls_tools:
-            return {"role": "assistant", "content": text}
-        assert self.tools is not None
-        calls, content = calls_from_output(self.tools, text)
-        if calls and self.finish_reason == "stop":
-            self.finish_reason = "tool_calls"
-        return {"role": "assistant", "content": content, "tool_calls": calls} if calls else \
-            {"role": "assistant", "content": text}
-
-    def _tool_chunks(self, text: str | None, finish_reason: str | None) -> list[dict[str, Any]]:
-        """Stream chunks with tools: a named call's arguments stream as they come; the other
-        modes are decided on the whole output, so it is held back until the finish."""
-        assert self.tools is not None
-        chunks = []
-        if self.tools.mode == "named" and text:
-            if self._call is None:
-                self._call = calls_from_output(self.tools, "{}")[0][0]
-                delta = {"tool_calls": [{"index": 0, "id": self._call["id"], "type": "function",
-                                         "function": {"name": self.tools.name, "arguments": text}}]}
-            else:
-                delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
-            chunks.append(self._delta_chunk(delta, None))
-        if finish_reason is not None:
-            if self.tools.mode == "named":
-                reason = "tool_calls" if self._call is not None and finish_reason == "stop" else finish_reason
-                chunks.append(self._delta_chunk({}, reason))
-            else:
-                message = self._message("".join(self.text))
-                delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]} \
-                    if "tool_calls" in message else {"content": message["content"]}
-                chunks.append(self._delta_chunk(delta, self.finish_reason))
-        return chunks
-
-    def _delta_chunk(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        return {**self._envelope(True), "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                                     "finish_reason": finish_reason}]}
-
-    def _logprobs_json(self, positions: list[model_pb2.PositionLogprobs] | None) -> dict[str, Any]:
-        """OpenAI's logprobs object of `positions`: chat's `content` list, or completions' four
-        parallel lists (text offsets counted from this chunk's first token in a stream)."""
-        positions = positions or []
-        if self.chat:
-            return {"content": [{**_token_json(p.chosen), "top_logprobs": [_token_json(t) for t in p.top]}
-                                for p in positions]}
-        offsets, at = [], len("".join(self.text)) - sum(len(p.chosen.token) for p in positions)
-        for p in positions:
-            offsets.append(max(at, 0))
-            at += len(p.chosen.token)
-        return {"tokens": [p.chosen.token for p in positions],
-                "token_logprobs": [p.chosen.logprob for p in positions],
-                "top_logprobs": [{t.token: t.logprob for t in p.top} for p in positions],
-                "text_offset": offsets}
-
-    def first_chunk(self) -> dict[str, Any] | None:
-        """Chat streams open with the assistant role."""
-        if not self.chat:
-            return None
-        return {**self._envelope(True), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                     "logprobs": None, "finish_reason": None}]}
-
-    def usage_chunk(self) -> dict[str, Any]:
-        """The last chunk when stream_options.include_usage: no choices, the usage."""
-        return {**self._envelope(True), "choices": [],
-                "usage": usage_json(self.usage if self.usage is not None else model_pb2.Usage())}
-
-    def response(self) -> dict[str, Any]:
-        """The non-streamed response body."""
-        choice = self._choice("".join(self.text), None, False, self._logprobs)  # tool calls may make it "tool_calls"
-        choice["finish_reason"] = self.finish_reason
-        return {**self._envelope(False), "choices": [choice],
-                "usage": usage_json(self.usage if self.usage is not None else model_pb2.Usage())}
-
-
-def _token_json(t: model_pb2.TokenLogprob) -> dict[str, Any]:
-    return {"token": t.token, "logprob": t.logprob, "bytes": list(t.token_bytes)}
-
-
-def sse(data: dict[str, Any] | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return f"data: {payload}\n\n".encode()
 
 
 # ---------------------------------------------------------------------- models, tokenize, detokenize

@@ -24,7 +24,7 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # Bounds on what one request may send (each grammar is compiled and kept in a cache).
 MAX_SPEC_BYTES = 64 << 10
 MAX_CHOICES = 1024
-_COMPACT = {"whitespace_flexible": False}
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True, slots=True)

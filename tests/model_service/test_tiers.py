@@ -153,7 +153,15 @@ def push_down(cstub: cache_pb2_grpc.CacheManagerStub, worker: str, stub: model_p
     assert cleared.num_evicted_blocks > 0 and cleared.num_locked_blocks == 0, cleared
     # One prompt token and two generated: under a page (caches nothing, evicts nothing), two Steps.
     generate(stub, make_prompt(flush_seed, 1), temperature=0.0, max_tokens=2, ignore_eos=True, timeout=60.0)
+    wait_until_idle(cstub, worker)
+    # Disk writes finish on the tier's thread, after the Step that ordered them: the replica
+    # reports them in a Step of its own once idle.
+    wait_for(lambda: _pending_pages(wait_until_idle(cstub, worker)) == 0, 30.0, "the copies down to be reported")
     return wait_until_idle(cstub, worker)
+
+
+def _pending_pages(stats: cache_pb2.PoolStats) -> int:
+    return sum(getattr(stats, t).num_pending_pages for t in ("host_tier", "disk_tier") if stats.HasField(t))
 
 
 # ---------------------------------------------------------------- round trips

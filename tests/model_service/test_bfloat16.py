@@ -16,25 +16,19 @@ from model_service.model_loader import LoadedModel, load_model
 from protos import model_pb2, model_pb2_grpc
 from tests.model_service.generation import greedy, reference_greedy
 from tests.services import start_model
-from tests.tiny_model import save_tiny_llama
 
 MAX_TOKENS = 16
 BF16_EPS = 2.0**-7  # relative spacing of bfloat16 numbers
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("bf16-tiny"))
+def reference(tiny_dir) -> LoadedModel:
+    return load_model(str(tiny_dir), torch.bfloat16, torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir) -> LoadedModel:
-    return load_model(str(model_dir), torch.bfloat16, torch.device("cpu"))
-
-
-@pytest.fixture(scope="module")
-def bf16_stub(cache_service, model_dir) -> Iterator[model_pb2_grpc.ModelServiceStub]:
-    running = start_model(cache_service.addr, "--model", str(model_dir), "--worker-id", "tiny-bf16",
+def bf16_stub(cache_service, tiny_dir) -> Iterator[model_pb2_grpc.ModelServiceStub]:
+    running = start_model(cache_service.addr, "--model", str(tiny_dir), "--worker-id", "tiny-bf16",
                           "--dtype", "bfloat16", "--num-blocks", "256")
     try:
         with grpc.insecure_channel(running.addr) as channel:

@@ -19,7 +19,6 @@ from protos import model_pb2_grpc
 from testing.fault_proxy import FaultProxy
 from tests.model_service.generation import greedy
 from tests.services import Running, start_cache, start_model
-from tests.tiny_model import save_tiny_llama
 
 METRICS_LINE = re.compile(r"metrics on (http://\S+/metrics)")
 POOL = "metrics-pool"
@@ -59,15 +58,10 @@ class Services:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("metrics-tiny"))
-
-
-@pytest.fixture(scope="module")
-def services(model_dir) -> Iterator[Services]:
+def services(tiny_dir) -> Iterator[Services]:
     cache = start_cache(["--metrics-port", "0"])
     # 32 blocks of 4 tokens: one request fits, six long ones together do not (preemption).
-    model = start_model(cache.addr, "--model", str(model_dir), "--worker-id", POOL, "--metrics-port", "0",
+    model = start_model(cache.addr, "--model", str(tiny_dir), "--worker-id", POOL, "--metrics-port", "0",
                         "--block-size", "4", "--num-blocks", "32")
     try:
         with grpc.insecure_channel(model.addr) as channel:
@@ -145,13 +139,13 @@ def test_ttft_histogram_counts_every_request(services: Services) -> None:
     assert 0 < rpcs <= steps + n
 
 
-def test_cache_waits_are_counted_per_step(services: Services, model_dir) -> None:
+def test_cache_waits_are_counted_per_step(services: Services, tiny_dir) -> None:
     """Pipelined (the default): a request arriving at an idle engine waits for its admission
     once; its decodes (lookahead blocks asked for ahead) and its finish (nobody waits for it) at most
     once more. The cache link has 20 ms of one-way latency, many tiny-model steps: whether a Step
     is back when the engine looks must not depend on how fast this machine runs a step."""
     with FaultProxy(services.cache.addr, latency_s=0.02) as proxy:
-        model = start_model(proxy.addr, "--model", str(model_dir), "--worker-id", "metrics-waits",
+        model = start_model(proxy.addr, "--model", str(tiny_dir), "--worker-id", "metrics-waits",
                             "--metrics-port", "0")
         try:
             with grpc.insecure_channel(model.addr) as channel:

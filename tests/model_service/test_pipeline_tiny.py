@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import NamedTuple
 
 import grpc
@@ -25,7 +24,6 @@ from protos import model_pb2, model_pb2_grpc
 from tests.model_service.checks import pool_stats, wait_for, wait_until_idle
 from tests.model_service.generation import reference_greedy
 from tests.services import start_model
-from tests.tiny_model import save_tiny_llama
 
 BLOCK_SIZE = 4
 MODES = ("on", "off")
@@ -38,11 +36,6 @@ class Job(NamedTuple):
     max_tokens: int
     delay_s: float  # after the previous job was sent
     cancel_after: int | None  # cancel the stream after this many tokens (None: run to the end)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-pipeline"))
 
 
 @pytest.fixture(scope="module")

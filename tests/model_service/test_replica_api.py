@@ -12,29 +12,16 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
-from model_service.model_loader import LoadedModel, load_model
 from protos import model_pb2, model_pb2_grpc
 from tests.model_service.checks import expect_status, pool_stats, wait_for, wait_until_idle
 from tests.model_service.generation import greedy, reference_greedy
 from tests.services import Running, start_model
-from tests.tiny_model import save_tiny_llama
 
 POOL_ID = "tiny-replica-api"
 ADVERTISED = "replica-a.example:7000"
 NUM_BLOCKS = 1024  # of 4 tokens: three long streams never run out of blocks
 LONG = 900  # max_tokens of a stream that is aborted long before it ends
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def tiny_reference(tiny_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_dir), torch.float32, torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")

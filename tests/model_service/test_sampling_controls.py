@@ -15,13 +15,12 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from model_service.model_loader import LoadedModel, load_model
+from model_service.model_loader import LoadedModel
 from model_service.sampler import MAX_LOGIT_BIAS
 from protos import cache_pb2_grpc, model_pb2, model_pb2_grpc
 from tests.model_service.checks import drain, expect_status, wait_until_idle
 from tests.model_service.generation import Generated, generate
 from tests.services import Running, start_model
-from tests.tiny_model import save_tiny_llama
 
 POOL_ID = "tiny-sampling-controls"
 VOCAB = 49152
@@ -35,16 +34,6 @@ _rng = random.Random(30)
 
 def random_prompt(n: int) -> list[int]:
     return [_rng.randrange(3, VOCAB) for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-sampling"))
-
-
-@pytest.fixture(scope="module")
-def tiny_reference(tiny_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_dir), torch.float32, torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")

@@ -12,27 +12,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
-from model_service.model_loader import LoadedModel, load_model
 from protos import model_pb2, model_pb2_grpc
 from tests.model_service.checks import wait_until_idle
 from tests.model_service.generation import generate, greedy, reference_greedy
 from tests.services import start_model
-from tests.tiny_model import save_tiny_llama
 
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """A 2-layer random Llama with the bundled tokenizer, saved as a local HF folder."""
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def tiny_reference(tiny_model_dir) -> LoadedModel:
-    return load_model(str(tiny_model_dir), torch.float32, torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -72,16 +58,16 @@ def _serve(cache_addr: str, model_dir: Path, worker_id: str, *flags: str) -> Ite
 
 
 @pytest.fixture(scope="module")
-def chunked_service(cache_service, tiny_model_dir, pipeline, chunked_pool) -> Iterator[model_pb2_grpc.ModelServiceStub]:
+def chunked_service(cache_service, tiny_dir, pipeline, chunked_pool) -> Iterator[model_pb2_grpc.ModelServiceStub]:
     """Token budget 8 per step: every prompt over 8 tokens is prefilled in chunks next to decodes."""
-    yield from _serve(cache_service.addr, tiny_model_dir, chunked_pool, "--block-size", "4",
+    yield from _serve(cache_service.addr, tiny_dir, chunked_pool, "--block-size", "4",
                       "--num-blocks", "512", "--max-batch-tokens", "8", "--cache-pipeline", pipeline)
 
 
 @pytest.fixture(scope="module")
-def small_pool_service(cache_service, tiny_model_dir, pipeline, small_pool) -> Iterator[model_pb2_grpc.ModelServiceStub]:
+def small_pool_service(cache_service, tiny_dir, pipeline, small_pool) -> Iterator[model_pb2_grpc.ModelServiceStub]:
     """32 blocks of 4 tokens: each request fits alone, the six together need ~75 blocks."""
-    yield from _serve(cache_service.addr, tiny_model_dir, small_pool, "--block-size", "4",
+    yield from _serve(cache_service.addr, tiny_dir, small_pool, "--block-size", "4",
                       "--num-blocks", "32", "--cache-pipeline", pipeline)
 
 

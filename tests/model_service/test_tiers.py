@@ -37,9 +37,8 @@ from typing import NamedTuple
 
 import grpc
 import pytest
-import torch
 
-from model_service.model_loader import LoadedModel, load_model
+from model_service.model_loader import LoadedModel
 from protos import cache_pb2, cache_pb2_grpc, model_pb2_grpc
 from tests.model_service.checks import (
     assert_pool_whole,
@@ -52,7 +51,6 @@ from tests.model_service.checks import (
 )
 from tests.model_service.generation import Generated, generate, reference_greedy
 from tests.services import Running, launch_model, start_model
-from tests.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.replica
 
@@ -90,13 +88,8 @@ def disk_flags(directory: Path, slots: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiers-tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_dir) -> LoadedModel:
-    return load_model(str(tiny_dir), torch.float32, torch.device("cpu"))
+def reference(tiny_reference: LoadedModel) -> LoadedModel:
+    return tiny_reference
 
 
 def make_prompt(seed: int, n: int = 41) -> list[int]:

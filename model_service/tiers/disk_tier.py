@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -69,6 +69,7 @@ FILE_SUFFIX = ".slots"
 _FIXED = struct.Struct("<8sII32sQQQH")
 _CHECKSUM = struct.Struct("<Q")
 _U64 = 1 << 64
+_T = TypeVar("_T")
 # Pages read per batch, and at most per batch of a write: bounds the loads' staging rows.
 _STAGING_BYTES = 32 << 20
 # Async writes staged and not yet on file: the size of their ring of page rows (a write that
@@ -217,6 +218,17 @@ class DiskTier:
             log.warning("disk tier %s: direct I/O refused, buffered I/O from now on", self.path)
         self.direct = on
 
+    def _io(self, call: Callable[[], _T]) -> _T:
+        """`call()` (a pread / pwrite on the file); a device with stricter alignment than direct
+        I/O here refuses it (EINVAL): the tier goes buffered from then on and calls it again."""
+        try:
+            return call()
+        except OSError as e:
+            if not (self.direct and e.errno == errno.EINVAL):
+                raise
+        self._set_direct(False)
+        return call()
+
     # ------------------------------------------------------------------ lifecycle
 
     def flush(self) -> None:
@@ -354,13 +366,7 @@ class DiskTier:
         header = self._pack_header(page, xxh3_64_intdigest(memoryview(payload)), self._write_header)
         try:
             for data, at in ((self._empty_header, offset), (payload, offset + self.header_region), (header, offset)):
-                try:
-                    _pwrite_all(self._fd, memoryview(data), at)
-                except OSError as e:
-                    if not (self.direct and e.errno == errno.EINVAL):
-                        raise
-                    self._set_direct(False)  # a device with stricter alignment: buffered from now on
-                    _pwrite_all(self._fd, memoryview(data), at)
+                self._io(lambda data=data, at=at: _pwrite_all(self._fd, memoryview(data), at))
         except OSError as e:
             log.warning("disk tier %s: writing slot %d failed: %s", self.path, slot, e)
             return False
@@ -416,13 +422,7 @@ class DiskTier:
     def _read_slot(self, slot: int, row: np.ndarray, expected: tuple[str, int]) -> bool:
         header = memoryview(self._header)
         try:
-            try:
-                n = os.preadv(self._fd, [header, memoryview(row)], slot * self.slot_size)
-            except OSError as e:
-                if not (self.direct and e.errno == errno.EINVAL):
-                    raise
-                self._set_direct(False)
-                n = os.preadv(self._fd, [header, memoryview(row)], slot * self.slot_size)
+            n = self._io(lambda: os.preadv(self._fd, [header, memoryview(row)], slot * self.slot_size))
         except OSError as e:
             log.warning("disk tier %s: reading slot %d failed: %s", self.path, slot, e)
             return False
@@ -566,10 +566,9 @@ class _StagingRing:
     def take(self, n: int) -> tuple[int, torch.Tensor]:
         """n contiguous free rows (n <= num_rows), waiting for the writes that hold them."""
         start = self._head if self._head + n <= self.num_rows else 0
-        while self._held and (self._held[0][2].done() or _overlaps(self._held[0], start, n)):
+        # Oldest first: done ones go, and any whose rows these are is waited for (with all before it).
+        while self._held and (self._held[0][2].done() or any(_overlaps(h, start, n) for h in self._held)):
             self._held.popleft()[2].exception()  # waits; a failure is the write's future's to report
-        while any(_overlaps(h, start, n) for h in self._held):
-            self._held.popleft()[2].exception()
         self._head = start + n
         return start, self._rows[start:start + n]
 

@@ -3,6 +3,7 @@ misses (their block is never written), restart from the directory re-announces t
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -448,3 +449,36 @@ def test_a_write_larger_than_a_staging_batch_is_staged_batch_by_batch(tmp_path: 
         dst = random_kv(spec, 8, seed=4)
         assert tier.load_to_device(dst, [0, 1, 2, 3, 4], [0, 1, 2, 3, 4], expected(pages)) == 5
         assert [block_bytes(dst, b) for b in range(5)] == [block_bytes(src, b) for b in (4, 3, 2, 1, 0)]
+
+
+@pytest.mark.parametrize("refused", ["write", "read"])
+def test_a_device_refusing_direct_io_turns_the_tier_buffered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             refused: str) -> None:
+    """An aligned direct transfer the device still refuses (EINVAL) is done again buffered, and the
+    tier stays buffered: nothing is lost, pages round-trip bit-exact."""
+    if not takes_direct_io(tmp_path):
+        pytest.skip("the temporary directory's file system refuses O_DIRECT")
+    spec = aligned_spec(torch.float32)
+    src = random_kv(spec, 4, seed=40)
+    pages = sequence_pages("ns", list(range(8)))
+    calls = {"n": 0}
+
+    def refusing(real):
+        def call(*args):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real(*args)
+        return call
+
+    with open_tier(tmp_path / "d", spec) as tier:
+        if refused == "write":
+            monkeypatch.setattr(disk_tier, "_pwrite_all", refusing(disk_tier._pwrite_all))
+        else:
+            assert tier.write_from_device(src, [0, 1], [0, 1], pages) == 2
+            monkeypatch.setattr(disk_tier.os, "preadv", refusing(os.preadv))
+        assert tier.write_from_device(src, [0, 1], [0, 1], pages) == 2
+        dst = random_kv(spec, 4, seed=41)
+        assert tier.load_to_device(dst, [0, 1], [2, 3], expected(pages)) == 2
+        assert not tier.direct and calls["n"] >= 2
+        assert block_bytes(dst, 2) == block_bytes(src, 0) and block_bytes(dst, 3) == block_bytes(src, 1)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protos import model_pb2
-from router.tool_calls import ToolPlan, calls_from_output
+from router.tool_calls import ToolPlan, call, calls_from_output
 
 _FINISH_REASONS = {
     model_pb2.FINISH_REASON_STOP: "stop",
@@ -42,7 +42,7 @@ class Reply:
     tools: ToolPlan | None = None  # chat with tools: the output may come back as tool calls
     logprobs: bool = False  # the request asked for log probabilities
     _logprobs: list[model_pb2.PositionLogprobs] = field(default_factory=list)
-    _call: dict[str, Any] | None = None  # a named call being streamed
+    _streaming_call: bool = False  # a named call's first arguments went out
 
     @property
     def id(self) -> str:
@@ -108,16 +108,14 @@ class Reply:
         assert self.tools is not None
         chunks = []
         if self.tools.mode == "named" and text:
-            if self._call is None:
-                self._call = calls_from_output(self.tools, "{}")[0][0]
-                delta = {"tool_calls": [{"index": 0, "id": self._call["id"], "type": "function",
-                                         "function": {"name": self.tools.name, "arguments": text}}]}
-            else:
-                delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
-            chunks.append(self._delta_chunk(delta, None))
+            first = not self._streaming_call
+            self._streaming_call = True
+            delta = {"index": 0, **call(self.tools.name, text)} if first else \
+                {"index": 0, "function": {"arguments": text}}
+            chunks.append(self._delta_chunk({"tool_calls": [delta]}, None))
         if finish_reason is not None:
             if self.tools.mode == "named":
-                reason = "tool_calls" if self._call is not None and finish_reason == "stop" else finish_reason
+                reason = "tool_calls" if self._streaming_call and finish_reason == "stop" else finish_reason
                 chunks.append(self._delta_chunk({}, reason))
             else:
                 message = self._message("".join(self.text))
@@ -150,8 +148,7 @@ class Reply:
         """Chat streams open with the assistant role."""
         if not self.chat:
             return None
-        return {**self._envelope(True), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                     "logprobs": None, "finish_reason": None}]}
+        return self._delta_chunk({"role": "assistant", "content": ""}, None)
 
     def usage_chunk(self) -> dict[str, Any]:
         """The last chunk when stream_options.include_usage: no choices, the usage."""

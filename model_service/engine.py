@@ -31,7 +31,6 @@ from model_service.cache_client import CacheClient, CachePoolLost
 from model_service.cache_pipeline import CachePipeline, step_and_wait
 from model_service.logits_processors import LogitsProcessors
 from model_service.logprobs import Position, positions
-from model_service.logprobs import compute as compute_logprobs
 from model_service.metrics import ModelMetrics
 from model_service.model_runner import ModelRunner
 from model_service.reattach import reconcile
@@ -325,8 +324,7 @@ class Engine:
             if raw is not None:
                 picked = [token_list[i] for i in wanted]
                 ks = [rows[i].logprobs or 0 for i in wanted]
-                batch_lp = compute_logprobs(raw, torch.tensor(picked), max(ks))
-                for i, position in zip(wanted, positions(batch_lp, picked, ks), strict=True):
+                for i, position in zip(wanted, positions(raw, picked, ks), strict=True):
                     per_row[i] = position
         except Exception as e:  # as a failed forward: fail these requests, not the server
             log.exception("sampling failed")

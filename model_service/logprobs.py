@@ -1,8 +1,8 @@
 """Log probabilities of generated tokens (SamplingParams.logprobs): the model's own distribution,
 log_softmax of the raw logits, for the chosen token (with its rank) and the top-k alternatives.
 
-`compute` works on the rows of a batch that asked for them, in one pass of tensor ops (no loop
-over rows or the vocabulary); `TokenTexts` gives each token id's text and bytes as it decodes
+`positions` works on the rows of a batch that asked for them, in one pass of tensor ops (no loop
+over the vocabulary); `TokenTexts` gives each token id's text and bytes as it decodes
 alone, computed once per id and kept.
 """
 
@@ -15,29 +15,6 @@ import torch
 MAX_LOGPROBS = 20
 
 
-class BatchLogprobs(NamedTuple):
-    """Row i: the chosen token's log probability and rank (1 = most likely), and the top-k ids
-    and log probabilities, most likely first (k = the largest any row asked for)."""
-
-    chosen: list[float]
-    ranks: list[int]
-    top_ids: list[list[int]]
-    top_logprobs: list[list[float]]
-
-
-def compute(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> BatchLogprobs:
-    """`logits` [rows, vocab] (any float dtype: computed in float32), `tokens` [rows] the chosen ids."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, tokens.view(-1, 1).to(logprobs.device, torch.int64))
-    ranks = (logprobs > chosen).sum(dim=-1).add_(1)
-    if k > 0:
-        top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-        top_ids, top_values = top.indices.tolist(), top.values.tolist()
-    else:
-        top_ids = top_values = [[] for _ in range(logits.shape[0])]
-    return BatchLogprobs(chosen.view(-1).tolist(), ranks.tolist(), top_ids, top_values)
-
-
 class Position(NamedTuple):
     """One generated position: the chosen token's log probability and rank, and the top
     alternatives as (token id, log probability), most likely first."""
@@ -48,11 +25,19 @@ class Position(NamedTuple):
     top: list[tuple[int, float]]
 
 
-def positions(batch: BatchLogprobs, tokens: list[int], ks: list[int]) -> list[Position]:
-    """Row i of `batch` as a Position of token tokens[i] with its ks[i] top alternatives."""
-    return [Position(t, batch.chosen[i], batch.ranks[i], list(zip(batch.top_ids[i][:k], batch.top_logprobs[i][:k],
-                                                                strict=True)))
-            for i, (t, k) in enumerate(zip(tokens, ks, strict=True))]
+def positions(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[Position]:
+    """Row i of `logits` [rows, vocab] (any float dtype: computed in float32) as the Position of
+    its chosen token tokens[i], with its ks[i] most likely alternatives."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.int64, device=logprobs.device).view(-1, 1))
+    ranks = (logprobs > chosen).sum(dim=-1).add_(1).tolist()
+    k = min(max(ks), logprobs.shape[-1])
+    top = logprobs.topk(k, dim=-1) if k > 0 else None
+    top_ids = top.indices.tolist() if top is not None else [[] for _ in tokens]
+    top_values = top.values.tolist() if top is not None else [[] for _ in tokens]
+    return [Position(t, lp, rank, list(zip(ids[:n], values[:n], strict=True)))
+            for t, lp, rank, ids, values, n in zip(tokens, chosen.view(-1).tolist(), ranks, top_ids, top_values, ks,
+                                                   strict=True)]
 
 
 class TokenTexts:

@@ -5,26 +5,29 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_service.logprobs import TokenTexts, compute
+from model_service.logprobs import TokenTexts, positions
 from tests.model_service.tokenizer_fixture import load_smollm2_tokenizer
 
 
-def test_compute_matches_log_softmax_ranks_and_topk() -> None:
+def test_positions_match_log_softmax_ranks_and_topk() -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 300, generator=gen)
-    tokens = torch.tensor([5, 17, 299, 0])
-    out = compute(logits, tokens, 3)
+    tokens = [5, 17, 299, 0]
+    out = positions(logits, tokens, [3, 3, 3, 3])
     reference = torch.log_softmax(logits, dim=-1)
-    for i, t in enumerate(tokens.tolist()):
-        assert out.chosen[i] == pytest.approx(float(reference[i, t]), abs=1e-6)
-        assert out.ranks[i] == int((reference[i] > reference[i, t]).sum()) + 1
+    for i, t in enumerate(tokens):
+        assert out[i].token_id == t
+        assert out[i].logprob == pytest.approx(float(reference[i, t]), abs=1e-6)
+        assert out[i].rank == int((reference[i] > reference[i, t]).sum()) + 1
         values, ids = reference[i].topk(3)
-        assert out.top_ids[i] == ids.tolist()
-        assert out.top_logprobs[i] == pytest.approx(values.tolist(), abs=1e-6)
-    greedy = compute(logits, logits.argmax(-1), 0)
-    assert greedy.ranks == [1, 1, 1, 1] and greedy.top_ids == [[], [], [], []]
-    half = compute(logits.bfloat16(), tokens, 1)  # 16-bit logits are computed in float32
-    assert len(half.top_ids[0]) == 1
+        assert [tid for tid, _ in out[i].top] == ids.tolist()
+        assert [lp for _, lp in out[i].top] == pytest.approx(values.tolist(), abs=1e-6)
+    greedy = positions(logits, logits.argmax(-1).tolist(), [0, 0, 0, 0])
+    assert [p.rank for p in greedy] == [1, 1, 1, 1] and [p.top for p in greedy] == [[], [], [], []]
+    mixed = positions(logits, tokens, [2, 0, 1, 3])  # each row its own number of alternatives
+    assert [len(p.top) for p in mixed] == [2, 0, 1, 3]
+    half = positions(logits.bfloat16(), tokens, [1, 1, 1, 1])  # 16-bit logits are computed in float32
+    assert len(half[0].top) == 1
 
 
 @pytest.fixture(scope="module")

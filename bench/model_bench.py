@@ -305,7 +305,7 @@ def bench_step(loaded: LoadedModel, prompts: Prompts, reps: int, deadline: float
         nonlocal position
         chunks = [SequenceChunk(prompts.ids(1), position, t, True) for t in tables]
         start = time.perf_counter()
-        logits = runner.execute(chunks)
+        logits = runner.execute(chunks).sampled
         logits.argmax(-1)  # greedy sampling, as the engine does
         position += 1
         return time.perf_counter() - start

@@ -189,10 +189,11 @@ class DecoderForward:
             return native.rope(x, cos, signed_sin)
         return torch_rope(x, cos, signed_sin)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                logits_index: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T] int64; logits_index: [K] rows whose logits are wanted.
-        Returns logits [K, vocab] in the model's dtype."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
+                scored_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids, positions: [T] int64; logits_index: [K] rows whose logits are sampled;
+        scored_index: [S] rows whose logits are scored (a prompt's own), or None.
+        Returns (logits [K, vocab] in the model's dtype, scored [S, vocab] float32 or None)."""
         hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
         num_tokens = int(input_ids.shape[0])
         hidden = F.embedding(input_ids, self.embed)  # [T, hidden]
@@ -218,4 +219,10 @@ class DecoderForward:
         # The last residual add and the final norm are per row: only the rows whose logits are wanted.
         x = self._add_norm(out.index_select(0, logits_index), hidden.index_select(0, logits_index),
                            self.norm, self.norm_eps)
-        return self.lm_head(x)  # [K, vocab]
+        logits = self.lm_head(x)  # [K, vocab]
+        if scored_index is None:
+            return logits, None
+        # A head call of its own: the sampled rows' product stays the one a step without scores makes.
+        x = self._add_norm(out.index_select(0, scored_index), hidden.index_select(0, scored_index),
+                           self.norm, self.norm_eps)
+        return logits, self.lm_head(x).float()  # [S, vocab]

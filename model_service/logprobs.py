@@ -2,15 +2,21 @@
 log_softmax of the raw logits, for the chosen token (with its rank) and the top-k alternatives.
 
 `positions` works on the rows of a batch that asked for them, in one pass of tensor ops (no loop
-over the vocabulary); `TokenTexts` gives each token id's text and bytes as it decodes
+over the vocabulary); `prompt_positions` on a prompt's scored rows (SamplingParams.prompt_logprobs),
+in bounded slices; `TokenTexts` gives each token id's text and bytes as it decodes
 alone, computed once per id and kept.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from model_service.model_runner import SequenceChunk
+    from model_service.request import Request
 
 MAX_LOGPROBS = 20
 
@@ -38,6 +44,51 @@ def positions(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[Po
     return [Position(t, lp, rank, list(zip(ids[:n], values[:n], strict=True)))
             for t, lp, rank, ids, values, n in zip(tokens, chosen.view(-1).tolist(), ranks, top_ids, top_values, ks,
                                                    strict=True)]
+
+
+PROMPT_SLICE_ROWS = 256  # rows of a prompt's scores turned into positions at once (bounds the float32 copies)
+
+
+def prompt_positions(scored: torch.Tensor, next_tokens: list[int], k: int) -> list[Position]:
+    """A prompt's positions from its scored rows (`StepLogits.scored`): row i [rows, vocab] as the
+    Position of next_tokens[i] (the prompt token after the row's own) with its k most likely
+    alternatives, PROMPT_SLICE_ROWS rows at a time so that a long prompt's log_softmax and
+    comparisons stay a bounded copy."""
+    if scored.shape[0] != len(next_tokens):
+        raise ValueError(f"{scored.shape[0]} scored rows for {len(next_tokens)} tokens")
+    out: list[Position] = []
+    for lo in range(0, len(next_tokens), PROMPT_SLICE_ROWS):
+        hi = min(lo + PROMPT_SLICE_ROWS, len(next_tokens))
+        out += positions(scored[lo:hi], next_tokens[lo:hi], [k] * (hi - lo))
+    return out
+
+
+def record_prompt_scores(requests: Sequence[Request], chunks: Sequence[SequenceChunk], scored: torch.Tensor) -> None:
+    """Keeps the prompt positions a step scored (`StepLogits.scored`) in each request's
+    prompt_positions, for its first output; positions scored before (a preempted request
+    recomputing its prompt) are not scored twice."""
+    offset = 0
+    for request, chunk in zip(requests, chunks, strict=True):
+        if not chunk.num_scored:
+            continue
+        rows = scored[offset:offset + chunk.num_scored]
+        offset += chunk.num_scored
+        first = max(chunk.start_position, request.num_scored_tokens)
+        end = chunk.start_position + chunk.num_scored
+        if end > first and request.prompt_logprobs is not None:
+            request.prompt_positions += prompt_positions(
+                rows[first - chunk.start_position:], request.prompt_token_ids[first + 1:end + 1],
+                request.prompt_logprobs)
+            request.num_scored_tokens = end
+
+
+def take_prompt_logprobs(request: Request) -> list[Position] | None:
+    """The prompt's positions for the first output of choice 0 of a request that asked for them
+    (None otherwise): entry 0, which nothing precedes to score it with, has rank 0."""
+    if request.prompt_logprobs is None or len(request.output_token_ids) != 1 or request.index:
+        return None
+    scored, request.prompt_positions = request.prompt_positions, []
+    return [Position(request.prompt_token_ids[0], 0.0, 0, []), *scored]
 
 
 class TokenTexts:

@@ -25,12 +25,28 @@ _CONTEXT_KWARG = "radixkv_context"
 
 
 class SequenceChunk(NamedTuple):
-    """The tokens one sequence computes in this step."""
+    """The tokens one sequence computes in this step.
 
-    token_ids: list[int]  # new tokens, KV is written for each of them
+    A prompt whose own log probabilities are wanted (SamplingParams.prompt_logprobs) runs every
+    token through the model, its cache hit too: `num_cached` says how many leading tokens' K/V
+    is already at their slots (pages other requests may read: computed, never rewritten), and
+    `num_scored` how many leading rows' logits come back in `StepLogits.scored`.
+    """
+
+    token_ids: list[int]  # this step's tokens; KV is written for each but the first num_cached
     start_position: int  # context position of token_ids[0]
     block_table: list[int]  # covers at least start_position + len(token_ids) tokens
     needs_logits: bool  # True when the last token's logits are sampled this step
+    num_cached: int = 0  # leading tokens whose K/V is already in the cache: not written
+    num_scored: int = 0  # leading tokens whose logits are returned; row q scores token_ids[q + 1]
+
+
+class StepLogits(NamedTuple):
+    """What one step computed: the rows to sample and the prompt rows scored."""
+
+    sampled: torch.Tensor  # [chunks with needs_logits, vocab] in chunk order, the model's dtype
+    # [sum of num_scored, vocab] float32, chunk order then row order; None when no chunk scores.
+    scored: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -100,6 +116,9 @@ class ModelRunner:
         positions = torch.arange(num_tokens) - query_start_loc[:-1][seq_index] + starts[seq_index]
         slot_mapping = block_tables[seq_index, positions // block_size].to(torch.int64) * block_size \
             + positions % block_size
+        written_rows = None
+        if any(c.num_cached for c in chunks):
+            written_rows = _written_rows(chunks, query_lens_t, seq_index, positions - starts[seq_index])
         return BatchLayout(
             query_start_loc=query_start_loc.to(torch.int32).to(self.device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
@@ -109,27 +128,65 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
+            written_rows=None if written_rows is None else written_rows.to(self.device),
         ), positions
 
     @torch.inference_mode()
-    def execute(self, chunks: list[SequenceChunk]) -> torch.Tensor:
-        """Runs the model; returns logits [num chunks needing logits, vocab] in chunk order, in the
-        model's dtype (the sampler upcasts the rows it samples; greedy argmax needs no copy)."""
+    def execute(self, chunks: list[SequenceChunk]) -> StepLogits:
+        """Runs the model. `sampled`: logits [num chunks needing logits, vocab] in chunk order, in
+        the model's dtype (the sampler upcasts the rows it samples; greedy argmax needs no copy);
+        `scored`: the float32 logits of every chunk's first num_scored rows, None when none scores."""
         layout, positions = self.build_layout(chunks)
         self.backend.plan(layout)
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self.device)
         last_index = layout.query_start_loc[1:].to(torch.int64) - 1
         keep = torch.tensor([c.needs_logits for c in chunks], device=self.device)
+        scored_index = None
+        if any(c.num_scored for c in chunks):
+            scored_index = _scored_rows(chunks, layout.query_lens_cpu).to(self.device)
         # One token on CPU: one intra-op thread, large matrix-vector products split across cores.
         single = layout.num_tokens == 1 and self.device.type == "cpu"
         with self.linears.single_token_step() if single else contextlib.nullcontext():
             if self.decoder is not None:
-                return self.decoder.forward(input_ids, positions.to(self.device), last_index[keep])  # [num_logits, vocab]
+                sampled, scored = self.decoder.forward(input_ids, positions.to(self.device), last_index[keep],
+                                                       scored_index)
+                return StepLogits(sampled, scored)
+            logits_index = last_index[keep]
+            # One head call over both rows: the model applies its own head (and whatever follows it).
+            # The sampled rows may then differ in the last bits from a step without scores.
+            if scored_index is not None:
+                logits_index = torch.cat([logits_index, scored_index])
             output = self.model(
                 input_ids=input_ids.unsqueeze(0),  # [1, num_tokens]
                 position_ids=positions.to(self.device).unsqueeze(0),  # [1, num_tokens]
                 use_cache=False,
-                logits_to_keep=last_index[keep],
+                logits_to_keep=logits_index,
                 **{_CONTEXT_KWARG: self._context},
             )
-        return output.logits[0]  # [num_logits, vocab]
+        logits = output.logits[0]  # [num_logits (+ num_scored), vocab]
+        if scored_index is None:
+            return StepLogits(logits, None)
+        num_sampled = logits.shape[0] - scored_index.shape[0]
+        return StepLogits(logits[:num_sampled], logits[num_sampled:].float())
+
+
+def _written_rows(chunks: list[SequenceChunk], query_lens: torch.Tensor, seq_index: torch.Tensor,
+                  offsets: torch.Tensor) -> torch.Tensor:
+    """Packed rows whose K/V is written: all but each chunk's first num_cached. offsets [num_tokens]:
+    each token's index within its chunk. Raises ValueError for a num_cached out of range."""
+    cached = torch.tensor([c.num_cached for c in chunks], dtype=torch.int64)  # [batch]
+    if bool(((cached < 0) | (cached > query_lens)).any()):
+        raise ValueError("every chunk needs 0 <= num_cached <= len(token_ids)")
+    return torch.nonzero(offsets >= cached[seq_index]).flatten()  # [num_written] int64
+
+
+def _scored_rows(chunks: list[SequenceChunk], query_lens: list[int]) -> torch.Tensor:
+    """Packed rows whose logits are scored: each chunk's first num_scored, in order. [sum] int64."""
+    scored = torch.tensor([c.num_scored for c in chunks], dtype=torch.int64)  # [batch]
+    lens = torch.tensor(query_lens, dtype=torch.int64)
+    if bool(((scored < 0) | (scored > lens)).any()):
+        raise ValueError("every chunk needs 0 <= num_scored <= len(token_ids)")
+    starts = torch.cumsum(lens, 0) - lens  # [batch] first packed row of each chunk
+    seq = torch.repeat_interleave(torch.arange(len(chunks)), scored)  # [num_scored] chunk of each row
+    first = torch.cumsum(scored, 0) - scored  # [batch] first scored row of each chunk, among scored rows
+    return starts[seq] + torch.arange(int(scored.sum())) - first[seq]

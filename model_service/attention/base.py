@@ -33,6 +33,10 @@ class BatchLayout:
     # Host copies (lists) for backends that plan on the CPU.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Packed tokens whose K/V is written, ascending; None: every token (the common case). The
+    # others' K/V is already at their slots (a cache hit recomputed for its prompt's logits):
+    # possibly pages other sequences read, so never rewritten; attention may read either copy.
+    written_rows: torch.Tensor | None = None  # [num_written] int64
 
     @property
     def batch_size(self) -> int:
@@ -69,7 +73,7 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """Write k/v at the planned slots, then attend.
+        """Write k/v at the planned slots (only `written_rows`' when the layout names them), then attend.
 
         q: [num_tokens, num_q_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         (RoPE already applied). k_cache, v_cache: this layer's

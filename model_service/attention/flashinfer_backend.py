@@ -5,8 +5,9 @@
 `paged_kv_last_page_len` — all int32, since int64 index arrays give silently wrong results —
 and the append coordinates `get_batch_indices_positions` would give. It then plans the decode
 wrapper when every sequence has one new token, else the prefill wrapper with `causal=True`.
-`forward()` (once per layer) appends the layer's K/V with `append_paged_kv_cache` and runs
-the planned wrapper.
+`forward()` (once per layer) appends the layer's K/V with `append_paged_kv_cache` (only the
+layout's `written_rows` when it names them: a recomputed cache hit's pages stay as they are;
+the wrappers then read those tokens' cached K/V) and runs the planned wrapper.
 
 Shared prefixes (cascade). When decode sequences' block tables start with the same physical
 blocks (a radix tree's shared prefix, found by `shared_prefix_groups`), the step runs as two
@@ -228,6 +229,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._qo_indptr_host = self._kv_indptr_host = self._last_page_len_host = _EMPTY_I32
         self._kv_indices = self._kv_indptr = self._last_page_len = _EMPTY_I32
         self._batch_indices = self._positions = _EMPTY_I32
+        # layout.written_rows on the device: the packed tokens appended (None: all of them).
+        self._written: torch.Tensor | None = None
 
     def plan(self, layout: BatchLayout) -> None:
         """Build the int32 page table and append coordinates, then plan the wrapper."""
@@ -244,6 +247,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._last_page_len = table.kv_last_page_len.to(dev, non_blocking=True)
         self._batch_indices = table.batch_indices.to(dev, non_blocking=True)
         self._positions = table.positions.to(dev, non_blocking=True)
+        self._written = None
+        if layout.written_rows is not None:  # recomputed cached tokens: their K/V is not appended again
+            self._written = layout.written_rows.to(dev, torch.long)
+            self._batch_indices = self._batch_indices.index_select(0, self._written)
+            self._positions = self._positions.index_select(0, self._written)
         self._use_decode = layout.is_decode
         self._cascade = None
         if self.cascade:
@@ -285,10 +293,13 @@ class FlashInferAttentionBackend(AttentionBackend):
             raise RuntimeError("plan() must be called before forward()")
         if q.shape[0] != self._num_tokens:
             raise ValueError(f"q has {q.shape[0]} tokens, the plan has {self._num_tokens}")
-        self._fi.append_paged_kv_cache(
-            _last_dim_contiguous(k), _last_dim_contiguous(v), self._batch_indices, self._positions,
-            (k_cache, v_cache), self._kv_indices, self._kv_indptr, self._last_page_len, kv_layout="NHD",
-        )
+        if self._written is not None:
+            k, v = k.index_select(0, self._written), v.index_select(0, self._written)
+        if k.shape[0]:
+            self._fi.append_paged_kv_cache(
+                _last_dim_contiguous(k), _last_dim_contiguous(v), self._batch_indices, self._positions,
+                (k_cache, v_cache), self._kv_indices, self._kv_indptr, self._last_page_len, kv_layout="NHD",
+            )
         if scale != self._planned_scale:
             # The scale is baked into the plan; models use one scale, so this happens once.
             self._sm_scale = scale

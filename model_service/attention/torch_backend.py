@@ -42,6 +42,11 @@ Extend: queries padded to the longest chunk, a causal mask offset by each cached
 gathered block by block. A single sequence without cached prefix attends over its own new
 K/V with `is_causal=True`, exactly the call dense attention makes.
 
+Tokens recomputed over a cache hit (`BatchLayout.written_rows` leaves them out) keep their
+cached K/V: only the other rows are written, and only those slots invalidate kept prefix
+copies. Every path stays exact: a prompt attending its own new K/V uses its fresh values, every
+gather reads the cache after the write (the cached tokens' cached values, the same model's).
+
 Everything shared by the layers (gather indices, group membership, query/output permutations,
 additive masks) is built once in `plan()`; `forward()` per layer only writes K/V, gathers into
 a grow-only scratch buffer, and runs the matmuls / SDPA.
@@ -224,6 +229,10 @@ class TorchAttentionBackend(AttentionBackend):
         self.min_shared_blocks = max(1, min_shared_blocks)
         self.decode_gather = decode_gather
         self._slot_mapping: torch.Tensor | None = None
+        # The packed tokens whose K/V is written and their slots (layout.written_rows): None and
+        # the whole slot mapping, unless the step recomputes cached tokens (their K/V stays).
+        self._written: torch.Tensor | None = None
+        self._write_slots: torch.Tensor | None = None
         self._decode: _Decode | None = None
         self._groups: list[_Group] = []
         self._num_tokens = 0
@@ -246,6 +255,10 @@ class TorchAttentionBackend(AttentionBackend):
         self._num_tokens = layout.num_tokens
         if sum(query_lens) != self._num_tokens:
             raise ValueError(f"query lengths sum to {sum(query_lens)}, slot_mapping has {self._num_tokens}")
+        self._written, self._write_slots = None, self._slot_mapping
+        if layout.written_rows is not None:
+            self._written = layout.written_rows.to(device=self.device, dtype=torch.long)
+            self._write_slots = self._slot_mapping.index_select(0, self._written)
 
         qlens = torch.tensor(query_lens, dtype=torch.long)  # [batch]
         slens = torch.tensor(seq_lens, dtype=torch.long)  # [batch]
@@ -281,10 +294,11 @@ class TorchAttentionBackend(AttentionBackend):
         if self._decode is not None:  # the prefixes' rows after the others, for when they are not kept
             rows = int(self._decode.gather_rows.shape[0]) + (c.prefix.num_rows if c is not None else 0)
             need.append(rows * self.head_dim)
+        # Only slots really written invalidate kept prefixes (a recomputed hit's cached ones are not).
         if c is not None:
-            self.prefix_store.begin_step(c.prefix_key, c.prefix_blocks, self._slot_mapping, self.block_size)
+            self.prefix_store.begin_step(c.prefix_key, c.prefix_blocks, self._write_slots, self.block_size)
         else:
-            self.prefix_store.begin_step(None, None, self._slot_mapping, self.block_size)
+            self.prefix_store.begin_step(None, None, self._write_slots, self.block_size)
         numel = max(need)
         if self._k_scratch is None or self._k_scratch.numel() < numel:
             self._k_scratch = torch.empty(numel, dtype=self.dtype, device=self.device)
@@ -509,11 +523,17 @@ class TorchAttentionBackend(AttentionBackend):
         stored = None
         if d is not None and d.cascade is not None:
             stored = self.prefix_store.lookup(k_cache, v_cache)  # before this step's write
-        if self.native_kv_write and native.takes_kv_rows(k) and native.takes_kv_rows(v):
-            native.write_kv(k, v, k_cache, v_cache, self._slot_mapping)
+        k_new, v_new, slots = k, v, self._write_slots
+        if self._written is not None:  # tokens recomputed over a cache hit: their cached K/V stays as is
+            k_new, v_new = k.index_select(0, self._written), v.index_select(0, self._written)
+        assert slots is not None
+        if slots.numel() == 0:
+            pass
+        elif self.native_kv_write and native.takes_kv_rows(k_new) and native.takes_kv_rows(v_new):
+            native.write_kv(k_new, v_new, k_cache, v_cache, slots)
         else:  # [num_blocks * block_size, num_kv_heads, head_dim] views of the paged cache
-            k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, self._slot_mapping, k)
-            v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, self._slot_mapping, v)
+            k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k_new)
+            v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v_new)
 
         if d is not None and not self._groups:
             return self._attend_decode(d, q, k_cache, v_cache, scale, stored)

@@ -64,9 +64,9 @@ def assert_lean_equals_transformers(runner: ModelRunner, vocab: int) -> None:
     assert lean.native_rope == native.available()
     for chunks in steps(vocab):
         runner.decoder = None  # transformers' forward (writes the same K/V to the same slots)
-        want = runner.execute(chunks)
+        want = runner.execute(chunks).sampled
         runner.decoder = lean
-        got = runner.execute(chunks)
+        got = runner.execute(chunks).sampled
         assert got.shape == want.shape == (sum(c.needs_logits for c in chunks), vocab)
         assert torch.equal(got, want)
 
@@ -124,5 +124,5 @@ def test_fp32_gemm_choice_is_checked_and_onednn_stays_close():
     assert onednn.decoder is not None and onednn.decoder.layers[0].qkv.packed is not None
     assert exact.decoder is not None and exact.decoder.layers[0].qkv.packed is None
     for chunks in steps(512):
-        want, got = exact.execute(chunks), onednn.execute(chunks)
+        want, got = exact.execute(chunks).sampled, onednn.execute(chunks).sampled
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -29,12 +29,13 @@ import torch
 
 from model_service.cache_client import CacheClient, CachePoolLost
 from model_service.cache_pipeline import CachePipeline, step_and_wait
+from model_service.forks import copy_prompt_tails, sampling_rows, unforked
 from model_service.logits_processors import LogitsProcessors
-from model_service.logprobs import Position, positions
+from model_service.logprobs import Position, positions, record_prompt_scores, take_prompt_logprobs
 from model_service.metrics import ModelMetrics
 from model_service.model_runner import ModelRunner
 from model_service.reattach import reconcile
-from model_service.request import FinishReason, MissBreakdown, Request
+from model_service.request import FinishReason, MissBreakdown, Request, RequestStatus
 from model_service.request_ids import LiveRequests
 from model_service.sampler import Sampler
 from model_service.scheduler import CachePlan, CacheReply, QueueFullError, ScheduledBatch, Scheduler
@@ -90,6 +91,8 @@ class GenerationOutput(NamedTuple):
     usage: Usage | None = None
     error: str = ""
     logprobs: list[Position] | None = None  # one per token id, when the request asked for them
+    index: int = 0  # the choice (SamplingParams.n)
+    prompt_logprobs: list[Position] | None = None  # choice 0's first output, when asked for
 
 
 OutputSink = Callable[[GenerationOutput], None]
@@ -169,7 +172,7 @@ class Engine:
             if self._num_in_flight - self._num_running >= self.scheduler.config.max_waiting:
                 raise QueueFullError(f"waiting queue is full ({self.scheduler.config.max_waiting} requests)")
             self._live.add(request)
-            self._num_in_flight += 1
+            self._num_in_flight += len(request.group)
             self.metrics.live_request_ids.set(len(self._live))
             self._inbox.put(("add", request, sink))  # under the lock: an abort() for it comes after
 
@@ -255,11 +258,14 @@ class Engine:
             reply = self._run_tier_copies(reply)
         preemptions_before = self.scheduler.num_preemptions
         self.scheduler.apply_reply(plan, reply)
+        admitted = [r for r, a in zip(plan.admits, reply.admits, strict=False) if a.admitted]
+        copy_prompt_tails([r for r in admitted if r.fork_source is not None], plan, self.runner.kv_cache)
         self.metrics.preemptions.inc(self.scheduler.num_preemptions - preemptions_before)
         if reply.num_free_blocks is not None:
             self._num_free_blocks = reply.num_free_blocks
         for request, admit in zip(plan.admits, reply.admits, strict=False):
-            if admit.admitted and request.num_preemptions == 0:  # first admissions only (as the pool's hit rate)
+            # First admissions of prompts only (the pool's hit rate): not preempted ones, not forks.
+            if admit.admitted and request.num_preemptions == 0 and request.index == 0:
                 cached = admit.cached_tokens + admit.loaded_host_tokens + admit.loaded_disk_tokens
                 self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
                 self.metrics.cached_prompt_tokens.inc(cached)
@@ -290,11 +296,12 @@ class Engine:
 
     def _execute(self, batch: ScheduledBatch) -> None:
         self._flush_outputs()  # the last step's: streamed while this forward runs
-        rows = [r for r, c in zip(batch.requests, batch.chunks, strict=True) if c.needs_logits]
+        # The rows sampled: with choices that fork now (n > 1), each samples choice 0's logits row.
+        rows, sources = sampling_rows(batch.requests, batch.chunks)
         masks = self.guided.start(rows)  # the guided rows' allowed tokens, computed meanwhile
         started = time.perf_counter()
         try:
-            logits = self.runner.execute(batch.chunks)
+            step = self.runner.execute(batch.chunks)
         except Exception as e:  # a bug or OOM must not take the server down; fail this batch only
             log.exception("model forward failed")
             for request in batch.requests:
@@ -307,9 +314,20 @@ class Engine:
             self.cache.load_costs = self.tiers.load_costs()
         self.metrics.steps.inc()
         self.scheduler.on_executed(batch)
+        if step.scored is not None:
+            try:
+                record_prompt_scores(batch.requests, batch.chunks, step.scored)
+            except Exception as e:  # as a failed forward: fail these requests, not the server
+                log.exception("scoring the prompt failed")
+                for request in batch.requests:
+                    self._finish(request, FinishReason.ERROR, "", error=f"scoring the prompt failed: {e}")
+                return
         if not rows:
             return
+        logits = step.sampled
         try:
+            if sources is not None:
+                logits = logits.index_select(0, torch.tensor(sources, device=logits.device))
             wanted = [i for i, r in enumerate(rows) if r.logprobs is not None]
             # The model's own distribution: the raw logits, before any control changes them.
             raw = logits.index_select(0, torch.tensor(wanted, device=logits.device)) if wanted else None
@@ -331,6 +349,8 @@ class Engine:
             for request in rows:
                 self._finish(request, FinishReason.ERROR, "", error=f"sampling failed: {e}")
             return
+        if sources is not None:  # before any choice can finish: they are requests of their own now
+            self.scheduler.add_forks([r for r in rows if r.status is RequestStatus.FORKING])
         for request, token, done, position in zip(rows, token_list, complete, per_row, strict=True):
             self._append_token(request, token, done, position)
 
@@ -338,7 +358,6 @@ class Engine:
                       position: Position | None = None) -> None:
         """The request's next token. `format_complete`: its structured output is complete (or its
         grammar failed): it ends here. `position`: the token's log probabilities, when asked."""
-        lp = [position] if position is not None else None
         now = time.monotonic()
         if request.first_token_time is None:
             request.first_token_time = now
@@ -348,28 +367,29 @@ class Engine:
         self._last_token_time[request.request_id] = now
         request.output_token_ids.append(token)
         self.metrics.generated_tokens.inc()
+        extra = {"logprobs": [position] if position is not None else None,
+                 "prompt_logprobs": take_prompt_logprobs(request)}
         if token in request.stop_token_ids:
             self._finish(request, FinishReason.STOP, request.detokenizer.finish(), [token], matched_stop=str(token),
-                         logprobs=lp)
+                         **extra)
             return
         if token in self.config.eos_token_ids and (not request.ignore_eos or format_complete):
-            self._finish(request, FinishReason.STOP, request.detokenizer.finish(), [token], logprobs=lp)
+            self._finish(request, FinishReason.STOP, request.detokenizer.finish(), [token], **extra)
             return
         step = request.detokenizer.add(token)
         if step.stopped:
-            self._finish(request, FinishReason.STOP, step.text, [token], matched_stop=step.matched_stop or "",
-                         logprobs=lp)
+            self._finish(request, FinishReason.STOP, step.text, [token], matched_stop=step.matched_stop or "", **extra)
         elif format_complete:
-            self._finish(request, FinishReason.STOP, step.text + request.detokenizer.finish(), [token], logprobs=lp)
+            self._finish(request, FinishReason.STOP, step.text + request.detokenizer.finish(), [token], **extra)
         elif (len(request.output_token_ids) >= request.max_tokens
               or request.num_tokens >= self.config.max_context_tokens):
-            self._finish(request, FinishReason.LENGTH, step.text + request.detokenizer.finish(), [token],
-                         logprobs=lp)
+            self._finish(request, FinishReason.LENGTH, step.text + request.detokenizer.finish(), [token], **extra)
         else:
-            self._emit(GenerationOutput(request.request_id, step.text, [token], logprobs=lp))
+            self._emit(GenerationOutput(request.request_id, step.text, [token], index=request.index, **extra))
 
     def _finish(self, request: Request, reason: FinishReason, text: str, token_ids: list[int] | None = None,
-                matched_stop: str = "", error: str = "", logprobs: list[Position] | None = None) -> None:
+                matched_stop: str = "", error: str = "", logprobs: list[Position] | None = None,
+                prompt_logprobs: list[Position] | None = None) -> None:
         self.scheduler.finish(request, reason)
         self.metrics.requests.labels(reason.value).inc()
         now = time.monotonic()
@@ -396,7 +416,10 @@ class Engine:
         self.processors.release(request)
         if sink is not None:
             self._outbox.append((sink, GenerationOutput(request.request_id, text, token_ids or [], reason,
-                                                        matched_stop, usage, error, logprobs)))
+                                                        matched_stop, usage, error, logprobs, request.index,
+                                                        prompt_logprobs)))
+        for choice in unforked(request):  # choice 0 ended before its first token: so do the others
+            self._finish(choice, reason, "", error=error)
 
     def _sync_counts(self, finished: Request | None = None) -> None:
         """Keeps the counts `submit()` bounds the waiting queue with exact (engine thread only):
@@ -445,20 +468,21 @@ class Engine:
             kind = item[0]
             if kind == "add":
                 _, request, sink = item
-                self.scheduler.add(request)
-                self._requests[request.request_id] = request
-                self._sinks[request.request_id] = sink
+                self.scheduler.add(request)  # its other choices (n > 1) fork from it (forks.py)
+                for choice in request.group:
+                    self._requests[choice.request_id] = choice
+                    self._sinks[choice.request_id] = sink
             elif kind == "cancel":
-                request = item[1]
-                if self._requests.get(request.request_id) is request:  # not a later one with its id
-                    log.info("request %s cancelled by the client", request.log_id)
-                    self._sinks.pop(request.request_id, None)
-                    self._finish(request, FinishReason.CANCELLED, "")
+                for choice in item[1].group:
+                    if self._requests.get(choice.request_id) is choice:  # not a later one with its id
+                        log.info("request %s cancelled by the client", choice.log_id)
+                        self._sinks.pop(choice.request_id, None)
+                        self._finish(choice, FinishReason.CANCELLED, "")
             elif kind == "abort":
-                request = item[1]
-                if self._requests.get(request.request_id) is request:  # not a later one with its id
-                    log.info("request %s aborted", request.log_id)
-                    self._finish(request, FinishReason.ABORT, request.detokenizer.finish())
+                for choice in item[1].group:
+                    if self._requests.get(choice.request_id) is choice:  # not a later one with its id
+                        log.info("request %s aborted", choice.log_id)
+                        self._finish(choice, FinishReason.ABORT, choice.detokenizer.finish())
 
     def _try_register(self) -> None:
         try:

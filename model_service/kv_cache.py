@@ -47,3 +47,13 @@ class KVCache:
     @property
     def num_bytes(self) -> int:
         return self.num_blocks * self.spec.bytes_per_block
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copies the K and V of blocks `src` into blocks `dst` (pairwise), in every layer."""
+        if not src:
+            return
+        device = self.k[0].device
+        src_t = torch.tensor(src, dtype=torch.int64, device=device)
+        dst_t = torch.tensor(dst, dtype=torch.int64, device=device)
+        for cache in (*self.k, *self.v):
+            cache.index_copy_(0, dst_t, cache.index_select(0, src_t))

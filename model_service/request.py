@@ -13,11 +13,13 @@ from model_service.sampler import SamplingOptions
 
 if TYPE_CHECKING:
     from model_service.logits_processors import ProcessorState
+    from model_service.logprobs import Position
     from model_service.structured.guide import Guide
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    FORKING = "forking"  # a choice > 0 waiting for choice 0's first token (model_service/forks.py)
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -84,6 +86,21 @@ class Request:
     guide: Guide | None = None
     # SamplingParams.logprobs: alternatives to return with each token's log probability; None: none.
     logprobs: int | None = None
+    # SamplingParams.prompt_logprobs: alternatives to return with each prompt token's log
+    # probability; None: none. Prompt positions [0, num_scored_tokens) have been scored (row q
+    # scores token q + 1); their Positions wait in prompt_positions for the first output.
+    prompt_logprobs: int | None = None
+    num_scored_tokens: int = 0
+    prompt_positions: list[Position] = field(default_factory=list)
+    # Parallel sampling (SamplingParams.n > 1): every choice holds the same list of all of them,
+    # choice 0 first, and its own `index`. The others wait (FORKING) for choice 0's first token,
+    # then fork from it (model_service/forks.py); `fork_source` is the request whose KV holds a
+    # forked choice's prompt tail, until its first admission.
+    index: int = 0
+    choices: list[Request] = field(default_factory=list)
+    fork_source: Request | None = None
+    # The cache plan whose Step gave this finished request's blocks back (None: not yet).
+    returned_by: object | None = None
 
     def __post_init__(self) -> None:
         if not self.client_request_id:
@@ -105,8 +122,23 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def next_position(self) -> int:
+        """The first position the request's next chunk runs through the model: where its KV ends,
+        or, while its prompt is being scored for prompt_logprobs, the first position not scored
+        (the KV of positions before num_computed_tokens is kept, not rewritten)."""
+        if self.prompt_logprobs is not None and self.num_scored_tokens < len(self.prompt_token_ids) - 1:
+            return min(self.num_computed_tokens, self.num_scored_tokens)
+        return self.num_computed_tokens
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens the request still runs through the model (see `next_position`)."""
+        return self.num_tokens - self.next_position
+
+    @property
+    def group(self) -> list[Request]:
+        """All choices of the request's prompt (itself alone when n == 1)."""
+        return self.choices or [self]
 
     @property
     def was_admitted(self) -> bool:

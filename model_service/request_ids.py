@@ -35,7 +35,8 @@ class LiveRequests:
 
     @property
     def num_internal_ids(self) -> int:
-        """Internal ids held (equal to len() unless the bookkeeping is broken)."""
+        """Internal ids held: one per live choice (len() counts callers' ids, one per request
+        whatever its n)."""
         return len(self._internal)
 
     def check_free(self, request: Request) -> None:
@@ -51,19 +52,33 @@ class LiveRequests:
         self.check_free(request)
         key = (request.owner, request.client_request_id)
         internal = request.client_request_id
-        while internal in self._internal:  # held by another caller's request: run under a fresh id
-            internal = uuid.uuid4().hex  # 32 characters, well within the 256-byte id limit
+        if internal in self._internal:  # held by another caller's request: run under a fresh id
+            internal = self._fresh_id()  # 32 characters, well within the 256-byte id limit
         request.request_id = internal
         self._by_client[key] = request
         self._internal.add(internal)
+        for choice in request.choices[1:]:  # parallel sampling: the other choices run under fresh ids
+            choice.request_id = self._fresh_id()
+            self._internal.add(choice.request_id)
+
+    def _fresh_id(self) -> str:
+        internal = uuid.uuid4().hex
+        while internal in self._internal:
+            internal = uuid.uuid4().hex
+        return internal
 
     def get(self, owner: str, client_request_id: str) -> Request | None:
         """The owner's live request with this client id (None: unknown, finished or another's)."""
         return self._by_client.get((owner, client_request_id))
 
     def remove(self, request: Request) -> None:
-        """Forgets `request` (a no-op when it is not the live request of its key)."""
+        """Forgets finished `request` (one of its choices, with n > 1): its internal id is free
+        now, the caller's id once every choice has finished. A no-op when its request is not the
+        live one of its key."""
         key = (request.owner, request.client_request_id)
-        if self._by_client.get(key) is request:
+        group = request.group
+        if self._by_client.get(key) is not group[0]:
+            return
+        self._internal.discard(request.request_id)
+        if all(choice.is_finished for choice in group if choice is not request):
             del self._by_client[key]
-            self._internal.discard(request.request_id)

@@ -18,9 +18,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from model_service.forks import ready_source
 from model_service.model_runner import SequenceChunk
 from model_service.prefill_index import PrefillIndex
 from model_service.request import FinishReason, MissBreakdown, Request, RequestStatus
+
+# Most prompt positions one step scores for a request's prompt_logprobs (their logits rows,
+# [positions, vocab] in float32, are kept until the step's end).
+MAX_SCORED_TOKENS = 512
 
 
 class QueueFullError(Exception):
@@ -178,10 +183,20 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self.pending_finishes.append(request)
-        else:
+        elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+        # FORKING: a choice not forked yet, in no queue
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+
+    def add_forks(self, choices: list[Request]) -> None:
+        """Queues choices that fork from their choice 0 now (model_service/forks.py), at the head
+        of the waiting queue: admitted in the next Step while choice 0 still holds the KV their
+        prompt tail is copied from, each costs one token of compute."""
+        for choice in reversed(choices):
+            choice.status = RequestStatus.WAITING
+            choice.fork_source = choice.choices[0]
+            self.waiting.appendleft(choice)
 
     def admissible_waiting_tokens(self, limit: int) -> int:
         """Tokens of the waiting requests (cache hits included) a Step could admit now, counted up
@@ -244,6 +259,8 @@ class Scheduler:
         plan = CachePlan(releases=self.pending_releases,
                          finishes=[self._record(r) for r in self.pending_finishes],
                          copy_outcomes=self.pending_copy_outcomes)
+        for request in self.pending_finishes:
+            request.returned_by = plan
         self.pending_copy_outcomes = []
         if plan.releases or plan.finishes:
             self._admission_refused = False
@@ -302,6 +319,8 @@ class Scheduler:
                 continue  # admitted after the other request's commit, as a cache hit
             plan.admits.append(request)
             expected_hit = in_tree.expected_hit(request)
+            if ready_source(request, plan) is not None:  # a forked choice: its prompt KV is copied
+                expected_hit = request.num_tokens - 1
             prefilling.add(request, expected_hit)
             # A hit computes only its miss: charging the whole prompt would admit a prefix group's
             # followers a few per step, each behind a full prompt's worth of budget. The pages of
@@ -360,7 +379,9 @@ class Scheduler:
 
     def on_executed(self, batch: ScheduledBatch) -> None:
         for request, chunk in zip(batch.requests, batch.chunks, strict=True):
-            request.num_computed_tokens += len(chunk.token_ids)
+            # A chunk scoring a prompt (prompt_logprobs) may start before the request's KV ends.
+            end = chunk.start_position + len(chunk.token_ids)
+            request.num_computed_tokens = max(request.num_computed_tokens, end)
 
     def needs_reply(self) -> bool:
         """True when a running request has no block for its next token (it waits for an extension)."""
@@ -396,13 +417,19 @@ class Scheduler:
                     continue
                 if long_tokens >= half:
                     continue  # one long prompt at a time: it reaches its first token a whole step sooner
-            start = request.num_computed_tokens
+            start = request.next_position
             end = min(request.num_tokens, start + budget, len(request.block_table) * bs)
+            scoring = request.prompt_logprobs is not None and \
+                request.num_scored_tokens < len(request.prompt_token_ids) - 1
+            if scoring:  # its logits rows come back whole: a bounded number per step
+                end = min(end, start + MAX_SCORED_TOKENS)
             if end <= start:
                 continue  # no block for its next token this step (extension failed)
             requests.append(request)
-            chunks.append(SequenceChunk(self._token_slice(request, start, end), start,
-                                        request.block_table, end == request.num_tokens))
+            chunks.append(SequenceChunk(
+                self._token_slice(request, start, end), start, request.block_table, end == request.num_tokens,
+                num_cached=max(0, min(request.num_computed_tokens, end) - start),
+                num_scored=max(0, min(end, len(request.prompt_token_ids) - 1) - start) if scoring else 0))
             budget -= end - start
             if is_long:
                 long_tokens += end - start

@@ -23,7 +23,7 @@ from model_service.engine import Engine, GenerationOutput
 from model_service.logprobs import MAX_LOGPROBS, TokenTexts
 from model_service.loop_relay import LoopRelay
 from model_service.model_loader import LoadedModel
-from model_service.request import FinishReason, Request
+from model_service.request import FinishReason, Request, RequestStatus
 from model_service.request_ids import DuplicateRequestError
 from model_service.sampler import SamplingOptions, make_generator
 from model_service.scheduler import QueueFullError
@@ -33,6 +33,7 @@ from protos import model_pb2, model_pb2_grpc
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 128
+MAX_CHOICES = 64  # SamplingParams.n
 
 # The role a bearer token needs for each method under --auth-token-file (common/auth.py).
 METHOD_ROLES: dict[str, str] = one_role(model_pb2.DESCRIPTOR.services_by_name["ModelService"], "client")
@@ -102,6 +103,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         log.info("request %s: %d prompt tokens, max_tokens %d", engine_request.log_id,
                  len(engine_request.prompt_token_ids), engine_request.max_tokens)
+        open_choices = len(engine_request.group)
         finished = False
         try:
             while not finished:
@@ -110,7 +112,8 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
                     finished = True
                     await context.abort(grpc.StatusCode.UNAVAILABLE if out.finish_reason is FinishReason.ABORT
                                         else grpc.StatusCode.INTERNAL, out.error)
-                finished = out.finish_reason is not None
+                open_choices -= out.finish_reason is not None
+                finished = open_choices == 0
                 yield _response(request_id, out, self.info.serving_addr, self._token_texts)
         finally:
             if not finished:  # client cancelled, disconnected or its deadline passed
@@ -158,26 +161,42 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
                                  f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
-        guide = self._guide(sampling.structured_output) if sampling.HasField("structured_output") else None
+        prompt_logprobs = sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}")
+        n = sampling.n or 1
+        if n > MAX_CHOICES:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"n must be in [1, {MAX_CHOICES}], got {n}")
         client_id = request.request_id or uuid.uuid4().hex
-        return Request(
-            # The client's id when given (a router aborts by it), unique among the caller's live
-            # requests; Engine.submit picks the id the request runs under (request_ids.py).
-            request_id=client_id,
-            client_request_id=client_id,
-            owner=owner,
-            prompt_token_ids=prompt_ids,
-            sampling=options,
-            max_tokens=max_tokens,
-            stop_token_ids=frozenset(sampling.stop_token_ids),
-            namespace=request.namespace,
-            ignore_eos=sampling.ignore_eos,
-            arrival_time=arrival,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, list(sampling.stop)),
-            generator=make_generator(options.seed, self.loaded.model.device),
-            guide=guide,
-            logprobs=logprobs,
-        )
+        choices = []
+        for index in range(n):
+            seed = None if options.seed is None else (options.seed + index) % 2**64  # choice i: seed + i
+            choices.append(Request(
+                # The client's id when given (a router aborts by it), unique among the caller's live
+                # requests; Engine.submit picks the ids the choices run under (request_ids.py).
+                request_id=client_id,
+                client_request_id=client_id,
+                owner=owner,
+                prompt_token_ids=prompt_ids,
+                sampling=options,
+                max_tokens=max_tokens,
+                stop_token_ids=frozenset(sampling.stop_token_ids),
+                namespace=request.namespace,
+                ignore_eos=sampling.ignore_eos,
+                arrival_time=arrival,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, list(sampling.stop)),
+                generator=make_generator(seed, self.loaded.model.device),
+                guide=self._guide(sampling.structured_output) if sampling.HasField("structured_output") else None,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs if index == 0 else None,
+                index=index,
+                status=RequestStatus.WAITING if index == 0 else RequestStatus.FORKING,
+            ))
+        if n > 1:
+            for choice in choices:
+                choice.choices = choices
+        return choices[0]
 
     def _guide(self, message: model_pb2.StructuredOutput) -> Guide | None:
         """The request's structured output matcher; INVALID_ARGUMENT when it does not compile."""
@@ -338,10 +357,12 @@ def _caller_key(namespace: str | None) -> str:
 
 
 def _response(request_id: str, out: GenerationOutput, served_by: str, texts: TokenTexts) -> model_pb2.GenerateResponse:
-    response = model_pb2.GenerateResponse(request_id=request_id, text=out.text, token_ids=out.token_ids)
-    for position in out.logprobs or ():
-        entry = response.logprobs.add(chosen=_token_logprob(texts, position.token_id, position.logprob, position.rank))
-        entry.top.extend(_token_logprob(texts, t, lp, rank) for rank, (t, lp) in enumerate(position.top, 1))
+    response = model_pb2.GenerateResponse(request_id=request_id, text=out.text, token_ids=out.token_ids,
+                                          index=out.index)
+    for field, positions in ((response.logprobs, out.logprobs), (response.prompt_logprobs, out.prompt_logprobs)):
+        for position in positions or ():
+            entry = field.add(chosen=_token_logprob(texts, position.token_id, position.logprob, position.rank))
+            entry.top.extend(_token_logprob(texts, t, lp, rank) for rank, (t, lp) in enumerate(position.top, 1))
     if out.finish_reason is not None:
         response.finish_reason = _FINISH_REASONS[out.finish_reason]
         response.matched_stop = out.matched_stop

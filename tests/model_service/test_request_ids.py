@@ -75,3 +75,25 @@ def test_removing_in_any_order_leaves_nothing_and_a_stale_remove_is_harmless() -
     live.add(newer)
     live.remove(requests[0])  # an ended request with the same key must not free the newer one
     assert live.get("owner-0", "r0") is newer and live.num_internal_ids == 1
+
+
+def test_choices_run_under_unique_ids_and_the_client_id_stays_held_until_the_last_ends() -> None:
+    from model_service.request import RequestStatus
+
+    live = LiveRequests()
+    choices = [make("fan", "tenant-a") for _ in range(3)]
+    for index, choice in enumerate(choices):
+        choice.index, choice.choices = index, choices
+    live.add(choices[0])
+    assert choices[0].request_id == "fan" and len({c.request_id for c in choices}) == 3
+    assert len(live) == 1 and live.num_internal_ids == 3
+    for choice in choices[:2]:  # choice 0 and 1 end; choice 2 still runs: the id is still held
+        choice.status = RequestStatus.FINISHED
+        live.remove(choice)
+        assert live.get("tenant-a", "fan") is choices[0]
+        with pytest.raises(DuplicateRequestError):
+            live.check_free(make("fan", "tenant-a"))
+    assert live.num_internal_ids == 1
+    choices[2].status = RequestStatus.FINISHED
+    live.remove(choices[2])
+    assert len(live) == live.num_internal_ids == 0

@@ -44,6 +44,9 @@ REPLICA_FIXTURES = frozenset({
     "services",            # tests/model_service/test_metrics.py, test_pipeline_tiny.py
     "replica",             # tests/model_service/test_replica_api.py
     "sampling_replica",    # tests/model_service/test_sampling_controls.py
+    "parallel_replica",    # tests/model_service/test_parallel_sampling.py
+    "parallel_small_pool",  # tests/model_service/test_parallel_sampling.py
+    "scoring_replica",     # tests/model_service/test_prompt_logprobs.py
     "fleet",               # tests/router/conftest.py, tests/security/test_secure_fleet.py
     "door",                # tests/router/test_http_door.py
     "setup",               # tests/router/test_router_tenants.py, test_router_trust.py (security_setup.py)

@@ -36,7 +36,7 @@ def _serve(cache_addr: str, model_dir, worker_id: str, *flags: str) -> Iterator[
 
 
 @pytest.fixture(scope="module")
-def service(cache_service, tiny_dir, pipeline) -> Iterator[tuple[model_pb2_grpc.ModelServiceStub, str]]:
+def parallel_replica(cache_service, tiny_dir, pipeline) -> Iterator[tuple[model_pb2_grpc.ModelServiceStub, str]]:
     pool = f"tiny-parallel-{pipeline}"
     for stub in _serve(cache_service.addr, tiny_dir, pool, "--block-size", "4", "--num-blocks", "512",
                        "--cache-pipeline", pipeline):
@@ -44,7 +44,7 @@ def service(cache_service, tiny_dir, pipeline) -> Iterator[tuple[model_pb2_grpc.
 
 
 @pytest.fixture(scope="module")
-def small_pool(cache_service, tiny_dir, pipeline) -> Iterator[tuple[model_pb2_grpc.ModelServiceStub, str]]:
+def parallel_small_pool(cache_service, tiny_dir, pipeline) -> Iterator[tuple[model_pb2_grpc.ModelServiceStub, str]]:
     """24 blocks of 4 tokens: one choice fits alone, eight together do not."""
     pool = f"tiny-parallel-small-{pipeline}"
     for stub in _serve(cache_service.addr, tiny_dir, pool, "--block-size", "4", "--num-blocks", "24",
@@ -72,8 +72,8 @@ def _tokens(messages: list[model_pb2.GenerateResponse]) -> list[int]:
 
 
 @pytest.mark.parametrize("length", [13, 16, 1])  # a partial last page, whole pages, one token
-def test_greedy_choices_equal_generate_and_share_one_prefill(service, cache_stub, tiny_reference, length) -> None:
-    stub, pool = service
+def test_greedy_choices_equal_generate_and_share_one_prefill(parallel_replica, cache_stub, tiny_reference, length) -> None:
+    stub, pool = parallel_replica
     prompt = _prompt(length, length)
     expected = reference_greedy(tiny_reference, prompt, MAX_TOKENS)
     choices = _run(stub, prompt, temperature=0.0, max_tokens=MAX_TOKENS, n=4)
@@ -93,8 +93,8 @@ def test_greedy_choices_equal_generate_and_share_one_prefill(service, cache_stub
     wait_until_idle(cache_stub, pool)
 
 
-def test_seeded_choice_i_equals_a_single_request_with_seed_plus_i(service, cache_stub) -> None:
-    stub, pool = service
+def test_seeded_choice_i_equals_a_single_request_with_seed_plus_i(parallel_replica, cache_stub) -> None:
+    stub, pool = parallel_replica
     prompt = _prompt(11, 99)
     sampling = dict(temperature=1.0, top_p=0.9, max_tokens=MAX_TOKENS, ignore_eos=True)
     choices = _run(stub, prompt, seed=1234, n=4, **sampling)
@@ -107,11 +107,11 @@ def test_seeded_choice_i_equals_a_single_request_with_seed_plus_i(service, cache
     wait_until_idle(cache_stub, pool)
 
 
-def test_choices_under_preemption_equal_single_requests(small_pool, cache_stub) -> None:
+def test_choices_under_preemption_equal_single_requests(parallel_small_pool, cache_stub) -> None:
     """Eight sampled choices of 9 + 30 tokens need ~70 blocks of a 24-block pool (greedy ones would
     share their identical pages): choices are preempted and recompute; each still equals a single
     request with its seed."""
-    stub, pool = small_pool
+    stub, pool = parallel_small_pool
     prompt = _prompt(9, 5)
     sampling = dict(temperature=1.0, max_tokens=30, ignore_eos=True)
     choices = _run(stub, prompt, seed=77, n=8, **sampling)
@@ -122,8 +122,8 @@ def test_choices_under_preemption_equal_single_requests(small_pool, cache_stub) 
     wait_until_idle(cache_stub, pool)
 
 
-def test_abort_ends_every_choice_and_frees_the_id(service, cache_stub) -> None:
-    stub, pool = service
+def test_abort_ends_every_choice_and_frees_the_id(parallel_replica, cache_stub) -> None:
+    stub, pool = parallel_replica
     request = model_pb2.GenerateRequest(request_id="par-abort", sampling=model_pb2.SamplingParams(
         temperature=0.0, max_tokens=400, ignore_eos=True, n=3))
     request.token_ids.ids.extend(_prompt(20, 3))
@@ -149,8 +149,8 @@ def test_abort_ends_every_choice_and_frees_the_id(service, cache_stub) -> None:
     assert sorted(again) == [0, 1]
 
 
-def test_cancelled_stream_returns_every_block(service, cache_stub) -> None:
-    stub, pool = service
+def test_cancelled_stream_returns_every_block(parallel_replica, cache_stub) -> None:
+    stub, pool = parallel_replica
     request = model_pb2.GenerateRequest(sampling=model_pb2.SamplingParams(
         temperature=0.0, max_tokens=400, ignore_eos=True, n=5))
     request.token_ids.ids.extend(_prompt(30, 8))
@@ -161,8 +161,8 @@ def test_cancelled_stream_returns_every_block(service, cache_stub) -> None:
     wait_until_idle(cache_stub, pool)
 
 
-def test_n_out_of_range_is_invalid_argument(service) -> None:
-    stub, _ = service
+def test_n_out_of_range_is_invalid_argument(parallel_replica) -> None:
+    stub, _ = parallel_replica
     request = model_pb2.GenerateRequest(sampling=model_pb2.SamplingParams(n=65))
     request.token_ids.ids.extend([5, 6, 7])
     expect_status(lambda: list(stub.Generate(request, timeout=30)), grpc.StatusCode.INVALID_ARGUMENT, "n must be")

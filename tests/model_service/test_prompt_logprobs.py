@@ -24,7 +24,7 @@ def pipeline(request) -> str:
 
 
 @pytest.fixture(scope="module")
-def service(cache_service, tiny_dir, pipeline) -> Iterator[tuple[model_pb2_grpc.ModelServiceStub, str]]:
+def scoring_replica(cache_service, tiny_dir, pipeline) -> Iterator[tuple[model_pb2_grpc.ModelServiceStub, str]]:
     """Blocks of 4 tokens, 8 tokens per step: prompts are scored over several steps."""
     pool = f"tiny-prompt-logprobs-{pipeline}"
     running = start_model(cache_service.addr, "--model", str(tiny_dir), "--worker-id", pool, "--block-size", "4",
@@ -69,8 +69,8 @@ def _check(entries, prompt: list[int], reference: torch.Tensor, k: int) -> None:
         assert [t.logprob for t in entry.top] == pytest.approx(values.tolist(), abs=1e-5)
 
 
-def test_prompt_logprobs_equal_transformers_cached_or_not(service, cache_stub, tiny_reference) -> None:
-    stub, pool = service
+def test_prompt_logprobs_equal_transformers_cached_or_not(scoring_replica, cache_stub, tiny_reference) -> None:
+    stub, pool = scoring_replica
     prompt = _prompt(27, 1)
     reference = _reference(tiny_reference, prompt)
     cold = _generate(stub, prompt, temperature=0.0, max_tokens=3, prompt_logprobs=3)
@@ -91,8 +91,8 @@ def test_prompt_logprobs_equal_transformers_cached_or_not(service, cache_stub, t
     wait_until_idle(cache_stub, pool)
 
 
-def test_prompt_logprobs_with_choices_and_a_one_token_prompt(service, cache_stub, tiny_reference) -> None:
-    stub, pool = service
+def test_prompt_logprobs_with_choices_and_a_one_token_prompt(scoring_replica, cache_stub, tiny_reference) -> None:
+    stub, pool = scoring_replica
     prompt = _prompt(10, 3)
     messages = _generate(stub, prompt, temperature=0.0, max_tokens=2, prompt_logprobs=0, n=3)
     with_scores = [m for m in messages if m.prompt_logprobs]
@@ -104,8 +104,8 @@ def test_prompt_logprobs_with_choices_and_a_one_token_prompt(service, cache_stub
     wait_until_idle(cache_stub, pool)
 
 
-def test_prompt_logprobs_out_of_range_is_invalid_argument(service) -> None:
-    stub, _ = service
+def test_prompt_logprobs_out_of_range_is_invalid_argument(scoring_replica) -> None:
+    stub, _ = scoring_replica
     request = model_pb2.GenerateRequest(sampling=model_pb2.SamplingParams(prompt_logprobs=21))
     request.token_ids.ids.extend([5, 6, 7])
     expect_status(lambda: list(stub.Generate(request, timeout=30)), grpc.StatusCode.INVALID_ARGUMENT,

@@ -675,13 +675,25 @@ def machine_info(threads: int) -> Json:
                 break
     except OSError:
         pass
+    family = model_number = None  # with the model name (often just "AMD EPYC" on VMs): which generation
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "cpu family" and family is None:
+                family = int(value)
+            elif key.strip() == "model" and model_number is None:
+                model_number = int(value)
+    except (OSError, ValueError):
+        pass
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
         isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f" {f}" in flags]
     except (OSError, StopIteration):
         isa = []
     info: Json = {
-        "cpu_model": cpu, "cpu_isa": isa, "logical_cores": os.cpu_count(),
+        "cpu_model": cpu, "cpu_family": family, "cpu_model_number": model_number,
+        "cpu_label": cpu if family is None else f"{cpu} (family {family}, model {model_number})",
+        "cpu_isa": isa, "logical_cores": os.cpu_count(),
         "physical_cores": psutil.cpu_count(logical=False) if psutil else None,
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1) if psutil else None,
         "torch_threads": threads, "platform": platform.platform(), "python": platform.python_version(),

@@ -237,6 +237,17 @@ def summary_table(r: Json) -> str:
             f"{_f(r.get('tiered_all_miss_host_wt_loss_pct'), '+.1f')}% / disk "
             f"{_f(r.get('tiered_all_miss_disk_loss_pct'), '+.1f')}%"
             f" (<= 3%); greedy identical {_f(100 * (r.get('tiered_greedy_identical') or 0), '.0f')}%", ".2f")
+    if "structured_tok_s" in r:
+        add("structured: JSON schema tok/s (vs unconstrained)", r["structured_tok_s"], None,
+            f"unconstrained {_f(r.get('structured_free_tok_s'), '.1f')} tok/s: {_f(r.get('structured_vs_free'), '.2f')}x "
+            f"(target >= 0.9x); checks {'ok' if r.get('structured_checks_ok') else 'FAILED'}")
+    if "parallel_n8_tok_s" in r:
+        add("parallel sampling: one request n=8 tok/s (vs 8 at once)", r["parallel_n8_tok_s"], None,
+            f"8 separate requests {_f(r.get('parallel_separate_tok_s'), '.1f')} tok/s: "
+            f"{_f(r.get('parallel_n8_vs_separate'), '.2f')}x (target >= 1.0x); prompt tokens computed "
+            f"{_f(r.get('parallel_n8_prompt_tokens_computed'), '.0f')} vs "
+            f"{_f(r.get('parallel_separate_prompt_tokens_computed'), '.0f')}; choice i = seed + i "
+            f"{_f(100 * (r.get('parallel_identical_share') or 0), '.0f')}%")
     for dataset, label in (("shared", "4 prefixes x 8, 1024 + 32"), ("random", "random 512, no sharing")):
         for tag in ("fp32", "bf16"):
             p = f"serve_{dataset}_{tag}"

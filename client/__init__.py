@@ -11,8 +11,10 @@ from .results import (
     Load,
     ModelInfo,
     PoolStats,
+    PositionLogprobs,
     TierStats,
     TokenizeResult,
+    TokenLogprob,
     Usage,
 )
 from .sync import DEFAULT_CACHE_ADDR, DEFAULT_MODEL_ADDR, RadixKVClient
@@ -28,10 +30,12 @@ __all__ = [
     "Load",
     "ModelInfo",
     "PoolStats",
+    "PositionLogprobs",
     "RadixKVClient",
     "RadixKVError",
     "RetryPolicy",
     "TierStats",
+    "TokenLogprob",
     "TokenizeResult",
     "Usage",
 ]

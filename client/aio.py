@@ -13,7 +13,7 @@ from protos import cache_pb2, cache_pb2_grpc, model_pb2, model_pb2_grpc
 
 from .channel import DEFAULT_RETRY, ClientSettings, RetryPolicy, open_aio_channel
 from .errors import RadixKVError
-from .messages import ChatMessage, GenerateOptions, generate_request, tokenize_request
+from .messages import ChatMessage, GenerateOptions, generate_request, single_choice, tokenize_request
 from .results import (
     GenerateChunk,
     GenerateResult,
@@ -21,6 +21,7 @@ from .results import (
     ModelInfo,
     PoolStats,
     TokenizeResult,
+    choices_from_chunks,
     from_proto,
     pool_stats_list,
 )
@@ -62,9 +63,20 @@ class AsyncRadixKVClient:
     async def generate(
         self, prompt: str | None = None, *, timeout: float | None = None, **options: Unpack[GenerateOptions]
     ) -> GenerateResult:
-        """Generates a completion and returns it whole (see ``GenerateOptions``)."""
+        """Generates a completion and returns it whole (see ``GenerateOptions``); one choice
+        (``n`` > 1 is ``generate_choices()``'s)."""
+        single_choice(options)
         chunks = [chunk async for chunk in self.stream(prompt, timeout=timeout, **options)]
         return GenerateResult.from_chunks(chunks)
+
+    async def generate_choices(
+        self, prompt: str | None = None, *, n: int, timeout: float | None = None, **options: Unpack[GenerateOptions]
+    ) -> list[GenerateResult]:
+        """``n`` completions of one prompt in one request, in ``index`` order (see
+        ``RadixKVClient.generate_choices``)."""
+        options["n"] = n
+        chunks = [chunk async for chunk in self.stream(prompt, timeout=timeout, **options)]
+        return choices_from_chunks(chunks)
 
     def stream(
         self, prompt: str | None = None, *, timeout: float | None = None, **options: Unpack[GenerateOptions]

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from .errors import RadixKVError
 from .messages import GenerateOptions
-from .results import PoolStats, TierStats
+from .results import PoolStats, PositionLogprobs, TierStats
 from .sync import DEFAULT_CACHE_ADDR, DEFAULT_MODEL_ADDR, RadixKVClient
 
 EXIT_RPC_ERROR = 1
@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="add BIAS (in [-100, 100]) to token ID's logit (repeatable)",
     )
     gen.add_argument("--min-tokens", type=int, help="no end-of-sequence or stop token before this many tokens")
+    gen.add_argument("--logprobs", type=int, metavar="K",
+                     help="each generated token's log probability and its K most likely alternatives (0-20)")
+    gen.add_argument("--prompt-logprobs", type=int, metavar="K",
+                     help="the prompt tokens' log probabilities and K alternatives each (0-20; a full prefill)")
+    gen.add_argument("-n", "--n", type=int, metavar="N", dest="n",
+                     help="N completions forked from one prefill (1-64; with --seed S choice i uses S + i)")
     gen.add_argument(
         "--stop", action="append", default=[], metavar="STR", help="stop before this string (repeatable)"
     )
@@ -199,7 +205,7 @@ def generate_options(args: argparse.Namespace, prompt: str) -> tuple[str | None,
         stop=args.stop, ignore_eos=args.ignore_eos, namespace=args.namespace, request_id=args.request_id
     )
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_p", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "min_tokens"):
+                 "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "prompt_logprobs", "n"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)  # type: ignore[literal-required]
     if args.logit_bias:
@@ -210,20 +216,45 @@ def generate_options(args: argparse.Namespace, prompt: str) -> tuple[str | None,
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    n = args.n or 1
+    if args.stream and n > 1 and not args.json:
+        raise ValueError("--stream with -n > 1 needs --json (the choices' chunks interleave)")
     text_prompt, options = generate_options(args, _text_arg(args.prompt))
     with _client(args) as client:
         if not args.stream:
-            result = client.generate(text_prompt, **options)
-            print(json.dumps(result.to_dict(), ensure_ascii=False) if args.json else result.text)
+            options.pop("n", None)
+            results = client.generate_choices(text_prompt, n=n, **options)
+            if args.json:
+                body = results[0].to_dict() if n == 1 else {"choices": [r.to_dict() for r in results]}
+                print(json.dumps(body, ensure_ascii=False))
+                return 0
+            for result in results:
+                if n > 1:
+                    print(f"--- choice {result.index} (finish: {result.finish_reason}) ---")
+                print(result.text)
+                if result.prompt_logprobs:
+                    print("prompt logprobs:\n" + format_logprobs(result.prompt_logprobs))
+                if result.logprobs:
+                    print("logprobs:\n" + format_logprobs(result.logprobs))
             return 0
         for chunk in client.stream(text_prompt, **options):
             if args.json:
-                print(json.dumps(dataclasses.asdict(chunk), ensure_ascii=False), flush=True)
+                print(json.dumps(chunk.to_dict(), ensure_ascii=False), flush=True)
             else:
                 print(chunk.text, end="", flush=True)
         if not args.json:
             print()
     return 0
+
+
+def format_logprobs(positions: Sequence[PositionLogprobs]) -> str:
+    """One line per position: the token (repr), its log probability and rank, the alternatives."""
+    lines = []
+    for p in positions:
+        top = ", ".join(f"{t.token!r} {t.logprob:.4f}" for t in p.top)
+        lines.append(f"  {p.chosen.token!r:<16} {p.chosen.logprob:10.4f}  rank {p.chosen.rank}"
+                     + (f"  top: {top}" if top else ""))
+    return "\n".join(lines)
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

@@ -18,6 +18,10 @@ class GenerateOptions(TypedDict, total=False):
     rendered with the model's chat template). Unset sampling values take the server's
     defaults (temperature 1.0, top_p 1.0, max_tokens 128; the penalties, ``logit_bias``,
     ``min_tokens`` and ``min_p`` off). Their semantics: ``SamplingParams`` in docs/grpc-api.md.
+    ``logprobs`` (0-20): each generated token's log probability and that many alternatives;
+    ``prompt_logprobs`` (0-20): the same for the prompt's tokens (a full prefill: see
+    docs/grpc-api.md); ``n`` (1-64): choices forked from one prefill (with ``seed`` s, choice i
+    samples as a single request with seed s + i would).
     """
 
     token_ids: Sequence[int]
@@ -36,6 +40,9 @@ class GenerateOptions(TypedDict, total=False):
     logit_bias: Mapping[int, float]
     min_tokens: int
     min_p: float
+    logprobs: int
+    prompt_logprobs: int
+    n: int
     namespace: str
     request_id: str
 
@@ -62,7 +69,11 @@ def generate_request(prompt: str | None, options: GenerateOptions) -> model_pb2.
         min_tokens=options.get("min_tokens") or 0,
         min_p=options.get("min_p") or 0.0,
     )
-    for name in ("temperature", "top_p", "seed", "max_tokens", "repetition_penalty"):
+    if options.get("n") is not None:
+        if options["n"] < 0:  # the server judges the range (1-64); a uint32 cannot even hold this
+            raise ValueError(f"n must be >= 1, got {options['n']}")
+        sampling.n = options["n"]
+    for name in ("temperature", "top_p", "seed", "max_tokens", "repetition_penalty", "logprobs", "prompt_logprobs"):
         value = options.get(name)
         if value is not None:
             setattr(sampling, name, value)
@@ -78,6 +89,12 @@ def generate_request(prompt: str | None, options: GenerateOptions) -> model_pb2.
     else:
         request.chat.CopyFrom(chat_messages(options["messages"]))
     return request
+
+
+def single_choice(options: GenerateOptions) -> None:
+    """``generate()`` joins one choice: n > 1 belongs to ``generate_choices()``."""
+    if (options.get("n") or 1) > 1:
+        raise ValueError("generate() returns one choice: use generate_choices() for n > 1")
 
 
 def tokenize_request(text: str | None, messages: Sequence[ChatMessage] | None) -> model_pb2.TokenizeRequest:

@@ -55,11 +55,48 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token and its log probability at one position (the model's own: log_softmax of its
+    logits, before penalties, temperature and other sampling controls)."""
+
+    token_id: int
+    logprob: float
+    token: str  # the token decoded alone (ends in U+FFFD when it holds part of a UTF-8 character)
+    token_bytes: bytes  # its exact bytes
+    rank: int  # 1 for the most likely token at the position (0: entry 0 of prompt_logprobs)
+
+    @classmethod
+    def from_proto(cls, message: model_pb2.TokenLogprob) -> TokenLogprob:
+        return cls(message.token_id, message.logprob, message.token, bytes(message.token_bytes), message.rank)
+
+
+@dataclass(frozen=True, slots=True)
+class PositionLogprobs:
+    """One position's log probabilities: the token there (``chosen``) and the most likely
+    alternatives (``top``, most likely first; as many as the request's ``logprobs`` /
+    ``prompt_logprobs`` asked)."""
+
+    chosen: TokenLogprob
+    top: list[TokenLogprob]
+
+    @classmethod
+    def from_proto(cls, message: model_pb2.PositionLogprobs) -> PositionLogprobs:
+        return cls(TokenLogprob.from_proto(message.chosen), [TokenLogprob.from_proto(t) for t in message.top])
+
+
+def _positions(messages: Any) -> list[PositionLogprobs]:
+    return [PositionLogprobs.from_proto(m) for m in messages]
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateChunk:
     """One streamed Generate message: the text and token ids new since the previous chunk.
 
     ``finish_reason`` ("stop", "length", "abort"), ``matched_stop`` and ``usage`` are set on
-    the last chunk only.
+    the last chunk of each choice only. ``index`` is the choice the chunk belongs to (0 to
+    ``n - 1``; with ``n`` > 1 the choices' chunks interleave). ``logprobs``: one entry per token
+    in ``token_ids`` (with the ``logprobs`` option); ``prompt_logprobs``: one entry per prompt
+    token, on choice 0's first chunk only (with the ``prompt_logprobs`` option).
     """
 
     text: str
@@ -68,6 +105,9 @@ class GenerateChunk:
     finish_reason: str | None = None
     matched_stop: str = ""
     usage: Usage | None = None
+    index: int = 0
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
 
     @classmethod
     def from_proto(cls, message: model_pb2.GenerateResponse) -> GenerateChunk:
@@ -79,12 +119,24 @@ class GenerateChunk:
             finish_reason=reason,
             matched_stop=message.matched_stop,
             usage=from_proto(Usage, message.usage) if message.HasField("usage") else None,
+            index=message.index,
+            logprobs=_positions(message.logprobs),
+            prompt_logprobs=_positions(message.prompt_logprobs),
         )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (``token_bytes`` as lists of ints, as OpenAI's ``bytes``)."""
+        return jsonable(dataclasses.asdict(self))
 
 
 @dataclass(frozen=True, slots=True)
 class GenerateResult:
-    """A whole completion: the chunks of a Generate stream joined."""
+    """A whole completion (one choice): the chunks of a Generate stream joined.
+
+    ``logprobs`` has one entry per token in ``token_ids`` when the ``logprobs`` option was given;
+    ``prompt_logprobs`` one per prompt token when ``prompt_logprobs`` was (entry 0 scores
+    nothing: rank 0, logprob 0, no alternatives), on choice 0.
+    """
 
     text: str
     token_ids: list[int]
@@ -92,9 +144,13 @@ class GenerateResult:
     matched_stop: str = ""
     usage: Usage = field(default_factory=Usage)
     request_id: str = ""
+    index: int = 0
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
 
     @classmethod
     def from_chunks(cls, chunks: list[GenerateChunk]) -> GenerateResult:
+        """Joins one choice's chunks (all of the same ``index``; see ``choices_from_chunks``)."""
         last = chunks[-1] if chunks else GenerateChunk(text="", token_ids=[])
         return cls(
             text="".join(c.text for c in chunks),
@@ -103,10 +159,33 @@ class GenerateResult:
             matched_stop=last.matched_stop,
             usage=last.usage or Usage(),
             request_id=next((c.request_id for c in chunks if c.request_id), ""),
+            index=last.index,
+            logprobs=[p for c in chunks for p in c.logprobs],
+            prompt_logprobs=[p for c in chunks for p in c.prompt_logprobs],
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """A JSON-ready dict (``token_bytes`` as lists of ints, as OpenAI's ``bytes``)."""
+        return jsonable(dataclasses.asdict(self))
+
+
+def choices_from_chunks(chunks: list[GenerateChunk]) -> list[GenerateResult]:
+    """The chunks of one Generate stream (choices interleaved) joined per choice, by ``index``."""
+    by_index: dict[int, list[GenerateChunk]] = {}
+    for chunk in chunks:
+        by_index.setdefault(chunk.index, []).append(chunk)
+    return [GenerateResult.from_chunks(by_index[i]) for i in sorted(by_index)]
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with bytes turned into lists of ints (json.dumps takes the rest as is)."""
+    if isinstance(value, bytes):
+        return list(value)
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [jsonable(v) for v in value]
+    return value
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from protos import cache_pb2, cache_pb2_grpc, model_pb2, model_pb2_grpc
 
 from .channel import DEFAULT_RETRY, ClientSettings, RetryPolicy, open_channel
 from .errors import RadixKVError
-from .messages import ChatMessage, GenerateOptions, generate_request, tokenize_request
+from .messages import ChatMessage, GenerateOptions, generate_request, single_choice, tokenize_request
 from .results import (
     GenerateChunk,
     GenerateResult,
@@ -21,6 +21,7 @@ from .results import (
     ModelInfo,
     PoolStats,
     TokenizeResult,
+    choices_from_chunks,
     from_proto,
     pool_stats_list,
 )
@@ -80,8 +81,20 @@ class RadixKVClient:
     def generate(
         self, prompt: str | None = None, *, timeout: float | None = None, **options: Unpack[GenerateOptions]
     ) -> GenerateResult:
-        """Generates a completion and returns it whole (see ``GenerateOptions``)."""
+        """Generates a completion and returns it whole (see ``GenerateOptions``); one choice
+        (``n`` > 1 is ``generate_choices()``'s)."""
+        single_choice(options)
         return GenerateResult.from_chunks(list(self.stream(prompt, timeout=timeout, **options)))
+
+    def generate_choices(
+        self, prompt: str | None = None, *, n: int, timeout: float | None = None, **options: Unpack[GenerateOptions]
+    ) -> list[GenerateResult]:
+        """Generates ``n`` completions of one prompt in one request (the prompt computed once,
+        the choices forked from it) and returns them in ``index`` order, each with its own
+        ``finish_reason`` and ``usage``. With ``seed`` s, choice i is what ``generate()`` with
+        seed s + i gives."""
+        options["n"] = n
+        return choices_from_chunks(list(self.stream(prompt, timeout=timeout, **options)))
 
     def stream(
         self, prompt: str | None = None, *, timeout: float | None = None, **options: Unpack[GenerateOptions]

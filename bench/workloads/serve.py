@@ -15,11 +15,22 @@ both sides: the two see the same prompts in a turn, and every turn's prompts are
 prefix caches (no clearing needed; the client's ready-check request, which would warm the first
 prompt's prefix, is off). Then both servers stop.
 
+The client runs both as users call it: the warm-ups without `--model` (the client then takes the
+model from the server's /v1/models: its first entry's `id` names the requests' model and its `root`
+is the model id the client reports; `--tokenizer` stays the local weights folder), the measured
+turns with `--model` and `--served-model-name`.
+
 Per run: output tok/s, TTFT / TPOT / ITL p50 (vLLM's figures); per turn radixkv / vLLM ratios and
-their median. Checks (reported, never failing the workload): completed == asked, output tokens ==
-prompts x output length (greedy with ignore_eos: every request runs to its length), and the share
-of requests whose streamed events were one per token (vLLM's client times len(itls) ==
-output_len - 1 gaps when each token arrives in its own SSE event). Each run also records the CPU
+their median. Checks, every run, warm-ups included: completed == asked and output tokens ==
+prompts x output length (greedy with ignore_eos: every request runs to its length), on both sides;
+on radixkv's side also one streamed event per token for every request (vLLM's client appends an
+inter-token gap per SSE event with a choice after the first, so a request of output_len tokens
+must have exactly output_len - 1 gaps in its saved detailed result: more means an extra event,
+e.g. the finish reason sent apart from the last token; fewer, tokens merged into one event). A
+failed check fails the workload (`CheckFailed`, naming the run and requests), both dtypes'
+measurements lost with it: a comparison where our side did not do what was asked, or where the
+client timed several tokens as one, means nothing. vLLM's own share of one-event-per-token
+requests is recorded. Each run also records the CPU
 other processes used meanwhile (`foreign_cpu_cores`): on 2 shared cores OpenMP decode slows several-
 fold when another process takes a core, for either server, so a turn with a busy neighbour says
 little about the engines.
@@ -69,6 +80,10 @@ DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16"}
 SIDES = ("radixkv", "vllm")
 VLLM_START_TIMEOUT_S = 900.0
 CLIENT_TIMEOUT_S = 900.0
+
+
+class CheckFailed(RuntimeError):
+    """A run's output broke a check (token counts, one event per token): fails the workload."""
 
 
 def sizes(ctx: Context) -> Json:
@@ -245,13 +260,16 @@ def dataset_args(cfg: Json, dataset: str) -> list[str]:
             str(cfg["new_tokens"]), "--random-range-ratio", "0"]
 
 
-def client_run(ctx: Context, cfg: Json, target: Target, dataset: str, seed: int, prompts: int, label: str) -> Json:
-    """One `vllm bench serve` run; its result and the checks on it."""
+def client_run(ctx: Context, cfg: Json, target: Target, dataset: str, seed: int, prompts: int, label: str,
+               name_model: bool = True) -> Json:
+    """One `vllm bench serve` run (`name_model` False: without --model, the client asks the server's
+    /v1/models); its result, checked (CheckFailed)."""
     work = Path(tempfile.mkdtemp(prefix="radixkv-bench-serve-"))
     try:
         out = work / "result.json"
+        model_args = ["--model", target.model_id, "--served-model-name", target.model_id] if name_model else []
         argv = [str(peers.VLLM_PYTHON), str(CLIENT), str(out), "--backend", "openai", "--endpoint", "/v1/completions",
-                "--base-url", target.base_url, "--model", target.model_id, "--served-model-name", target.model_id,
+                "--base-url", target.base_url, *model_args,
                 "--tokenizer", str(peers.model_folder()), *dataset_args(cfg, dataset),
                 "--num-prompts", str(prompts), "--max-concurrency", str(cfg["concurrency"]), "--ignore-eos",
                 "--temperature", "0", "--seed", str(seed), "--ready-check-timeout-sec", "0", "--disable-tqdm",
@@ -273,24 +291,48 @@ def client_run(ctx: Context, cfg: Json, target: Target, dataset: str, seed: int,
             tail = "\n".join((work / "log.txt").read_text(errors="replace").splitlines()[-25:])
             raise RuntimeError(f"vLLM's bench client ({label}) exited with code {code}\n{tail}")
         load = ctx.monitor.phases.pop(phase, {})  # this run's own record, not a phase of the suite's
-        return {**summarize(json.loads(out.read_text()), prompts, cfg["new_tokens"]),
-                "foreign_cpu_cores": load.get("foreign_cpu_cores"), "load1_after": load.get("load1_after")}
+        result = {**summarize(json.loads(out.read_text()), prompts, cfg["new_tokens"]), "named_model": name_model,
+                  "foreign_cpu_cores": load.get("foreign_cpu_cores"), "load1_after": load.get("load1_after")}
+        check(result, target.side, label)
+        return result
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def check(result: Json, side: str, label: str) -> None:
+    """CheckFailed unless every request completed with the asked number of tokens (both sides) and,
+    on radixkv's side, each token arrived in an event of its own."""
+    problems = []
+    if result["completed"] != result["asked"]:
+        problems.append(f"completed {result['completed']} of {result['asked']} requests; errors: "
+                        f"{result['errors'][:2]}")
+    if result["output_tokens"] != result["expected_output_tokens"]:
+        problems.append(f"output tokens {result['output_tokens']}, asked {result['expected_output_tokens']} "
+                        f"(per request: {result['output_lens']})")
+    if side == "radixkv" and result["per_token_mismatches"]:
+        shown = ", ".join(f"request {i}: {n} tokens, {c} gaps" for i, n, c in result["per_token_mismatches"][:5])
+        problems.append(f"{len(result['per_token_mismatches'])} requests without one event per token "
+                        f"(gaps != tokens - 1): {shown}")
+    if problems:
+        raise CheckFailed(f"{label}: " + "; ".join(problems))
+
+
 def summarize(r: Json, asked: int, new_tokens: int) -> Json:
-    """The reported figures of one client result, and its checks."""
+    """The reported figures of one client result, and what the checks need."""
     lens, counts = r.get("output_lens") or [], r.get("itl_counts") or []
     per_token = [n > 0 and c == n - 1 for n, c in zip(lens, counts, strict=False)]
+    mismatches = [(i, n, c) for i, (n, c) in enumerate(zip(lens, counts, strict=False)) if not (n > 0 and c == n - 1)]
+    if len(lens) != len(counts):  # the client's lists must pair up; if not, nothing was checked
+        mismatches.append((-1, len(lens), len(counts)))
     return {"tok_s": num(r.get("output_throughput")), "ttft_p50_ms": num(r.get("median_ttft_ms")),
             "ttft_p99_ms": num(r.get("p99_ttft_ms")), "tpot_p50_ms": num(r.get("median_tpot_ms")),
             "itl_p50_ms": num(r.get("median_itl_ms")), "duration_s": num(r.get("duration")),
             "completed": r.get("completed"), "asked": asked, "output_tokens": r.get("total_output_tokens"),
             "expected_output_tokens": asked * new_tokens, "input_tokens": r.get("total_input_tokens"),
             "per_token_events_share": sum(per_token) / asked if asked else None,
+            "per_token_mismatches": mismatches, "output_lens": lens,
             "checks_ok": r.get("completed") == asked and r.get("total_output_tokens") == asked * new_tokens,
-            "errors": r.get("errors") or []}
+            "model_id": r.get("model_id"), "errors": r.get("errors") or []}
 
 
 # ---------------------------------------------------------------------- the workload
@@ -323,10 +365,13 @@ def _one_dtype(ctx: Context, cfg: Json, dtype: str, deadline: float) -> Json:
         entry["vllm_version"] = theirs.version()
         targets = {"radixkv": Target("radixkv", ours.base_url, model_id),
                    "vllm": Target("vllm", theirs.base_url, model_id)}
-        for dataset in DATASETS:  # warm-up: each dataset's shape once per side, other prompts
+        entry["warmups"] = {}
+        for dataset in DATASETS:  # warm-up: each dataset's shape once per side, other prompts, no --model
             for side in SIDES:
-                client_run(ctx, cfg, targets[side], dataset, WARMUP_SEED, cfg["concurrency"],
-                           f"serve {dtype} warm-up {dataset} {side}")
+                warm = client_run(ctx, cfg, targets[side], dataset, WARMUP_SEED, cfg["concurrency"],
+                                  f"serve {dtype} warm-up {dataset} {side} (no --model)", name_model=False)
+                entry["warmups"][f"{dataset} {side}"] = {k: warm[k] for k in ("model_id", "completed", "output_tokens",
+                                                                              "per_token_events_share")}
         for turn in repetitions(cfg["turns"], deadline):
             for dataset in DATASETS:
                 def side_run(side: str, dataset: str = dataset, turn: int = turn) -> None:
@@ -352,15 +397,17 @@ def run(ctx: Context, deadline: float) -> Json:
     info = machine_info(ctx.threads)
     detail: Json = {"config": {**cfg, "replica_threads": ctx.threads, "client": "vllm bench serve --backend openai "
                                "--endpoint /v1/completions (bench/vllm_bench_client.py)", "seeds": f"{SEED} + turn"},
-                    "machine": {"cpu_model": info["cpu_model"], "cpu_isa": info["cpu_isa"],
+                    "machine": {"cpu_model": info["cpu_label"], "cpu_isa": info["cpu_isa"],
                                 "logical_cores": info["logical_cores"]}, "dtypes": {}}
-    ctx.progress.write(f"serve: {info['cpu_model']} ({', '.join(info['cpu_isa']) or 'no AVX flags'})")
+    ctx.progress.write(f"serve: {info['cpu_label']} ({', '.join(info['cpu_isa']) or 'no AVX flags'})")
     ctx.extra_pids.clear()
     failures = 0
     for i, dtype in enumerate(cfg["dtypes"]):
         share = (deadline - time.perf_counter()) / (len(cfg["dtypes"]) - i)  # each dtype its part of what is left
         try:
             detail["dtypes"][dtype] = _one_dtype(ctx, cfg, dtype, time.perf_counter() + share)
+        except CheckFailed:
+            raise  # loudly: a run that did not do what was asked
         except Exception as error:  # recorded: the other dtype still runs
             failures += 1
             notes = "\n".join(getattr(error, "__notes__", []))
@@ -412,6 +459,9 @@ def report(d: Json) -> str:
             lines.append(f"{dtype}: FAILED {e.get('error', '').splitlines()[0] if e.get('error') else ''}")
             continue
         lines.append(f"\n{dtype}: vLLM {e.get('vllm_version')}; radixkv kernels: {e.get('kernels') or '?'}")
+        if e.get("warmups"):
+            lines.append("warm-ups without --model (model id the client took from /v1/models' root): " + ", ".join(
+                f"{k} {w['model_id']}" for k, w in e["warmups"].items()))
         rows = []
         for dataset in DATASETS:
             runs = e["runs"][dataset]
@@ -430,10 +480,8 @@ def report(d: Json) -> str:
             lines.append(f"{dataset}: radixkv / vLLM tok/s per turn {turns or '-'}; median {_f(v['tok_s']['median'], '.2f')}x"
                          f" (TTFT {_f(v['ttft_p50_ms']['median'], '.2f')}x, TPOT {_f(v['tpot_p50_ms']['median'], '.2f')}x,"
                          f" ITL {_f(v['itl_p50_ms']['median'], '.2f')}x; latencies: lower is better)")
-        bad = [f"{dataset} {side} t{i + 1}" for dataset in DATASETS for side in SIDES
-               for i, r in enumerate(e["runs"][dataset][side]) if not r["checks_ok"]]
-        if bad:
-            lines.append("CHECK FAILED (completed != asked or output tokens != prompts x length): " + ", ".join(bad))
+        lines.append("checks passed in every run (a failed one fails the workload): completed == asked, output "
+                     "tokens == asked, radixkv one event per token")
     return "\n".join(lines)
 
 

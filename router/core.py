@@ -345,7 +345,8 @@ class RouterCore:
                         code = self._failed_before_first_message(addr, error, failures)
                         continue
                     self.metrics.first_message_seconds.observe(self._clock() - arrival)
-                    async for forwarded in self._forward(addr, client_id, message, stream):
+                    async for forwarded in self._forward(addr, client_id, message, stream,
+                                                         max(request.sampling.n, 1)):
                         yield forwarded
                     outcome = errors.OK
                     return
@@ -362,8 +363,10 @@ class RouterCore:
                         replica.inflight -= 1
                     self.metrics.requests.labels(addr, outcome).inc()
             if entry.aborted:  # aborted before a replica had it: it ends here, as the replica's would
-                yield model_pb2.GenerateResponse(request_id=client_id, finish_reason=model_pb2.FINISH_REASON_ABORT,
-                                                 usage=model_pb2.Usage(prompt_tokens=len(token_ids or ())))
+                for index in range(max(request.sampling.n, 1)):  # every choice's last message
+                    yield model_pb2.GenerateResponse(
+                        request_id=client_id, finish_reason=model_pb2.FINISH_REASON_ABORT, index=index,
+                        usage=model_pb2.Usage(prompt_tokens=len(token_ids or ())))
                 return
             raise RouterError(code, f"no replica could take the request ({len(plan.addrs)} tried): "
                               + "; ".join(failures))
@@ -372,18 +375,23 @@ class RouterCore:
                 del self._inflight[slot]
 
     async def _forward(self, addr: str, client_id: str, first: model_pb2.GenerateResponse,
-                       stream: AsyncIterator[model_pb2.GenerateResponse]) -> AsyncIterator[model_pb2.GenerateResponse]:
+                       stream: AsyncIterator[model_pb2.GenerateResponse],
+                       choices: int = 1) -> AsyncIterator[model_pb2.GenerateResponse]:
         """The replica's messages from `first` on, under the client's request id, Usage.served_by
-        filled in; a failure after output was streamed becomes UNAVAILABLE (DEADLINE_EXCEEDED
+        filled in, until each of the request's `choices` (SamplingParams.n) sent its last
+        message; a failure after output was streamed becomes UNAVAILABLE (DEADLINE_EXCEEDED
         stays itself)."""
         message: model_pb2.GenerateResponse | None = first
         sent_tokens = 0
         finished = False
+        unfinished = set(range(choices))
         while message is not None:
             message.request_id = client_id
             if message.HasField("usage") and not message.usage.served_by:
                 message.usage.served_by = addr
-            finished = message.finish_reason != model_pb2.FINISH_REASON_UNSPECIFIED
+            if message.finish_reason != model_pb2.FINISH_REASON_UNSPECIFIED:
+                unfinished.discard(message.index)
+            finished = not unfinished
             sent_tokens += len(message.token_ids)
             received = self._clock()
             yield message

@@ -8,7 +8,8 @@ nor validates to a no-op is listed, sorted, in the response header, on streamed 
 That covers misspellings (``temprature``), fields of other servers (``guided_decoding_backend``,
 ``chat_template_kwargs``), OpenAI fields without effect here (``user``), keys of
 chat messages and content parts other than role / content / type / text
-(``messages[].name``), of ``stream_options`` other than include_usage, and, in chat,
+(``messages[].name``), of ``stream_options`` other than include_usage and
+continuous_usage_stats, and, in chat,
 ``max_tokens`` when ``max_completion_tokens`` is given (it wins). A null value asks for the
 default, which is what happens: never listed.
 
@@ -33,11 +34,11 @@ MAX_LISTED = 32
 MAX_NAME_BYTES = 64
 
 # Fields each endpoint acts on: mapped to the request, or validated (a value other than the
-# no-op one is a 400: n, best_of, echo, logprobs, suffix, tools, ...).
+# no-op one is a 400: suffix, functions ...).
 _COMMON = frozenset({
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
     "stop_token_ids", "ignore_eos", "cache_salt", "n", "presence_penalty", "frequency_penalty", "logit_bias",
-    "repetition_penalty", "min_tokens", "min_p",
+    "repetition_penalty", "min_tokens", "min_p", "prompt_logprobs",
     # output formats (router/structured_formats.py)
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 })
@@ -46,7 +47,7 @@ CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_l
                          "tool_choice", "function_call"}
 MESSAGE_FIELDS = frozenset({"role", "content"})
 PART_FIELDS = frozenset({"type", "text"})
-STREAM_OPTION_FIELDS = frozenset({"include_usage"})
+STREAM_OPTION_FIELDS = frozenset({"include_usage", "continuous_usage_stats"})
 
 _PLAIN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 

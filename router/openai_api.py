@@ -6,18 +6,34 @@ The translation is pure (router/openai_protocol.py: request JSON -> GenerateRequ
 GenerateResponse messages -> OpenAI JSON), and the handlers call the same RouterCore methods
 the gRPC servicer does.
 
-Parameters: max_tokens (chat: max_completion_tokens first), temperature, top_p, seed, stop (a
-string or a list), presence_penalty and frequency_penalty ([-2, 2]), logit_bias (token id
-strings -> [-100, 100]), n / best_of = 1 only; the extensions vLLM also takes: top_k,
-ignore_eos, stop_token_ids, repetition_penalty (> 0), min_tokens (<= max_tokens), min_p
-([0, 1]), and ``cache_salt`` (the request's cache namespace: prefixes are never shared across
-salts). Each is checked here (a 400 naming it) and passed to the replica in SamplingParams.
+Bodies are parsed with pydantic models (router/openai_models.py: strict types and ranges);
+the translation (router/openai_protocol.py) adds what types cannot say. Parameters:
+max_tokens (chat: max_completion_tokens first), temperature, top_p, seed, stop (a string or a
+list), presence_penalty and frequency_penalty ([-2, 2]), logit_bias (token id strings ->
+[-100, 100]), n (1-64 choices, forked from one prefill by the replica; seeded choice i samples
+with seed + i), completions' best_of (n-64, not with stream: best_of choices ranked by
+cumulative log probability, the n best returned), echo (the prompt's text before each
+choice's; with logprobs its tokens first, the first scoring nothing; max_tokens 0 with echo
+returns the prompt alone: one token is generated and dropped); the extensions vLLM also
+takes: top_k, ignore_eos, stop_token_ids, repetition_penalty (> 0), min_tokens (<=
+max_tokens), min_p ([0, 1]), prompt_logprobs (0-20, not with stream; vLLM's format: per choice
+in completions, on the response in chat) and ``cache_salt`` (the request's cache namespace:
+prefixes are never shared across salts). Each is checked here (a 400 naming it) and passed to
+the replica in SamplingParams.
+Completions take a prompt as a string, a list of strings, a list of token ids or a list of
+token-id lists (at most 1024 prompts): one Generate per prompt, all at once (request ids
+``ID-0``, ``ID-1`` ... when several), choices numbered prompt-major (prompt * n + choice, as
+vLLM); streams interleave their chunks, each with its index. Usage counts each prompt once and
+every choice's completion tokens (best_of's too); cached_tokens is each prompt's first
+choice's. ``stream_options``: include_usage (a last chunk with the usage), and vLLM's
+continuous_usage_stats (with include_usage: every chunk carries the usage so far of its
+choice; the prompt's length is asked of Tokenize first).
 Output formats (``response_format`` json_object / json_schema, vLLM's ``structured_outputs`` and
 ``guided_*``: router/structured_formats.py) and chat ``tools`` / ``tool_choice``
 (router/tool_calls.py; calls come back as ``tool_calls``) are enforced by the replica
 (docs/structured-outputs.md). Log probabilities: completions ``logprobs: k``, chat ``logprobs:
-true`` with ``top_logprobs: k`` (k <= 20), in streams too. Unsupported features (echo and
-prompt logprobs, n > 1, non-text content, several prompts) are a 400.
+true`` with ``top_logprobs: k`` (k <= 20), in streams too. ``suffix`` and non-text content are
+a 400.
 Any other field (a misspelling, another server's
 extension, OpenAI's ``user``) is accepted as vLLM accepts it, but never silently: the response
 lists it in ``X-Ignored-Fields`` and the router logs a warning (router/ignored_fields.py).
@@ -40,8 +56,8 @@ details included, is open.
 
 Streams send one chunk per replica message that carries tokens (vLLM's one event per token
 step), with the text complete so far ("" while a multi-byte character is incomplete); the
-finish reason rides on the last token's chunk; with ``stream_options.include_usage`` a last
-chunk holds the usage and no choices.
+finish reason rides on each choice's last token's chunk; chat streams open with one role chunk
+per choice; with ``stream_options.include_usage`` a last chunk holds the usage and no choices.
 
 /tokenize takes vLLM's ``{"model"?, "prompt" | "messages", "add_special_tokens"?,
 "add_generation_prompt"?, "return_token_strs"?}`` and answers ``{"count", "max_model_len",
@@ -55,12 +71,13 @@ a stream has started, an error arrives as one ``data: {"error": ...}`` event bef
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -82,7 +99,9 @@ from router.http_body import (
 )
 from router.ignored_fields import HEADER as IGNORED_HEADER
 from router.ignored_fields import IgnoredFieldsLog, header_value, ignored_fields
+from router.openai_fanout import close_all, merged, opened
 from router.openai_protocol import (  # re-exported: the door's translation, tested on its own
+    DoorRequest,
     OpenAIError,
     chat_request,
     completion_request,
@@ -93,7 +112,6 @@ from router.openai_protocol import (  # re-exported: the door's translation, tes
     short_repr,
     tokenize_json,
     tokenize_request,
-    tool_plan,
 )
 from router.openai_reply import Reply, sse
 
@@ -202,6 +220,32 @@ def build_app(core: RouterCore, tokens: TokenStore | None = None, *,
         except ClientDisconnect:  # the client left mid-body: nobody reads this answer
             raise invalid("the client closed the connection before the whole body arrived") from None
 
+    async def prompt_texts(door: DoorRequest) -> list[str]:
+        """Echo: each prompt's text (a token-id prompt's through the replica's Detokenize)."""
+        deadline = time.monotonic() + core.config.call_timeout_s
+
+        async def text(request: model_pb2.GenerateRequest) -> str:
+            if request.WhichOneof("input") == "prompt":
+                return request.prompt
+            answer = await core.detokenize(model_pb2.DetokenizeRequest(token_ids=request.token_ids.ids), deadline)
+            return answer.text
+
+        return list(await asyncio.gather(*(text(r) for r in door.generate)))
+
+    async def prompt_lengths(door: DoorRequest) -> list[int]:
+        """Continuous usage: each prompt's tokens before the first answer (Usage comes at the end)."""
+        deadline = time.monotonic() + core.config.call_timeout_s
+
+        async def length(request: model_pb2.GenerateRequest) -> int:
+            kind = request.WhichOneof("input")
+            if kind == "token_ids":
+                return len(request.token_ids.ids)
+            tokenize_ = model_pb2.TokenizeRequest(text=request.prompt) if kind == "prompt" else \
+                model_pb2.TokenizeRequest(chat=request.chat)
+            return len((await core.tokenize(tokenize_, deadline)).token_ids)
+
+        return list(await asyncio.gather(*(length(r) for r in door.generate)))
+
     async def generate(request: Request, chat: bool) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         headers = {"x-request-id": request_id}
@@ -211,37 +255,44 @@ def build_app(core: RouterCore, tokens: TokenStore | None = None, *,
             if ignored:  # on every answer from here on, errors and streams included
                 headers[IGNORED_HEADER] = header_value(ignored)
                 ignored_log.warn(request.url.path, ignored)
-            generate_request, stream, include_usage = (chat_request if chat else completion_request)(body)
+            door = (chat_request if chat else completion_request)(body)
             model = requested_model(body)
             if not model:
                 raise invalid("'model' is required", "model")
             await checked_model(model)
-            generate_request.request_id = request_id
-            reply = Reply(chat, model, request_id, tools=tool_plan(body) if chat else None,
-                          logprobs=generate_request.sampling.HasField("logprobs"))
-            messages = core.generate(generate_request, principal=request.state.principal)
+            for i, generate_request in enumerate(door.generate):  # several prompts: ID-0, ID-1 ...
+                generate_request.request_id = request_id if len(door.generate) == 1 else f"{request_id}-{i}"
+            reply = Reply(chat, model, request_id, tools=door.tools, logprobs=door.logprobs,
+                          top_logprobs=door.top_logprobs, prompts=len(door.generate), n=door.n, choices=door.choices,
+                          echo=door.echo, echo_only=door.echo_only, prompt_logprobs=door.prompt_logprobs,
+                          continuous_usage=door.continuous_usage,
+                          prompt_texts=await prompt_texts(door) if door.echo else [],
+                          prompt_tokens=await prompt_lengths(door) if door.continuous_usage else [])
+            streams = [core.generate(r, principal=request.state.principal) for r in door.generate]
             try:
-                first = await anext(messages)  # routing, retries: errors here are HTTP statuses
+                firsts = await opened(streams)  # routing, retries: errors here are HTTP statuses
             except StopAsyncIteration:
                 raise OpenAIError(502, "the replica's stream ended without a message") from None
-            except RouterError as e:
-                raise OpenAIError.from_router(e) from None
+        except RouterError as e:
+            return _error_response(OpenAIError.from_router(e), headers)
         except OpenAIError as e:
             return _error_response(e, headers)
-        if stream:
-            return StreamingResponse(_stream(reply, first, messages, include_usage), media_type="text/event-stream",
-                                     headers={**headers, "cache-control": "no-cache"})
+        if door.stream:
+            return StreamingResponse(_stream(reply, merged(firsts, streams), door.include_usage),
+                                     media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
+        messages = merged(firsts, streams)
         try:
-            reply.add(first)
-            async for message in messages:
-                reply.add(message)
+            async for prompt, message in messages:
+                reply.add(message, prompt)
         except RouterError as e:
             return _error_response(OpenAIError.from_router(e), headers)
         finally:
             await messages.aclose()
-        if reply.usage is not None and reply.usage.served_by:
-            headers["x-radixkv-served-by"] = reply.usage.served_by
-        return JSONResponse(reply.response(), headers=headers)
+            await close_all(streams)
+        answer = reply.response()
+        if reply.served_by():
+            headers["x-radixkv-served-by"] = reply.served_by()
+        return JSONResponse(answer, headers=headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -328,24 +379,23 @@ def _metric_path(path: str) -> str:
     return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 
-async def _stream(reply: Reply, first: model_pb2.GenerateResponse,
-                  messages: AsyncIterator[model_pb2.GenerateResponse], include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(reply: Reply, messages: AsyncGenerator[tuple[int, model_pb2.GenerateResponse], None],
+                  include_usage: bool) -> AsyncIterator[bytes]:
     try:
-        opening = reply.first_chunk()
-        if opening is not None:
-            yield sse(opening)
-        for chunk in reply.add(first):
+        for chunk in reply.first_chunks():
             yield sse(chunk)
         try:
-            async for message in messages:
-                for chunk in reply.add(message):
+            async for prompt, message in messages:
+                for chunk in reply.add(message, prompt):
                     yield sse(chunk)
         except RouterError as e:
             yield sse(OpenAIError.from_router(e).body())
         else:
+            for chunk in reply.flush():
+                yield sse(chunk)
             if include_usage:
                 yield sse(reply.usage_chunk())
         yield sse("[DONE]")
     finally:
         with contextlib.suppress(Exception):
-            await messages.aclose()  # a client gone mid-stream: the replica stops generating
+            await messages.aclose()  # a client gone mid-stream: every replica stops generating

@@ -6,21 +6,26 @@ OpenAIError (a 400 naming the parameter), never a 500."""
 from __future__ import annotations
 
 import functools
-import math
 import reprlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from protos import model_pb2
 from router import errors
 from router.errors import RouterError
+from router.openai_models import (
+    BodyValueError,
+    ChatBody,
+    CompletionBody,
+    DetokenizeBody,
+    TokenizeBody,
+    parse,
+)
 from router.structured_formats import FormatError, structured_output
 from router.tool_calls import ToolPlan, plan_tools, template_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-MAX_LOGPROBS = 20  # alternatives per token (vLLM's default cap; OpenAI's is 20 for chat)
-INT32_MAX = 2**31 - 1
-_FLOAT_MAX = 3.4028234663852886e38  # the largest float32 (SamplingParams' floats)
 
 _HTTP_STATUS = {
     errors.INVALID_ARGUMENT: 400,
@@ -77,112 +82,52 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 # ---------------------------------------------------------------------- request translation
 
 
-def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str) -> Any:
-    """body[name] when present and not null; a 400 naming the parameter when of the wrong type."""
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) and bool not in kinds:  # bool is an int in Python
-        raise invalid(f"'{name}' must be {what}, got {_short.repr(value)}", name)
-    if not isinstance(value, kinds):
-        raise invalid(f"'{name}' must be {what}, got {_short.repr(value)}", name)
-    if isinstance(value, float) and not math.isfinite(value):  # 1e400 parses as inf
-        raise invalid(f"'{name}' must be a finite number, got {value!r}", name)
-    return value
+MAX_PROMPTS = 1024  # prompts in one completions request (each is a Generate of its own)
 
 
-def _int32(body: dict[str, Any], name: str) -> int | None:
-    """An integer field of a protobuf int32: a 400 naming it when out of range (not a 500)."""
-    value = _get(body, name, (int,), "an integer")
-    if value is not None and not -INT32_MAX - 1 <= value <= INT32_MAX:
-        raise invalid(f"'{name}' must be at most {INT32_MAX} in magnitude, got {_short.repr(value)}", name)
-    return value
+@dataclass(slots=True)
+class DoorRequest:
+    """A parsed OpenAI request: the Generate calls to make (one per prompt, run at once) and how
+    to answer them (router/openai_reply.py)."""
+
+    generate: list[model_pb2.GenerateRequest]
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
+    n: int = 1  # choices returned per prompt
+    choices: int = 1  # choices each Generate asks for (best_of, else n)
+    echo: bool = False
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone
+    logprobs: bool = False  # the client asked for log probabilities of the output
+    top_logprobs: int = 0  # the alternatives asked for per token
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs, as asked
+    tools: ToolPlan | None = None  # chat
 
 
-def _reject(body: dict[str, Any], name: str, allowed: tuple[Any, ...] = (None,)) -> None:
-    """A 400 when the unsupported parameter `name` has a value other than `allowed` (its no-ops)."""
-    if body.get(name) not in allowed:
-        raise invalid(f"'{name}' is not supported by this server", name, "unsupported_parameter")
+def _parse(model: type[_B], body: dict[str, Any]) -> _B:
+    try:
+        return parse(model, body, short_repr)
+    except BodyValueError as e:
+        raise invalid(str(e), e.param) from None
 
 
-def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...], default_max_tokens: int | None
-              ) -> model_pb2.SamplingParams:
-    sampling = model_pb2.SamplingParams()
-    for name in max_tokens_names:
-        value = _int32(body, name)
-        if value is not None:
-            sampling.max_tokens = value
-            break
-    else:
-        if default_max_tokens is not None:
-            sampling.max_tokens = default_max_tokens
-    temperature = _get(body, "temperature", (int, float), "a number")
-    if temperature is not None:
-        sampling.temperature = temperature
-    top_p = _get(body, "top_p", (int, float), "a number")
-    if top_p is not None:
-        sampling.top_p = top_p
-    top_k = _int32(body, "top_k")
-    if top_k is not None:
-        if top_k == -1:  # vLLM's "disabled"
-            top_k = 0
-        sampling.top_k = top_k
-    seed = _get(body, "seed", (int,), "an integer")
-    if seed is not None:
-        if not 0 <= seed < 2**64:
-            raise invalid(f"'seed' must be in [0, 2**64), got {_short.repr(seed)}", "seed")
-        sampling.seed = seed
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise invalid(f"'stop' must be a string or a list of strings, got {_short.repr(stop)}", "stop")
-    sampling.stop.extend(stop or [])
-    stop_token_ids = body.get("stop_token_ids")
-    if stop_token_ids is not None:
-        if not (isinstance(stop_token_ids, list) and all(_is_token(t) for t in stop_token_ids)):
-            raise invalid("'stop_token_ids' must be a list of token ids", "stop_token_ids")
-        sampling.stop_token_ids.extend(stop_token_ids)
-    ignore_eos = _get(body, "ignore_eos", (bool,), "a boolean")
-    sampling.ignore_eos = bool(ignore_eos)
-    _penalties(body, sampling)
-    return sampling
-
-
-def _in_range(body: dict[str, Any], name: str, low: float, high: float, what: str) -> float | None:
-    """A number field within [low, high] (a 400 naming it otherwise)."""
-    value = _get(body, name, (int, float), "a number")
-    if value is not None and not low <= value <= high:
-        raise invalid(f"'{name}' must be {what}, got {_short.repr(value)}", name)
-    return value
-
-
-def _penalties(body: dict[str, Any], sampling: model_pb2.SamplingParams) -> None:
-    """OpenAI's penalties and logit_bias, vLLM's repetition_penalty, min_tokens and min_p: checked
-    against the ranges of SamplingParams (protos/model.proto), mapped as they are."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = _in_range(body, name, -2.0, 2.0, "in [-2, 2]")
+def _sampling(body: CompletionBody | ChatBody, max_tokens: int | None) -> model_pb2.SamplingParams:
+    """The sampling fields both endpoints map as they are (types and ranges: router/openai_models.py)."""
+    sampling = model_pb2.SamplingParams(top_k=0 if body.top_k in (None, -1) else body.top_k,  # -1: vLLM's "off"
+                                        stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
+                                        ignore_eos=bool(body.ignore_eos))
+    if max_tokens is not None:
+        sampling.max_tokens = max_tokens
+    for name in ("temperature", "top_p", "seed", "repetition_penalty"):
+        value = getattr(body, name)
         if value is not None:
             setattr(sampling, name, value)
-    repetition = _get(body, "repetition_penalty", (int, float), "a number")
-    if repetition is not None:
-        if not 0 < repetition <= _FLOAT_MAX:
-            raise invalid(f"'repetition_penalty' must be > 0, got {_short.repr(repetition)}", "repetition_penalty")
-        sampling.repetition_penalty = repetition
-    min_p = _in_range(body, "min_p", 0.0, 1.0, "in [0, 1]")
-    if min_p is not None:
-        sampling.min_p = min_p
-    min_tokens = _int32(body, "min_tokens")
-    if min_tokens is not None:
-        if min_tokens < 0:
-            raise invalid(f"'min_tokens' must be >= 0, got {min_tokens}", "min_tokens")
-        if sampling.HasField("max_tokens") and min_tokens > sampling.max_tokens:
-            raise invalid(f"'min_tokens' ({min_tokens}) must be at most max_tokens ({sampling.max_tokens})",
-                          "min_tokens")
-        sampling.min_tokens = min_tokens
-    bias = _get(body, "logit_bias", (dict,), "an object mapping token ids to numbers")
-    for key, value in (bias or {}).items():
-        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10 else -1
+    for name in ("presence_penalty", "frequency_penalty", "min_p", "min_tokens"):
+        setattr(sampling, name, getattr(body, name) or 0)
+    if body.min_tokens and max_tokens is not None and body.min_tokens > max_tokens:
+        raise invalid(f"'min_tokens' ({body.min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
+    for key, value in (body.logit_bias or {}).items():
+        token = int(key) if key.isascii() and key.isdigit() and len(key) <= 10 else -1
         if not 0 <= token < 2**32:
             raise invalid(f"'logit_bias' keys must be token ids (decimal strings), got {_short.repr(key)}",
                           "logit_bias")
@@ -190,27 +135,46 @@ def _penalties(body: dict[str, Any], sampling: model_pb2.SamplingParams) -> None
             raise invalid(f"'logit_bias' values must be numbers in [-100, 100], got {_short.repr(value)} "
                           f"for token {token}", "logit_bias")
         sampling.logit_bias[token] = value
+    if body.n is not None and body.n > 1:
+        sampling.n = body.n
+    if body.prompt_logprobs is not None:
+        if body.stream:  # as vLLM: the whole prompt's are on the first message, not a stream's thing
+            raise invalid("'prompt_logprobs' is not available with 'stream': true", "prompt_logprobs")
+        sampling.prompt_logprobs = body.prompt_logprobs
+    return sampling
+
+
+def _stream_flags(body: CompletionBody | ChatBody) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage)."""
+    options = body.stream_options
+    if options is not None and not body.stream:
+        raise invalid("'stream_options' is only allowed with 'stream': true", "stream_options")
+    include_usage = bool(options and options.include_usage)
+    return bool(body.stream), include_usage, include_usage and bool(options and options.continuous_usage_stats)
 
 
 def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**32
 
 
-def _common(body: dict[str, Any]) -> tuple[str, bool, bool]:
-    """Checks shared by both endpoints; returns (namespace, stream, include_usage)."""
-    n = _get(body, "n", (int,), "an integer")
-    if n not in (None, 1):
-        raise invalid("only n=1 is supported", "n", "unsupported_parameter")
-    namespace = _get(body, "cache_salt", (str,), "a string") or ""
-    stream = bool(_get(body, "stream", (bool,), "a boolean"))
-    options = _get(body, "stream_options", (dict,), "an object") or {}
-    include_usage = bool(options.get("include_usage"))
-    if options and not stream:
-        raise invalid("'stream_options' is only allowed with 'stream': true", "stream_options")
-    return namespace, stream, include_usage
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """`prompt`: a string, a list of strings, a list of token ids or a list of token-id lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(_is_token(t) for t in prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt) or \
+                all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
+            if len(prompt) > MAX_PROMPTS:
+                raise invalid(f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request", "prompt")
+            return prompt
+    raise invalid("'prompt' must be a string, a list of strings, a non-empty list of token ids or a list of "
+                  f"them, got {_short.repr(prompt)}", "prompt")
 
 
 _T = TypeVar("_T")
+_B = TypeVar("_B", CompletionBody, ChatBody)
 
 
 def _valid_unicode(translate: Callable[[dict[str, Any]], _T]) -> Callable[[dict[str, Any]], _T]:
@@ -229,34 +193,49 @@ def _valid_unicode(translate: Callable[[dict[str, Any]], _T]) -> Callable[[dict[
 
 
 @_valid_unicode
-def completion_request(body: dict[str, Any]) -> tuple[model_pb2.GenerateRequest, bool, bool]:
-    """POST /v1/completions body -> (GenerateRequest, stream, include_usage). Raises OpenAIError."""
-    namespace, stream, include_usage = _common(body)
-    best_of = _get(body, "best_of", (int,), "an integer")
-    if best_of not in (None, 1):
-        raise invalid("only best_of=1 is supported", "best_of", "unsupported_parameter")
-    _reject(body, "echo", (None, False))
-    logprobs = _int32(body, "logprobs")
-    _reject(body, "suffix", (None, ""))
-    request = model_pb2.GenerateRequest(namespace=namespace,
-                                        sampling=_sampling(body, ("max_tokens",), COMPLETIONS_DEFAULT_MAX_TOKENS))
+def completion_request(body: dict[str, Any]) -> DoorRequest:
+    """POST /v1/completions body -> DoorRequest (one Generate per prompt). Raises OpenAIError."""
+    parsed = _parse(CompletionBody, body)
+    stream, include_usage, continuous_usage = _stream_flags(parsed)
+    n = parsed.n or 1
+    choices = parsed.best_of or n
+    if choices < n:
+        raise invalid(f"'best_of' ({choices}) must be at least n ({n})", "best_of")
+    if stream and choices > n:  # as vLLM: the best are known only at the end
+        raise invalid("'best_of' can't be used with 'stream': true", "best_of")
+    if parsed.suffix:
+        raise invalid("'suffix' is not supported by this server", "suffix", "unsupported_parameter")
+    echo = bool(parsed.echo)
+    max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if parsed.max_tokens is None else parsed.max_tokens
+    echo_only = echo and max_tokens == 0
+    if max_tokens <= 0 and not echo_only:
+        raise invalid(f"'max_tokens' must be at least 1 (0 only with 'echo'), got {max_tokens}", "max_tokens")
+    sampling = _sampling(parsed, max_tokens)
+    if echo_only:  # as vLLM: one token runs the prompt through the model, then is dropped
+        sampling.max_tokens, sampling.min_tokens = 1, 0
+    if choices > 1:
+        sampling.n = choices
+    if parsed.logprobs is not None:
+        sampling.logprobs = parsed.logprobs
+    elif choices > n:
+        sampling.logprobs = 0  # best_of ranks choices by the chosen tokens' log probabilities
+    if echo and parsed.logprobs is not None:  # the echoed prompt's tokens come with theirs
+        sampling.prompt_logprobs = max(parsed.logprobs, parsed.prompt_logprobs or 0)
     output_format = _format(body)
     if output_format is not None:
-        request.sampling.structured_output.CopyFrom(output_format)
-    if logprobs is not None:
-        request.sampling.logprobs = _logprobs_k(logprobs, "logprobs")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one prompt
-    if isinstance(prompt, str):
-        request.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
-        request.token_ids.ids.extend(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
-        raise invalid("only one prompt per request is supported", "prompt", "unsupported_parameter")
-    else:
-        raise invalid("'prompt' must be a string or a list of token ids", "prompt")
-    return request, stream, include_usage
+        sampling.structured_output.CopyFrom(output_format)
+    namespace = parsed.cache_salt or ""
+    generate = []
+    for prompt in _prompts(parsed.prompt):
+        request = model_pb2.GenerateRequest(namespace=namespace, sampling=sampling)
+        if isinstance(prompt, str):
+            request.prompt = prompt
+        else:
+            request.token_ids.ids.extend(prompt)
+        generate.append(request)
+    return DoorRequest(generate, stream, include_usage, continuous_usage, n=n, choices=choices, echo=echo,
+                       echo_only=echo_only, logprobs=parsed.logprobs is not None, top_logprobs=parsed.logprobs or 0,
+                       prompt_logprobs=parsed.prompt_logprobs)
 
 
 def _content(message: dict[str, Any], index: int) -> str:
@@ -276,47 +255,42 @@ def _content(message: dict[str, Any], index: int) -> str:
     raise invalid("'content' must be a string or a list of text parts", f"messages[{index}].content")
 
 
-def _chat_messages(body: dict[str, Any]) -> model_pb2.ChatMessages:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
+def _chat_messages(messages: list[dict[str, Any]] | None) -> model_pb2.ChatMessages:
+    if not messages:
         raise invalid("'messages' must be a non-empty list", "messages")
     chat = model_pb2.ChatMessages()
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        if not isinstance(message.get("role"), str):
             raise invalid(f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
         chat.messages.add(role=message["role"], content=_content(message, i))
     return chat
 
 
 @_valid_unicode
-def chat_request(body: dict[str, Any]) -> tuple[model_pb2.GenerateRequest, bool, bool]:
-    """POST /v1/chat/completions body -> (GenerateRequest, stream, include_usage). Raises OpenAIError."""
-    namespace, stream, include_usage = _common(body)
-    logprobs = _get(body, "logprobs", (bool,), "a boolean")
-    top_logprobs = _int32(body, "top_logprobs")
-    if top_logprobs is not None and not logprobs:
+def chat_request(body: dict[str, Any]) -> DoorRequest:
+    """POST /v1/chat/completions body -> DoorRequest (one Generate). Raises OpenAIError."""
+    parsed = _parse(ChatBody, body)
+    stream, include_usage, continuous_usage = _stream_flags(parsed)
+    if parsed.top_logprobs is not None and not parsed.logprobs:
         raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     plan = tool_plan(body)
     output_format = _format(body)
     if plan.constraint is not None and output_format is not None:
         raise invalid("a 'tool_choice' that calls a tool and an output format can't both constrain the output",
                       "tool_choice")
-    request = model_pb2.GenerateRequest(
-        chat=_chat_messages(body), namespace=namespace, sampling=_sampling(body, ("max_completion_tokens", "max_tokens"), None))
-    if logprobs:
-        request.sampling.logprobs = _logprobs_k(top_logprobs or 0, "top_logprobs")
+    max_tokens = parsed.max_completion_tokens if parsed.max_completion_tokens is not None else parsed.max_tokens
+    request = model_pb2.GenerateRequest(chat=_chat_messages(parsed.messages), namespace=parsed.cache_salt or "",
+                                        sampling=_sampling(parsed, max_tokens))
+    if parsed.logprobs:
+        request.sampling.logprobs = parsed.top_logprobs or 0
     if plan.mode != "none":
         request.chat.tools_json = template_tools(body)
     constraint = plan.constraint or output_format
     if constraint is not None:
         request.sampling.structured_output.CopyFrom(constraint)
-    return request, stream, include_usage
-
-
-def _logprobs_k(k: int, name: str) -> int:
-    if not 0 <= k <= MAX_LOGPROBS:
-        raise invalid(f"'{name}' must be in [0, {MAX_LOGPROBS}], got {k}", name)
-    return k
+    return DoorRequest([request], stream, include_usage, continuous_usage, n=parsed.n or 1, choices=parsed.n or 1,
+                       logprobs=bool(parsed.logprobs), top_logprobs=parsed.top_logprobs or 0,
+                       prompt_logprobs=parsed.prompt_logprobs, tools=plan)
 
 
 def tool_plan(body: dict[str, Any]) -> ToolPlan:
@@ -347,13 +321,15 @@ def model_card(info: model_pb2.ModelInfoResponse, created: int) -> dict[str, Any
 
 def requested_model(body: dict[str, Any]) -> str | None:
     """The body's ``model`` (a 400 when not a string)."""
-    return _get(body, "model", (str,), "a string")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise invalid(f"'model' must be a string, got {_short.repr(model)}", "model")
+    return model
 
 
-def _flag(body: dict[str, Any], name: str, default: bool, honoured: bool, why: str) -> bool:
+def _flag(value: bool | None, name: str, default: bool, honoured: bool, why: str) -> bool:
     """A boolean option of /tokenize: a 400 when the value asks for what the replica's Tokenize
     cannot do (never silently ignored)."""
-    value = _get(body, name, (bool,), "a boolean")
     value = default if value is None else value
     if value != honoured:
         raise invalid(f"'{name}': {value} is not supported here ({why})", name, "unsupported_parameter")
@@ -366,18 +342,20 @@ def tokenize_request(body: dict[str, Any]) -> tuple[model_pb2.TokenizeRequest, b
     return_token_strs). Tokenize adds the tokenizer's special tokens to a prompt and renders
     messages with the chat template and its generation prompt (vLLM's defaults for each), so
     other values of add_special_tokens / add_generation_prompt are a 400."""
-    return_strs = bool(_get(body, "return_token_strs", (bool,), "a boolean"))
-    if "messages" in body and body["messages"] is not None:
-        if body.get("prompt") is not None:
+    parsed = _parse(TokenizeBody, body)
+    return_strs = bool(parsed.return_token_strs)
+    if parsed.messages is not None:
+        if parsed.prompt is not None:
             raise invalid("give either 'prompt' or 'messages', not both", "prompt")
-        _flag(body, "add_special_tokens", False, False, "the chat template places the special tokens")
-        _flag(body, "add_generation_prompt", True, True, "messages are rendered as chat requests are")
-        return model_pb2.TokenizeRequest(chat=_chat_messages(body)), return_strs
-    _flag(body, "add_special_tokens", True, True, "prompts are tokenized as completions are")
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str) or not prompt:
+        _flag(parsed.add_special_tokens, "add_special_tokens", False, False,
+              "the chat template places the special tokens")
+        _flag(parsed.add_generation_prompt, "add_generation_prompt", True, True,
+              "messages are rendered as chat requests are")
+        return model_pb2.TokenizeRequest(chat=_chat_messages(parsed.messages)), return_strs
+    _flag(parsed.add_special_tokens, "add_special_tokens", True, True, "prompts are tokenized as completions are")
+    if not parsed.prompt:
         raise invalid("'prompt' must be a non-empty string (or give 'messages')", "prompt")
-    return model_pb2.TokenizeRequest(text=prompt), return_strs
+    return model_pb2.TokenizeRequest(text=parsed.prompt), return_strs
 
 
 def tokenize_json(response: model_pb2.TokenizeResponse, max_model_len: int, return_strs: bool) -> dict[str, Any]:
@@ -389,7 +367,7 @@ def tokenize_json(response: model_pb2.TokenizeResponse, max_model_len: int, retu
 def detokenize_request(body: dict[str, Any]) -> model_pb2.DetokenizeRequest:
     """POST /detokenize body ``{"tokens": [ids]}`` -> DetokenizeRequest (ids below the vocabulary
     size are the replica's check: a 400 from there)."""
-    tokens = body.get("tokens")
-    if not (isinstance(tokens, list) and all(_is_token(t) for t in tokens)):
-        raise invalid(f"'tokens' must be a list of token ids, got {_short.repr(tokens)}", "tokens")
+    tokens = _parse(DetokenizeBody, body).tokens
+    if tokens is None:
+        raise invalid("'tokens' must be a list of token ids", "tokens")
     return model_pb2.DetokenizeRequest(token_ids=tokens)

@@ -239,14 +239,14 @@ def test_openai_cached_tokens_after_a_repeated_prompt(client: openai.OpenAI, mod
 
 def test_openai_errors(client: openai.OpenAI, fleet: Fleet, model_name: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=model_name, prompt="x", n=2)
+        client.completions.create(model=model_name, prompt="x", n=0)  # choices: 1-64
     assert info.value.status_code == 400 and info.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="no-such-model", prompt="x")
     assert info.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as info:  # the replica's validation, passed through
-        client.completions.create(model=model_name, prompt="x", max_tokens=0)
-    assert "max_tokens" in info.value.message
+        client.completions.create(model=model_name, prompt="x", max_tokens=1, extra_body={"top_k": -2})
+    assert "top_k" in info.value.message
     # The raw shape, and a bad body.
     request = urllib.request.Request(http_url(fleet.router) + "/v1/chat/completions", data=b"{not json",
                                      headers={"content-type": "application/json"})

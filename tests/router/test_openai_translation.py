@@ -16,12 +16,24 @@ from router.openai_api import OpenAIError, Reply, chat_request, completion_reque
 from router.openai_protocol import detokenize_request, model_card, tokenize_json, tokenize_request
 
 
+def one_completion(body: dict) -> model_pb2.GenerateRequest:
+    """The one Generate of a one-prompt completions body."""
+    (request,) = completion_request(body).generate
+    return request
+
+
+def one_chat(body: dict) -> model_pb2.GenerateRequest:
+    (request,) = chat_request(body).generate
+    return request
+
+
 def test_completion_params_map_to_sampling() -> None:
-    request, stream, include_usage = completion_request({
+    door = completion_request({
         "model": "m", "prompt": "Hi", "max_tokens": 7, "temperature": 0, "top_p": 0.5, "seed": 3,
         "stop": "\n", "n": 1, "user": "u", "cache_salt": "tenant-1", "top_k": 4, "stream": True,
         "stream_options": {"include_usage": True}, "presence_penalty": 0, "logit_bias": {},
     })
+    request, stream, include_usage = door.generate[0], door.stream, door.include_usage
     assert request.prompt == "Hi" and request.namespace == "tenant-1"
     s = request.sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.seed, list(s.stop), s.top_k) == (7, 0.0, 0.5, 3, ["\n"], 4)
@@ -29,19 +41,20 @@ def test_completion_params_map_to_sampling() -> None:
 
 
 def test_completion_defaults_and_prompt_forms() -> None:
-    request, stream, include_usage = completion_request({"model": "m", "prompt": ["only one"]})
+    door = completion_request({"model": "m", "prompt": ["only one"]})
+    request, stream, include_usage = door.generate[0], door.stream, door.include_usage
     assert request.prompt == "only one" and request.sampling.max_tokens == 16  # OpenAI's default
     assert not request.sampling.HasField("temperature") and (stream, include_usage) == (False, False)
-    request, _, _ = completion_request({"model": "m", "prompt": [1, 2, 3], "stop": ["a", "b"]})
+    request = one_completion({"model": "m", "prompt": [1, 2, 3], "stop": ["a", "b"]})
     assert list(request.token_ids.ids) == [1, 2, 3] and list(request.sampling.stop) == ["a", "b"]
-    request, _, _ = completion_request({"model": "m", "prompt": [[4, 5]], "ignore_eos": True,
+    request = one_completion({"model": "m", "prompt": [[4, 5]], "ignore_eos": True,
                                         "stop_token_ids": [9]})
     assert list(request.token_ids.ids) == [4, 5] and request.sampling.ignore_eos
     assert list(request.sampling.stop_token_ids) == [9]
 
 
 def test_chat_messages_and_max_completion_tokens() -> None:
-    request, _, _ = chat_request({"model": "m", "max_tokens": 5, "max_completion_tokens": 9, "messages": [
+    request = one_chat({"model": "m", "max_tokens": 5, "max_completion_tokens": 9, "messages": [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
         {"role": "assistant", "content": None},
@@ -49,14 +62,20 @@ def test_chat_messages_and_max_completion_tokens() -> None:
     assert [(m.role, m.content) for m in request.chat.messages] == [
         ("system", "Be brief."), ("user", "Hi there"), ("assistant", "")]
     assert request.sampling.max_tokens == 9
-    request, _, _ = chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    request = one_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]})
     assert not request.sampling.HasField("max_tokens")  # the model service's default
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "n": 2}, "n"),
-    ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 65}, "n"),
+    ({"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+    ({"prompt": "x", "best_of": 3, "stream": True}, "best_of"),
+    ({"prompt": "x", "echo": 1}, "echo"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, "stream_options"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty"),
     ({"prompt": "x", "logit_bias": {"1.5": 1}}, "logit_bias"),
@@ -71,7 +90,9 @@ def test_chat_messages_and_max_completion_tokens() -> None:
     ({"prompt": "x", "seed": -1}, "seed"),
     ({"prompt": "x", "stop": [1]}, "stop"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", [1]]}, "prompt"),
+    ({"prompt": [[1], []]}, "prompt"),
+    ({"prompt": ["x"] * 1025}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({}, "prompt"),
 ])
@@ -141,7 +162,7 @@ def test_completion_reply_and_chunks() -> None:
 
 def test_chat_reply_and_chunks() -> None:
     reply = Reply(chat=True, model="m", request_id="abc")
-    first = reply.first_chunk()
+    (first,) = reply.first_chunks()
     assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
     chunks = [c for m in _messages() for c in reply.add(m)]
     assert [c["choices"][0]["delta"] for c in chunks] == [{"content": "Hel"}, {"content": ""}, {"content": "!"}]
@@ -162,16 +183,16 @@ def test_a_finish_without_tokens_is_a_chunk_of_its_own() -> None:
 
 
 def test_penalties_and_vllm_sampling_fields_map_to_sampling() -> None:
-    for translate, body in ((completion_request, {"prompt": "x"}),
-                            (chat_request, {"messages": [{"role": "user", "content": "x"}]})):
-        request, _, _ = translate({"model": "m", **body, "max_tokens": 8, "presence_penalty": -2, "frequency_penalty": 2,
+    for translate, body in ((one_completion, {"prompt": "x"}),
+                            (one_chat, {"messages": [{"role": "user", "content": "x"}]})):
+        request = translate({"model": "m", **body, "max_tokens": 8, "presence_penalty": -2, "frequency_penalty": 2,
                                    "repetition_penalty": 1.3, "min_tokens": 8, "min_p": 1,
                                    "logit_bias": {"0": -100, "4294967295": 100, "17": 0.5}})
         s = request.sampling
         assert (s.presence_penalty, s.frequency_penalty, s.min_tokens, s.min_p) == (-2, 2, 8, 1)
         assert s.repetition_penalty == pytest.approx(1.3) and s.HasField("repetition_penalty")
         assert dict(s.logit_bias) == {0: -100, 2**32 - 1: 100, 17: 0.5}
-    request, _, _ = completion_request({"model": "m", "prompt": "x", "logit_bias": None, "min_p": None})
+    request = one_completion({"model": "m", "prompt": "x", "logit_bias": None, "min_p": None})
     assert not request.sampling.HasField("repetition_penalty") and not request.sampling.logit_bias
 
 
@@ -233,17 +254,17 @@ def test_error_messages_quote_values_briefly() -> None:
 
 def test_output_formats_and_tools_reach_the_request() -> None:
     chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
-    request, _, _ = chat_request({**chat, "response_format": {"type": "json_object"}})
+    request = one_chat({**chat, "response_format": {"type": "json_object"}})
     assert request.sampling.structured_output.json_object
-    request, _, _ = completion_request({"model": "m", "prompt": "x", "structured_outputs": {"regex": "[a-z]+"}})
+    request = one_completion({"model": "m", "prompt": "x", "structured_outputs": {"regex": "[a-z]+"}})
     assert request.sampling.structured_output.regex == "[a-z]+"
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    request, _, _ = chat_request({**chat, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    request = one_chat({**chat, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}})
     assert request.sampling.structured_output.json_schema == '{"type": "object"}'
     assert json.loads(request.chat.tools_json) == tools
-    request, _, _ = chat_request({**chat, "tools": tools, "tool_choice": "none"})
+    request = one_chat({**chat, "tools": tools, "tool_choice": "none"})
     assert not request.chat.tools_json and not request.sampling.HasField("structured_output")
-    request, _, _ = chat_request({**chat, "tools": tools})  # auto: the template sees them, the output is free
+    request = one_chat({**chat, "tools": tools})  # auto: the template sees them, the output is free
     assert request.chat.tools_json and not request.sampling.HasField("structured_output")
 
 
@@ -309,12 +330,12 @@ def test_logprobs_requests_and_replies() -> None:
     from openai.types import Completion
     from openai.types.chat import ChatCompletion
 
-    request, _, _ = completion_request({"model": "m", "prompt": "x", "logprobs": 3})
+    request = one_completion({"model": "m", "prompt": "x", "logprobs": 3})
     assert request.sampling.logprobs == 3
-    request, _, _ = chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+    request = one_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
                                   "top_logprobs": 2})
     assert request.sampling.logprobs == 2
-    request, _, _ = chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    request = one_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]})
     assert not request.sampling.HasField("logprobs")
 
     chat = Reply(True, "m", "r", logprobs=True)
@@ -337,4 +358,17 @@ def test_logprobs_requests_and_replies() -> None:
     assert body["choices"][0]["logprobs"] == {"tokens": ["Hi", " there"], "token_logprobs": [-0.5, -0.25],
                                               "top_logprobs": [{"Hi": -0.5, "z": -3.0}, {" there": -0.25, "z": -3.0}],
                                               "text_offset": [0, 2]}
-    assert Reply(False, "m", "r").response()["choices"][0]["logprobs"] is None
+    plain = Reply(False, "m", "r")
+    for m in _logprob_messages():
+        plain.add(m)
+    assert plain.response()["choices"][0]["logprobs"] is None  # not asked for: none
+
+
+def test_unknown_fields_with_odd_names_are_accepted() -> None:
+    """Unknown fields are not the models' business (router/ignored_fields.py names them): not even
+    a name pydantic could not read as a string (a lone surrogate) is refused."""
+    door = completion_request({"model": "m", "prompt": "x", "\ud800": 1, "k" * 10_000: [1],
+                               "stream": True, "stream_options": {"\udfff": True, "include_usage": True}})
+    assert door.include_usage and door.generate[0].prompt == "x"
+    (request,) = chat_request({"model": "m", "messages": [{"role": "user", "content": "x", "\ud800": 1}]}).generate
+    assert request.chat.messages[0].content == "x"

@@ -562,6 +562,25 @@ def test_abort_while_routing_ends_the_request_without_calling_a_replica() -> Non
     assert out[0].request_id == "r2" and fakes.generate_addrs() == []
 
 
+def test_abort_while_routing_ends_every_choice() -> None:
+    cache = FakeCache(candidates=[candidate(A)], gate=asyncio.Event())
+    core, fakes, cache = make_core(cache=cache)
+    request = prompt_request(request_id="r3")
+    request.sampling.n = 3
+
+    async def go() -> list[model_pb2.GenerateResponse]:
+        stream = core.generate(request, principal=ALICE)
+        pending = asyncio.ensure_future(anext(stream))
+        while not cache.routes:
+            await asyncio.sleep(0)
+        await core.abort("r3", principal=ALICE)
+        cache.gate.set()
+        return [await pending] + [m async for m in stream]
+
+    out = run(go())
+    assert [(m.index, m.finish_reason) for m in out] == [(i, model_pb2.FINISH_REASON_ABORT) for i in range(3)]
+
+
 def test_a_namespace_limited_principal_generates_only_in_its_namespaces() -> None:
     core, fakes, cache = make_core(cache=FakeCache(candidates=[candidate(A)]))
     tenant = Principal("tokens:3", frozenset({"client"}), frozenset({"tenant-a"}), key="tenant-key")

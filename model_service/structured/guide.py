@@ -92,6 +92,14 @@ class TokenMasks:
         """logits[rows[i]] keeps only what bits[i] allows (-inf elsewhere), in place."""
         if rows.numel() == 0:
             return
-        picked = logits.index_select(0, rows).float()
-        llguidance.torch.apply_token_bitmask_inplace(picked, bits.to(picked.device))
-        logits.index_copy_(0, rows, picked.to(logits.dtype))
+        # Eager tensor ops, not llguidance.torch's apply (a torch.compile kernel: its first call
+        # compiles C++ for ~1.6 s on the engine thread, and needs a compiler on the machine).
+        bits = bits.to(logits.device)
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(bits.shape[0], -1)  # [rows, 32 * words]
+        vocab = logits.shape[1]
+        if allowed.shape[1] < vocab:  # tokens past the mask's words are never allowed
+            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+        picked = logits.index_select(0, rows)
+        picked.masked_fill_(allowed[:, :vocab] == 0, float("-inf"))
+        logits.index_copy_(0, rows, picked)

@@ -162,3 +162,20 @@ def test_guided_decoding_masks_advances_and_ends(compiler, tokenizer) -> None:
         assert decoding.start([Row(), Row()]) is None
     finally:
         decoding.close()
+
+
+@pytest.mark.parametrize("vocab", [64, 70, 100])  # whole words, a partial last word, tokens past the mask
+def test_mask_application_equals_llguidance_without_compiling(vocab) -> None:
+    """TokenMasks.apply is eager tensor ops with llguidance's own semantics (its helper is a
+    torch.compile kernel: a compile on first use)."""
+    import llguidance.torch
+
+    gen = torch.Generator().manual_seed(vocab)
+    bits = torch.randint(-2**31, 2**31 - 1, (3, 3), generator=gen, dtype=torch.int32)[:, :-(-min(vocab, 96) // 32)]
+    logits = torch.randn(4, vocab, generator=gen)
+    ours = logits.clone()
+    TokenMasks.apply(ours, torch.tensor([0, 2, 3]), bits)
+    theirs = logits[[0, 2, 3]].clone()
+    llguidance.torch.apply_token_bitmask_inplace(theirs, bits)
+    assert torch.equal(ours[[0, 2, 3]], theirs) and torch.equal(ours[1], logits[1])
+    assert torch.isinf(ours[[0, 2, 3]]).any()

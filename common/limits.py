@@ -126,7 +126,8 @@ def request_limit_error(request: object, limits: RequestLimits) -> str | None:
     if kind in ("prompt", "text"):
         size = len(getattr(request, kind).encode())
     elif kind == "chat":
-        size = sum(len(m.content.encode()) + len(m.role.encode()) for m in request.chat.messages)  # type: ignore
+        size = sum(len(m.content.encode()) + len(m.role.encode()) + len(m.tool_calls_json.encode())
+                   + len(m.tool_call_id.encode()) + len(m.name.encode()) for m in request.chat.messages)  # type: ignore
     else:
         size = 0
     if size > limits.max_prompt_bytes:

@@ -260,7 +260,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             ids = list(request.token_ids.ids)
             self._check_vocab(ids, "token_ids")
         elif kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            messages = [_chat_message(m) for m in request.chat.messages]
             if not messages:
                 raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, "chat has no messages")
             if self.tokenizer.chat_template is None:
@@ -393,6 +393,33 @@ def _response(request_id: str, out: GenerationOutput, served_by: str, texts: Tok
 def _token_logprob(texts: TokenTexts, token_id: int, logprob: float, rank: int) -> model_pb2.TokenLogprob:
     text, raw = texts.get(token_id)
     return model_pb2.TokenLogprob(token_id=token_id, logprob=logprob, token=text, token_bytes=raw, rank=rank)
+
+
+def _chat_message(message: model_pb2.ChatMessage) -> dict:
+    """A ChatMessage as the chat template takes it: tool calls with their arguments as objects."""
+    out: dict = {"role": message.role, "content": message.content}
+    if message.tool_calls_json:
+        try:
+            calls = json.loads(message.tool_calls_json)
+        except ValueError as e:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"chat tool_calls_json is not JSON: {e}") from None
+        if not (isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                 for c in calls)):
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                                 "chat tool_calls_json must be a JSON list of {\"function\": {...}} objects")
+        for c in calls:
+            arguments = c["function"].get("arguments")
+            if isinstance(arguments, str):
+                try:
+                    c["function"] = {**c["function"], "arguments": json.loads(arguments)}
+                except ValueError:
+                    pass  # not JSON: the template gets the string as it is
+        out["tool_calls"] = calls
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name:
+        out["name"] = message.name
+    return out
 
 
 def _chat_tools(tools_json: str) -> list[dict] | None:

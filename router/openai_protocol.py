@@ -6,6 +6,7 @@ OpenAIError (a 400 naming the parameter), never a 500."""
 from __future__ import annotations
 
 import functools
+import json
 import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -262,8 +263,27 @@ def _chat_messages(messages: list[dict[str, Any]] | None) -> model_pb2.ChatMessa
     for i, message in enumerate(messages):
         if not isinstance(message.get("role"), str):
             raise invalid(f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
-        chat.messages.add(role=message["role"], content=_content(message, i))
+        chat.messages.add(role=message["role"], content=_content(message, i), **_tool_turn(message, i))
     return chat
+
+
+def _tool_turn(message: dict[str, Any], index: int) -> dict[str, str]:
+    """An assistant turn's `tool_calls` and a tool turn's `tool_call_id` / `name`, for the template."""
+    out: dict[str, str] = {}
+    calls = message.get("tool_calls")
+    if calls not in (None, []):
+        if not (isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                 for c in calls)):
+            raise invalid("'tool_calls' must be a list of {'type': 'function', 'function': {...}} objects",
+                          f"messages[{index}].tool_calls")
+        out["tool_calls_json"] = json.dumps(calls)
+    for name in ("tool_call_id", "name"):
+        value = message.get(name)
+        if value is not None:
+            if not isinstance(value, str):
+                raise invalid(f"'{name}' must be a string", f"messages[{index}].{name}")
+            out[name] = value
+    return out
 
 
 @_valid_unicode

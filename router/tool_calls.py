@@ -108,12 +108,10 @@ def call(name: str, arguments: str) -> dict[str, Any]:
 
 def calls_from_output(plan: ToolPlan, text: str) -> tuple[list[dict[str, Any]], str | None]:
     """(tool calls, content) of a finished output. Named and required outputs were constrained, so
-    they parse; one cut short by max_tokens does not, and is returned as content."""
+    they parse unless max_tokens cut them short: a named call is still the call, its arguments
+    partial (as vLLM and OpenAI answer, finish_reason "length"; its stream sent them as they came);
+    a cut "required" array is returned as content."""
     if plan.mode == "named":
-        try:
-            json.loads(text)
-        except ValueError:
-            return [], text
         return [call(plan.name, text)], None
     if plan.mode == "required":
         try:

@@ -47,6 +47,7 @@ REPLICA_FIXTURES = frozenset({
     "parallel_replica",    # tests/model_service/test_parallel_sampling.py
     "parallel_small_pool",  # tests/model_service/test_parallel_sampling.py
     "scoring_replica",     # tests/model_service/test_prompt_logprobs.py
+    "tool_template_replica",  # tests/model_service/test_chat_tool_turns.py
     "fleet",               # tests/router/conftest.py, tests/security/test_secure_fleet.py
     "door",                # tests/router/test_http_door.py
     "setup",               # tests/router/test_router_tenants.py, test_router_trust.py (security_setup.py)

@@ -66,6 +66,21 @@ def test_chat_messages_and_max_completion_tokens() -> None:
     assert not request.sampling.HasField("max_tokens")  # the model service's default
 
 
+def test_chat_tool_turns_reach_the_template() -> None:
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]
+    request = one_chat({"model": "m", "messages": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_1", "name": "weather", "content": "-3 C"},
+    ]})
+    assistant, tool = request.chat.messages[1], request.chat.messages[2]
+    assert json.loads(assistant.tool_calls_json) == calls and not assistant.tool_call_id
+    assert (tool.tool_call_id, tool.name, tool.content, tool.tool_calls_json) == ("call_1", "weather", "-3 C", "")
+    with pytest.raises(OpenAIError) as info:
+        one_chat({"model": "m", "messages": [{"role": "assistant", "tool_calls": [{"function": 3}]}]})
+    assert info.value.status == 400 and info.value.param == "messages[0].tool_calls"
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "n": 65}, "n"),

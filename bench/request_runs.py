@@ -9,11 +9,15 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
-from bench.harness import RPC_TIMEOUT_S, OnTokens
+from bench.harness import RPC_TIMEOUT_S, OnTokens, Services, kernels_line, machine_info
 from protos import model_pb2, model_pb2_grpc
+
+if TYPE_CHECKING:
+    from bench.workloads.base import Context
 
 
 @dataclass(slots=True)
@@ -100,3 +104,21 @@ def run_concurrent(addr: str, requests: Sequence[model_pb2.GenerateRequest], on_
             return RunResult(time.perf_counter() - start, list(calls))
 
     return asyncio.run(run())
+
+
+def start_replica(ctx: Context, name: str, num_blocks: int) -> tuple[Services, str, str]:
+    """A workload's own cache manager and replica (INFO logs, for the kernels line printed beside
+    its numbers): (services, the replica's address, the kernels line). The caller stops them."""
+    services = Services(num_blocks=num_blocks, dtype=ctx.dtype, worker_id=f"bench-{name.replace('_', '-')}",
+                        extra_args=["--log-level", "INFO", "--num-threads", str(ctx.threads)])
+    try:
+        with ctx.progress.run(f"{name}: starting its cache manager and replica", 0):
+            services.start()
+            addr = services.wait()
+    except BaseException:
+        services.stop()
+        raise
+    ctx.extra_pids.update(services.pids())
+    kernels = kernels_line(services.log)
+    ctx.progress.write(f"{name}: {machine_info(ctx.threads)['cpu_label']}; {kernels or '(no kernels line)'}")
+    return services, addr, kernels

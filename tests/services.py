@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import collections
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 
+from protos import model_pb2_grpc
 from scripts.service_process import ServiceError, ServiceProcess
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,6 +93,17 @@ def launch_model(cache_addr: str, *extra: str, credentials: Credentials = None) 
 
 def start_model(cache_addr: str, *extra: str, credentials: Credentials = None) -> Running:
     return launch_model(cache_addr, *extra, credentials=credentials).wait()
+
+
+def serve_model(cache_addr: str, *extra: str) -> Iterator[model_pb2_grpc.ModelServiceStub]:
+    """For module fixtures (`yield from`): a model service started with `extra` flags and a stub on
+    it; the process is stopped when the fixture ends."""
+    running = start_model(cache_addr, *extra)
+    try:
+        with grpc.insecure_channel(running.addr) as channel:
+            yield model_pb2_grpc.ModelServiceStub(channel)
+    finally:
+        running.process.stop(10.0)
 
 
 def start_router(cache_addr: str, *extra: str, credentials: Credentials = None) -> Running:

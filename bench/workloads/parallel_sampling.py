@@ -25,15 +25,13 @@ import uuid
 from bench.harness import (
     BLOCK_SIZE,
     Json,
-    Services,
     alternate,
     dist,
-    kernels_line,
     machine_info,
     repetitions,
     table,
 )
-from bench.request_runs import RunResult, run_concurrent
+from bench.request_runs import RunResult, run_concurrent, start_replica
 from bench.workloads.base import Context, Workload
 from protos import model_pb2
 
@@ -74,21 +72,13 @@ def _stats(r: RunResult) -> Json:
 def run(ctx: Context, deadline: float) -> Json:
     cfg = sizes(ctx)
     info = machine_info(ctx.threads)
-    services = Services(num_blocks=cfg["num_blocks"], dtype=ctx.dtype, worker_id="bench-parallel-sampling",
-                        extra_args=["--log-level", "INFO", "--num-threads", str(ctx.threads)])
     runs: Json = {side: [] for side in SIDES}
     identical: list[float] = []
     detail: Json = {"config": {**cfg, "n": N, "seed": SEED, "temperature": TEMPERATURE, "dtype": ctx.dtype,
                                "block_size": BLOCK_SIZE},
                     "machine": {"cpu_model": info["cpu_label"], "cpu_isa": info["cpu_isa"]}}
+    services, addr, detail["kernels"] = start_replica(ctx, "parallel_sampling", cfg["num_blocks"])
     try:
-        with ctx.progress.run("parallel_sampling: starting its cache manager and replica", 0):
-            services.start()
-            addr = services.wait()
-        ctx.extra_pids.update(services.pids())
-        detail["kernels"] = kernels_line(services.log)
-        ctx.progress.write(f"parallel_sampling: {info['cpu_label']}; {detail['kernels'] or '(no kernels line)'}")
-
         def one(side: str, prompt: list[int], label: str) -> RunResult:
             with ctx.progress.run(label, N * cfg["new_tokens"]) as tick:
                 result = run_concurrent(addr, requests(cfg, side, prompt), tick)

@@ -27,15 +27,13 @@ import uuid
 from bench.harness import (
     BLOCK_SIZE,
     Json,
-    Services,
     alternate,
     dist,
-    kernels_line,
     machine_info,
     repetitions,
     table,
 )
-from bench.request_runs import RunResult, run_concurrent
+from bench.request_runs import RunResult, run_concurrent, start_replica
 from bench.workloads.base import Context, Workload
 from protos import model_pb2
 
@@ -90,19 +88,11 @@ def _stats(r: RunResult) -> Json:
 def run(ctx: Context, deadline: float) -> Json:
     cfg = sizes(ctx)
     info = machine_info(ctx.threads)
-    services = Services(num_blocks=cfg["num_blocks"], dtype=ctx.dtype, worker_id="bench-structured",
-                        extra_args=["--log-level", "INFO", "--num-threads", str(ctx.threads)])
     runs: Json = {side: [] for side in SIDES}
     detail: Json = {"config": {**cfg, "schema": SCHEMA, "dtype": ctx.dtype, "block_size": BLOCK_SIZE},
                     "machine": {"cpu_model": info["cpu_label"], "cpu_isa": info["cpu_isa"]}}
+    services, addr, detail["kernels"] = start_replica(ctx, "structured", cfg["num_blocks"])
     try:
-        with ctx.progress.run("structured: starting its cache manager and replica", 0):
-            services.start()
-            addr = services.wait()
-        ctx.extra_pids.update(services.pids())
-        detail["kernels"] = kernels_line(services.log)
-        ctx.progress.write(f"structured: {info['cpu_label']}; {detail['kernels'] or '(no kernels line)'}")
-
         def one(side: str, label: str) -> RunResult:
             with ctx.progress.run(label, cfg["concurrency"] * cfg["new_tokens"]) as tick:
                 return run_concurrent(addr, requests(cfg, side == "guided"), tick)

@@ -14,7 +14,7 @@ import pytest
 
 from protos import model_pb2, model_pb2_grpc
 from tests.model_service.checks import expect_status
-from tests.services import start_model
+from tests.services import serve_model
 
 TEMPLATE = (
     "{%- for m in messages -%}<|{{ m.role }}|>{{ m.content }}"
@@ -32,13 +32,8 @@ def tool_template_replica(cache_service, tiny_dir, tmp_path_factory) -> Iterator
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    running = start_model(cache_service.addr, "--model", str(folder), "--worker-id", "tiny-tool-template",
-                          "--num-blocks", "64")
-    try:
-        with grpc.insecure_channel(running.addr) as channel:
-            yield model_pb2_grpc.ModelServiceStub(channel)
-    finally:
-        running.process.stop(10.0)
+    yield from serve_model(cache_service.addr, "--model", str(folder), "--worker-id", "tiny-tool-template",
+                           "--num-blocks", "64")
 
 
 def _text(stub, chat: model_pb2.ChatMessages) -> str:

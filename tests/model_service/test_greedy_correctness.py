@@ -6,13 +6,12 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
 
 from protos import model_pb2_grpc
 from tests.model_service.checks import wait_until_idle
 from tests.model_service.generation import LONG_DOCUMENT, correctness_prompts, greedy, reference_greedy
-from tests.services import SHARED_POOL_ID, start_model
+from tests.services import SHARED_POOL_ID, serve_model
 
 MAX_TOKENS = 24
 
@@ -61,13 +60,8 @@ def test_text_equals_decoded_tokens(model_stub, reference_model, prompts, expect
 @pytest.fixture(scope="module")
 def tiny_pool_service(cache_service) -> Iterator[model_pb2_grpc.ModelServiceStub]:
     """42 blocks: one long prompt (38 blocks) plus the three short ones cannot all grow at once."""
-    running = start_model(cache_service.addr, "--num-blocks", "42", "--worker-id", "tiny-pool",
-                          "--max-batch-tokens", "256")
-    try:
-        with grpc.insecure_channel(running.addr) as channel:
-            yield model_pb2_grpc.ModelServiceStub(channel)
-    finally:
-        running.process.stop(10.0)
+    yield from serve_model(cache_service.addr, "--num-blocks", "42", "--worker-id", "tiny-pool",
+                           "--max-batch-tokens", "256")
 
 
 def test_tiny_pool_preempts_and_evicts_yet_identical(tiny_pool_service, cache_stub, reference_model, prompts,

@@ -16,7 +16,7 @@ import pytest
 from protos import model_pb2, model_pb2_grpc
 from tests.model_service.checks import expect_status, wait_until_idle
 from tests.model_service.generation import reference_greedy
-from tests.services import start_model
+from tests.services import serve_model
 
 MAX_TOKENS = 10
 
@@ -26,20 +26,11 @@ def pipeline(request) -> str:
     return request.param
 
 
-def _serve(cache_addr: str, model_dir, worker_id: str, *flags: str) -> Iterator[model_pb2_grpc.ModelServiceStub]:
-    running = start_model(cache_addr, "--model", str(model_dir), "--worker-id", worker_id, *flags)
-    try:
-        with grpc.insecure_channel(running.addr) as channel:
-            yield model_pb2_grpc.ModelServiceStub(channel)
-    finally:
-        running.process.stop(10.0)
-
-
 @pytest.fixture(scope="module")
 def parallel_replica(cache_service, tiny_dir, pipeline) -> Iterator[tuple[model_pb2_grpc.ModelServiceStub, str]]:
     pool = f"tiny-parallel-{pipeline}"
-    for stub in _serve(cache_service.addr, tiny_dir, pool, "--block-size", "4", "--num-blocks", "512",
-                       "--cache-pipeline", pipeline):
+    for stub in serve_model(cache_service.addr, "--model", str(tiny_dir), "--worker-id", pool, "--block-size", "4",
+                            "--num-blocks", "512", "--cache-pipeline", pipeline):
         yield stub, pool
 
 
@@ -47,8 +38,8 @@ def parallel_replica(cache_service, tiny_dir, pipeline) -> Iterator[tuple[model_
 def parallel_small_pool(cache_service, tiny_dir, pipeline) -> Iterator[tuple[model_pb2_grpc.ModelServiceStub, str]]:
     """24 blocks of 4 tokens: one choice fits alone, eight together do not."""
     pool = f"tiny-parallel-small-{pipeline}"
-    for stub in _serve(cache_service.addr, tiny_dir, pool, "--block-size", "4", "--num-blocks", "24",
-                       "--cache-pipeline", pipeline):
+    for stub in serve_model(cache_service.addr, "--model", str(tiny_dir), "--worker-id", pool, "--block-size", "4",
+                            "--num-blocks", "24", "--cache-pipeline", pipeline):
         yield stub, pool
 
 

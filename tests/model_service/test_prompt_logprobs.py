@@ -15,7 +15,7 @@ import torch
 from protos import model_pb2, model_pb2_grpc
 from tests.model_service.checks import expect_status, wait_until_idle
 from tests.model_service.generation import reference_greedy
-from tests.services import start_model
+from tests.services import serve_model
 
 
 @pytest.fixture(scope="module", params=["on", "off"])
@@ -27,13 +27,9 @@ def pipeline(request) -> str:
 def scoring_replica(cache_service, tiny_dir, pipeline) -> Iterator[tuple[model_pb2_grpc.ModelServiceStub, str]]:
     """Blocks of 4 tokens, 8 tokens per step: prompts are scored over several steps."""
     pool = f"tiny-prompt-logprobs-{pipeline}"
-    running = start_model(cache_service.addr, "--model", str(tiny_dir), "--worker-id", pool, "--block-size", "4",
-                          "--num-blocks", "512", "--max-batch-tokens", "8", "--cache-pipeline", pipeline)
-    try:
-        with grpc.insecure_channel(running.addr) as channel:
-            yield model_pb2_grpc.ModelServiceStub(channel), pool
-    finally:
-        running.process.stop(10.0)
+    for stub in serve_model(cache_service.addr, "--model", str(tiny_dir), "--worker-id", pool, "--block-size", "4",
+                            "--num-blocks", "512", "--max-batch-tokens", "8", "--cache-pipeline", pipeline):
+        yield stub, pool
 
 
 def _prompt(n: int, seed: int) -> list[int]:

@@ -10,13 +10,12 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
 import pytest
 
 from protos import model_pb2, model_pb2_grpc
 from tests.model_service.checks import wait_until_idle
 from tests.model_service.generation import generate, greedy, reference_greedy
-from tests.services import start_model
+from tests.services import serve_model
 
 MAX_TOKENS = 12
 
@@ -49,12 +48,7 @@ def small_pool(pipeline) -> str:
 
 
 def _serve(cache_addr: str, model_dir: Path, worker_id: str, *flags: str) -> Iterator[model_pb2_grpc.ModelServiceStub]:
-    running = start_model(cache_addr, "--model", str(model_dir), "--worker-id", worker_id, *flags)
-    try:
-        with grpc.insecure_channel(running.addr) as channel:
-            yield model_pb2_grpc.ModelServiceStub(channel)
-    finally:
-        running.process.stop(10.0)
+    yield from serve_model(cache_addr, "--model", str(model_dir), "--worker-id", worker_id, *flags)
 
 
 @pytest.fixture(scope="module")

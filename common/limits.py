@@ -37,6 +37,9 @@ MIN_PING_INTERVAL_MS = 10_000
 MAX_PING_STRIKES = 2
 
 DEFAULT_MAX_STOP_STRINGS = 64
+# SamplingParams' ranges both servers check (the router's OpenAI door before it forwards):
+MAX_LOGPROBS = 20  # alternatives per token, logprobs and prompt_logprobs (vLLM's default cap)
+MAX_CHOICES = 64  # SamplingParams.n
 DEFAULT_MAX_STOP_BYTES = 16 * 1024
 DEFAULT_MAX_PROMPT_BYTES = 4 * 1024 * 1024
 

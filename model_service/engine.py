@@ -258,8 +258,8 @@ class Engine:
             reply = self._run_tier_copies(reply)
         preemptions_before = self.scheduler.num_preemptions
         self.scheduler.apply_reply(plan, reply)
-        admitted = [r for r, a in zip(plan.admits, reply.admits, strict=False) if a.admitted]
-        copy_prompt_tails([r for r in admitted if r.fork_source is not None], plan, self.runner.kv_cache)
+        copy_prompt_tails([r for r, a in zip(plan.admits, reply.admits, strict=False)
+                           if a.admitted and r.fork_source is not None], plan, self.runner.kv_cache)
         self.metrics.preemptions.inc(self.scheduler.num_preemptions - preemptions_before)
         if reply.num_free_blocks is not None:
             self._num_free_blocks = reply.num_free_blocks
@@ -472,15 +472,15 @@ class Engine:
                 for choice in request.group:
                     self._requests[choice.request_id] = choice
                     self._sinks[choice.request_id] = sink
-            elif kind == "cancel":
+            elif kind in ("cancel", "abort"):
                 for choice in item[1].group:
-                    if self._requests.get(choice.request_id) is choice:  # not a later one with its id
+                    if self._requests.get(choice.request_id) is not choice:
+                        continue  # finished already (a later request may hold its id)
+                    if kind == "cancel":
                         log.info("request %s cancelled by the client", choice.log_id)
                         self._sinks.pop(choice.request_id, None)
                         self._finish(choice, FinishReason.CANCELLED, "")
-            elif kind == "abort":
-                for choice in item[1].group:
-                    if self._requests.get(choice.request_id) is choice:  # not a later one with its id
+                    else:
                         log.info("request %s aborted", choice.log_id)
                         self._finish(choice, FinishReason.ABORT, choice.detokenizer.finish())
 

@@ -18,8 +18,6 @@ if TYPE_CHECKING:
     from model_service.model_runner import SequenceChunk
     from model_service.request import Request
 
-MAX_LOGPROBS = 20
-
 
 class Position(NamedTuple):
     """One generated position: the chosen token's log probability and rank, and the top

@@ -122,11 +122,17 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def scoring_prompt(self) -> bool:
+        """True while prompt positions are left to score for prompt_logprobs (the last one's
+        logits are the first token's, sampled as any request's)."""
+        return self.prompt_logprobs is not None and self.num_scored_tokens < len(self.prompt_token_ids) - 1
+
+    @property
     def next_position(self) -> int:
         """The first position the request's next chunk runs through the model: where its KV ends,
-        or, while its prompt is being scored for prompt_logprobs, the first position not scored
-        (the KV of positions before num_computed_tokens is kept, not rewritten)."""
-        if self.prompt_logprobs is not None and self.num_scored_tokens < len(self.prompt_token_ids) - 1:
+        or, while its prompt is being scored, the first position not scored (the KV of positions
+        before num_computed_tokens is kept, not rewritten)."""
+        if self.scoring_prompt:
             return min(self.num_computed_tokens, self.num_scored_tokens)
         return self.num_computed_tokens
 

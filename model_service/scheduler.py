@@ -419,8 +419,7 @@ class Scheduler:
                     continue  # one long prompt at a time: it reaches its first token a whole step sooner
             start = request.next_position
             end = min(request.num_tokens, start + budget, len(request.block_table) * bs)
-            scoring = request.prompt_logprobs is not None and \
-                request.num_scored_tokens < len(request.prompt_token_ids) - 1
+            scoring = request.scoring_prompt
             if scoring:  # its logits rows come back whole: a bounded number per step
                 end = min(end, start + MAX_SCORED_TOKENS)
             if end <= start:

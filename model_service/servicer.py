@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import grpc
 
 from common.auth import current_principal, one_role
-from common.limits import RequestLimits, quote_id, request_limit_error
+from common.limits import MAX_CHOICES, MAX_LOGPROBS, RequestLimits, quote_id, request_limit_error
 from model_service.detokenizer import IncrementalDetokenizer
 from model_service.engine import Engine, GenerationOutput
-from model_service.logprobs import MAX_LOGPROBS, TokenTexts
+from model_service.logprobs import TokenTexts
 from model_service.loop_relay import LoopRelay
 from model_service.model_loader import LoadedModel
 from model_service.request import FinishReason, Request, RequestStatus
@@ -35,7 +35,6 @@ from protos import model_pb2, model_pb2_grpc
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 128
-MAX_CHOICES = 64  # SamplingParams.n
 
 # The role a bearer token needs for each method under --auth-token-file (common/auth.py).
 METHOD_ROLES: dict[str, str] = one_role(model_pb2.DESCRIPTOR.services_by_name["ModelService"], "client")

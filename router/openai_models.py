@@ -26,10 +26,10 @@ from pydantic import (
     ValidationError,
 )
 
+from common.limits import MAX_CHOICES, MAX_LOGPROBS
+
 INT32_MAX = 2**31 - 1
 FLOAT_MAX = 3.4028234663852886e38  # the largest float32 (SamplingParams' floats)
-MAX_LOGPROBS = 20  # alternatives per token (vLLM's default cap; OpenAI's is 20 for chat)
-MAX_CHOICES = 64  # SamplingParams.n's range (protos/model.proto)
 
 Int32 = Annotated[int, Strict(), Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
 Number = Annotated[float, Strict(), AllowInfNan(False), Field(le=FLOAT_MAX, ge=-FLOAT_MAX)]

@@ -484,6 +484,29 @@ inline int64_t row_offset(const Problem& P, const int64_t* strides, int64_t b, i
   return (slot * P.Hkv + h) * P.D;
 }
 
+// Pointers to the K (or V: `base`, `strides`) rows of keys [first, first + n) of sequence b, KV
+// head h: strided, or paged with one table lookup per block.
+template <typename T>
+inline void key_rows(const Problem& P, const T* base, const int64_t* strides, int64_t b, int64_t h, int first, int n,
+                     const T** rows) {
+  if (P.tables == nullptr) {
+    const T* p = base + b * strides[0] + h * strides[1] + first * strides[2];
+    for (int j = 0; j < n; ++j) rows[j] = p + j * strides[2];
+    return;
+  }
+  const int64_t bs = P.block_size, rs = P.Hkv * P.D;
+  const int64_t* table = P.tables + b * P.table_width;
+  int64_t token = P.starts[b] + first;
+  for (int j = 0; j < n;) {
+    const int64_t off = token % bs;
+    const int count = static_cast<int>(std::min<int64_t>(n - j, bs - off));
+    const T* row = base + ((table[token / bs] * bs + off) * P.Hkv + h) * P.D;
+    for (int t = 0; t < count; ++t) rows[j + t] = row + t * rs;
+    j += count;
+    token += count;
+  }
+}
+
 // Brings K and V rows of keys [first, first + n) of sequence b, KV head h (strided or paged) into
 // the cache.
 template <typename T>
@@ -499,6 +522,8 @@ inline void prefetch_keys(const Problem& P, const T* k, const T* v, int64_t b, i
   }
 }
 
+#include "decode_keys.h"
+
 // A work item of R <= 8 rows (a decode: the r query heads of a KV head), keys in the vector lanes:
 // a score is a dot product along D (16 keys' partial sums added up by sum16), and P·V broadcasts
 // each key's probability over its V row. With few rows this reads K/V once and wastes no lanes.
@@ -506,9 +531,14 @@ inline void prefetch_keys(const Problem& P, const T* k, const T* v, int64_t b, i
 // The key loop of a keys-in-lanes work item of R rows: keys [0, max_limit) of sequence b, KV head
 // h (strided or paged: row_offset), row `row` seeing keys < limit[row], on top of the state the
 // caller set up: queries qf [R][D] float32, accumulator ot [R][D], running max m and sum l.
-template <typename T, int R>
+// Head sizes 64 and 128 (float32, or bfloat16 with DP) take decode_keys.h's decode_over_keys.
+template <typename T, int R, bool DP = false>
 inline void small_over_keys(const Problem& P, const T* k, const T* v, int64_t b, int64_t h, const int32_t* limit,
                             int32_t max_limit, const float* qf, float* ot, float* m, float* l, Scratch& s) {
+  if constexpr (std::is_same_v<T, float> || DP) {
+    if (P.D == 64) return decode_over_keys<T, R, 4, DP>(P, k, v, b, h, limit, max_limit, qf, ot, m, l, s);
+    if (P.D == 128) return decode_over_keys<T, R, 8, DP>(P, k, v, b, h, limit, max_limit, qf, ot, m, l, s);
+  }
   constexpr int DB = R <= 4 ? 4 : 2;  // output vectors per row and d-block in registers
   const int D = static_cast<int>(P.D);
   float* sc = s.st.data();  // [R][KC] scores, then probabilities
@@ -610,7 +640,7 @@ inline void finish_small(const Problem& P, T* o, float* lse, int64_t b, int64_t 
   }
 }
 
-template <typename T, int R>
+template <typename T, int R, bool DP>
 void attend_item_small(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse, int64_t b,
                        int64_t h, int64_t i0, int64_t nq, Scratch& s) {
   const int D = static_cast<int>(P.D);
@@ -634,22 +664,22 @@ void attend_item_small(const Problem& P, const T* q, const T* k, const T* v, T* 
     m[row] = -std::numeric_limits<float>::infinity();
     l[row] = 0.0f;
   }
-  small_over_keys<T, R>(P, k, v, b, h, limit, max_limit, qf, ot, m, l, s);
+  small_over_keys<T, R, DP>(P, k, v, b, h, limit, max_limit, qf, ot, m, l, s);
   finish_small<T, R>(P, o, lse, b, h, i0, nq, ot, m, l);
 }
 
-template <typename T>
+template <typename T, bool DP = false>
 void attend_small(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse, int64_t b, int64_t h,
                   int64_t i0, int64_t nq, Scratch& s) {
   switch (P.r * nq) {
-    case 1: return attend_item_small<T, 1>(P, q, k, v, o, lse, b, h, i0, nq, s);
-    case 2: return attend_item_small<T, 2>(P, q, k, v, o, lse, b, h, i0, nq, s);
-    case 3: return attend_item_small<T, 3>(P, q, k, v, o, lse, b, h, i0, nq, s);
-    case 4: return attend_item_small<T, 4>(P, q, k, v, o, lse, b, h, i0, nq, s);
-    case 5: return attend_item_small<T, 5>(P, q, k, v, o, lse, b, h, i0, nq, s);
-    case 6: return attend_item_small<T, 6>(P, q, k, v, o, lse, b, h, i0, nq, s);
-    case 7: return attend_item_small<T, 7>(P, q, k, v, o, lse, b, h, i0, nq, s);
-    default: return attend_item_small<T, 8>(P, q, k, v, o, lse, b, h, i0, nq, s);
+    case 1: return attend_item_small<T, 1, DP>(P, q, k, v, o, lse, b, h, i0, nq, s);
+    case 2: return attend_item_small<T, 2, DP>(P, q, k, v, o, lse, b, h, i0, nq, s);
+    case 3: return attend_item_small<T, 3, DP>(P, q, k, v, o, lse, b, h, i0, nq, s);
+    case 4: return attend_item_small<T, 4, DP>(P, q, k, v, o, lse, b, h, i0, nq, s);
+    case 5: return attend_item_small<T, 5, DP>(P, q, k, v, o, lse, b, h, i0, nq, s);
+    case 6: return attend_item_small<T, 6, DP>(P, q, k, v, o, lse, b, h, i0, nq, s);
+    case 7: return attend_item_small<T, 7, DP>(P, q, k, v, o, lse, b, h, i0, nq, s);
+    default: return attend_item_small<T, 8, DP>(P, q, k, v, o, lse, b, h, i0, nq, s);
   }
 }
 
@@ -671,6 +701,25 @@ void attend_rows_dp(const Problem& P, const c10::BFloat16* q, const c10::BFloat1
                     c10::BFloat16* o, float* lse, int64_t b, int64_t h, int64_t i0, int64_t nq, int64_t rows,
                     Scratch& s) {
   attend_rows<c10::BFloat16, true>(P, q, k, v, o, lse, b, h, i0, nq, rows, s);
+}
+
+// attend_small's dot-product path, compiled for AVX512-BF16 (see attend_rows_dp).
+#ifndef RADIXKV_NO_BF16
+RADIXKV_BF16 __attribute__((flatten))
+#endif
+void attend_small_dp(const Problem& P, const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v,
+                     c10::BFloat16* o, float* lse, int64_t b, int64_t h, int64_t i0, int64_t nq, Scratch& s) {
+  attend_small<c10::BFloat16, true>(P, q, k, v, o, lse, b, h, i0, nq, s);
+}
+
+// A decode item: attend_small, on the dot-product path where it runs.
+template <typename T>
+void attend_decode(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse, int64_t b, int64_t h,
+                   int64_t i0, int64_t nq, Scratch& s) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (P.dot_products) return attend_small_dp(P, q, k, v, o, lse, b, h, i0, nq, s);
+  }
+  attend_small<T>(P, q, k, v, o, lse, b, h, i0, nq, s);
 }
 
 // Brings the first keys of sequence b, KV head h into the cache: a decode's own keys are a few
@@ -718,7 +767,7 @@ struct CascadeItem {
 // One member's R = r rows after the prefix: state taken from lanes row0 .. row0 + R - 1 of the
 // prefix item ([D][W] accumulator `pot`, maxima `pm`, sums `pl`), continued over keys
 // [0, kv_lens[seq]) of its table row from starts[seq]; writes o and lse of its rows.
-template <typename T, int R>
+template <typename T, int R, bool DP>
 void continue_member(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse, int64_t seq, int64_t h,
                      const float* pot, int W, int row0, const float* pm, const float* pl, Scratch& s) {
   const int D = static_cast<int>(P.D);
@@ -737,22 +786,22 @@ void continue_member(const Problem& P, const T* q, const T* k, const T* v, T* o,
       ot[j * D + d] = pot[d * W + row0 + j];
     }
   }
-  small_over_keys<T, R>(P, k, v, seq, h, limit, len, qf, ot, m, l, s);
+  small_over_keys<T, R, DP>(P, k, v, seq, h, limit, len, qf, ot, m, l, s);
   finish_small<T, R>(P, o, lse, seq, h, 0, 1, ot, m, l);
 }
 
-template <typename T>
+template <typename T, bool DP>
 void continue_member_rows(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse, int64_t seq,
                           int64_t h, const float* pot, int W, int row0, const float* pm, const float* pl, Scratch& s) {
   switch (P.r) {
-    case 1: return continue_member<T, 1>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
-    case 2: return continue_member<T, 2>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
-    case 3: return continue_member<T, 3>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
-    case 4: return continue_member<T, 4>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
-    case 5: return continue_member<T, 5>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
-    case 6: return continue_member<T, 6>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
-    case 7: return continue_member<T, 7>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
-    default: return continue_member<T, 8>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
+    case 1: return continue_member<T, 1, DP>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
+    case 2: return continue_member<T, 2, DP>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
+    case 3: return continue_member<T, 3, DP>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
+    case 4: return continue_member<T, 4, DP>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
+    case 5: return continue_member<T, 5, DP>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
+    case 6: return continue_member<T, 6, DP>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
+    case 7: return continue_member<T, 7, DP>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
+    default: return continue_member<T, 8, DP>(P, q, k, v, o, lse, seq, h, pot, W, row0, pm, pl, s);
   }
 }
 
@@ -784,7 +833,7 @@ void cascade_item(const Problem& P, const Cascade& C, const T* q, const T* pk, c
   }
   for (int64_t slot = 0; slot < item.count; ++slot) {
     if (slot + 1 < item.count) prefetch_first_keys(P, k, v, members[slot + 1], item.h);
-    continue_member_rows<T>(P, q, k, v, o, lse, members[slot], item.h, ot, W, static_cast<int>(slot) * r, mv, lv, s);
+    continue_member_rows<T, DP>(P, q, k, v, o, lse, members[slot], item.h, ot, W, static_cast<int>(slot) * r, mv, lv, s);
   }
 }
 
@@ -814,7 +863,7 @@ void run_cascade(const Problem& P, const Cascade& C, const std::vector<CascadeIt
   parallel_items(static_cast<int64_t>(items.size()), P.D, [&](int64_t idx, int64_t, Scratch& scratch) {
     const CascadeItem& item = items[idx];
     if (item.g < 0) {  // an ungrouped sequence: a keys-in-lanes item over its whole context
-      attend_small<T>(P, q, k, v, o, lse, item.first, item.h, 0, 1, scratch);
+      attend_decode<T>(P, q, k, v, o, lse, item.first, item.h, 0, 1, scratch);
     } else if (P.dot_products) {
       if constexpr (std::is_same_v<T, c10::BFloat16>) cascade_rows_dp(P, C, q, pk, pv, k, v, o, lse, item, scratch);
     } else {
@@ -837,7 +886,7 @@ void run(const Problem& P, const T* q, const T* k, const T* v, T* o, float* lse)
       const int64_t after = idx + workers;
       prefetch_first_keys(P, k, v, (after % (P.B * P.Hkv)) / P.Hkv, after % P.Hkv);
     }
-    if (P.small) attend_small<T>(P, q, k, v, o, lse, b, h, i0, nq, scratch);
+    if (P.small) attend_decode<T>(P, q, k, v, o, lse, b, h, i0, nq, scratch);
     else if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (P.dot_products) attend_rows_dp(P, q, k, v, o, lse, b, h, i0, nq, rows, scratch);
       else attend_rows<T, false>(P, q, k, v, o, lse, b, h, i0, nq, rows, scratch);
@@ -982,7 +1031,7 @@ std::tuple<at::Tensor, at::Tensor> attend_paged(const at::Tensor& q, const at::T
   P.nqb = 1;
   for (int i = 0; i < 3; ++i) P.qs[i] = q.stride(i);
   P.scale = static_cast<float>(scale);
-  P.dot_products = false;
+  P.dot_products = q.scalar_type() == at::kBFloat16 && has_bf16_dot_products() && allow_bf16_dot_products.load();
   return launch(P, q, k_cache, v_cache);
 }
 

@@ -85,8 +85,9 @@ def test_attention_compiles_without_avx512_bf16():
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
 def test_bf16_instructions_only_in_the_dot_product_entry_points():
-    """A CPU with AVX-512 and no AVX512-BF16 never runs them: they sit only in attend_rows_dp and
-    cascade_rows_dp (compiled with the target attribute), which run where the CPU has them."""
+    """A CPU with AVX-512 and no AVX512-BF16 never runs them: they sit only in attend_rows_dp,
+    attend_small_dp and cascade_rows_dp (compiled with the target attribute), which run where the
+    CPU has them."""
     skip_unless_native("attention")
     listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", str(build.library_path())],
                              capture_output=True, text=True, check=True).stdout
@@ -95,4 +96,4 @@ def test_bf16_instructions_only_in_the_dot_product_entry_points():
         if BF16_INSTRUCTIONS.search(function):
             header = function.split(">:", 1)[0].replace("(anonymous namespace)::", "")
             holders.add(header.split("<", 1)[1].split("(", 1)[0].split("::")[-1])
-    assert holders == {"attend_rows_dp", "cascade_rows_dp"}
+    assert holders == {"attend_rows_dp", "attend_small_dp", "cascade_rows_dp"}

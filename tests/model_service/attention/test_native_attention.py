@@ -199,11 +199,12 @@ def test_backend_takes_the_native_kernels_where_planned(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(9, 3), (8, 1), (4, 4)])
-def test_paged_decode_reads_the_cache_in_place_exactly_as_a_gather(dtype, heads):
+@pytest.mark.parametrize("d", [64, 128, 32])  # 64 and 128: decode_keys.h; others the generic loop
+def test_paged_decode_reads_the_cache_in_place_exactly_as_a_gather(dtype, heads, d):
     """attend_paged over shuffled blocks and unaligned starts = attend over the gathered copy, bit for bit."""
     hq, hkv = heads
     gen = torch.Generator().manual_seed(hq)
-    num_blocks, bs, d, batch = 40, 16, 64, 6
+    num_blocks, bs, batch = 40, 16, 6
     k_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype)
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:9] for _ in range(batch)])

@@ -522,6 +522,32 @@ inline void prefetch_keys(const Problem& P, const T* k, const T* v, int64_t b, i
   }
 }
 
+// The online softmax of one keys-in-lanes row over a chunk: its scores sc [groups * 16] become the
+// P·V weights, its running max m and sum l move on, and its accumulator ot [D] is rescaled when
+// the max moved (the first chunk too: a state may carry an accumulator in).
+template <typename T>
+inline void softmax_row(float* sc, int groups, int D, float* ot, float& m, float& l) {
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int g = 0; g < groups; ++g) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + g * LANES));
+  const float mc = std::max(m, _mm512_reduce_max_ps(mx));
+  const float safe = std::isinf(mc) ? 0.0f : mc;  // a row with no key yet: exp(-inf) = 0
+  const float alpha = std::exp(m - safe);
+  const __m512 sv = _mm512_set1_ps(safe);
+  __m512 sum = _mm512_setzero_ps();
+  for (int g = 0; g < groups; ++g) {
+    float* sg = sc + g * LANES;
+    const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg), sv));
+    _mm512_storeu_ps(sg, pv_weight<T>(p));
+    sum = _mm512_add_ps(sum, p);
+  }
+  l = std::fma(l, alpha, _mm512_reduce_add_ps(sum));  // one rounding (an FMA since it was written)
+  if (mc != m) {
+    const __m512 a = _mm512_set1_ps(alpha);
+    for (int d = 0; d < D; d += LANES) _mm512_storeu_ps(ot + d, _mm512_mul_ps(_mm512_loadu_ps(ot + d), a));
+  }
+  m = mc;
+}
+
 #include "decode_keys.h"
 
 // A work item of R <= 8 rows (a decode: the r query heads of a KV head), keys in the vector lanes:
@@ -584,25 +610,7 @@ inline void small_over_keys(const Problem& P, const T* k, const T* v, int64_t b,
         const __mmask16 past = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(std::min(limit[row], c0 + n)));
         _mm512_storeu_ps(sc + row * KC + g * LANES, _mm512_mask_blend_ps(past, sv, neg_inf));
       }
-      __m512 mx = neg_inf;
-      for (int g = 0; g < groups; ++g) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + row * KC + g * LANES));
-      const float mc = std::max(m[row], _mm512_reduce_max_ps(mx));
-      const float safe = std::isinf(mc) ? 0.0f : mc;  // a row with no key yet: exp(-inf) = 0
-      const float alpha = std::exp(m[row] - safe);
-      const __m512 sv = _mm512_set1_ps(safe);
-      __m512 sum = _mm512_setzero_ps();
-      for (int g = 0; g < groups; ++g) {
-        float* sg = sc + row * KC + g * LANES;
-        const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg), sv));
-        _mm512_storeu_ps(sg, pv_weight<T>(p));
-        sum = _mm512_add_ps(sum, p);
-      }
-      l[row] = std::fma(l[row], alpha, _mm512_reduce_add_ps(sum));  // one rounding (an FMA since it was written)
-      if (mc != m[row]) {  // (the first chunk too: the state may carry an accumulator in)
-        const __m512 a = _mm512_set1_ps(alpha);
-        for (int d = 0; d < D; d += LANES) _mm512_storeu_ps(ot + row * D + d, _mm512_mul_ps(_mm512_loadu_ps(ot + row * D + d), a));
-      }
-      m[row] = mc;
+      softmax_row<T>(sc + row * KC, groups, D, ot + row * D, m[row], l[row]);
     }
     for (int d0 = 0; d0 < D; d0 += DB * LANES) {
       const int nb = std::min<int>(DB, (D - d0) / LANES);

@@ -1,6 +1,6 @@
 // The key loop of a decode work item (keys in the vector lanes) for head_dim D = DV * 16 known at
 // compile time (64 and 128: the models' sizes), included by attention.cpp after the helpers it
-// uses (Problem, Scratch, exp_ps, sum16, pv_weight, key_rows, prefetch_line).
+// uses (Problem, Scratch, sum16, softmax_row, key_rows, prefetch_line).
 //
 // Why a second kernel beside attention.cpp's generic small_over_keys: a decode reads every K/V row
 // of its context once per layer, so the loop must hide memory latency behind arithmetic. Here the
@@ -154,7 +154,6 @@ inline void decode_over_keys(const Problem& P, const T* k, const T* v, int64_t b
   const int row_bytes = D * static_cast<int>(sizeof(T));
   float* sc = s.st.data();  // [R][KC] scores, then probabilities (P·V weights)
   const __m512 scale = _mm512_set1_ps(P.scale);
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   // Queries in registers' layout: float32 vectors, or (DP) bfloat16 pairs along D.
   alignas(64) float qbuf[R * D];
   if constexpr (DP) {
@@ -203,26 +202,7 @@ inline void decode_over_keys(const Problem& P, const T* k, const T* v, int64_t b
     }
     // Online softmax per row.
     for (int row = 0; row < R; ++row) {
-      __m512 mx = neg_inf;
-      for (int g = 0; g < groups; ++g) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + row * KC + g * LANES));
-      const float mc = std::max(m[row], _mm512_reduce_max_ps(mx));
-      const float safe = std::isinf(mc) ? 0.0f : mc;  // a row with no key yet: exp(-inf) = 0
-      const float alpha = std::exp(m[row] - safe);
-      const __m512 sv = _mm512_set1_ps(safe);
-      __m512 sum = _mm512_setzero_ps();
-      for (int g = 0; g < groups; ++g) {
-        float* sg = sc + row * KC + g * LANES;
-        const __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg), sv));
-        _mm512_storeu_ps(sg, pv_weight<T>(p));
-        sum = _mm512_add_ps(sum, p);
-      }
-      l[row] = std::fma(l[row], alpha, _mm512_reduce_add_ps(sum));
-      if (mc != m[row]) {
-        const __m512 a = _mm512_set1_ps(alpha);
-        for (int d = 0; d < D; d += LANES)
-          _mm512_storeu_ps(ot + row * D + d, _mm512_mul_ps(_mm512_loadu_ps(ot + row * D + d), a));
-      }
-      m[row] = mc;
+      softmax_row<T>(sc + row * KC, groups, D, ot + row * D, m[row], l[row]);
       if (n % 2) sc[row * KC + n] = 0.0f;  // the DP path's last pair: (p, 0)
     }
     // P·V.

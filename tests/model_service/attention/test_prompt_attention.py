@@ -14,7 +14,7 @@ from model_service.attention.torch_backend import TorchAttentionBackend
 from model_service.native import prompt_attention as pa
 from model_service.native import registry
 from tests.model_service.attention.paged_case import make_case
-from tests.native_required import needs_library
+from tests.native_required import needs_library, skip_unless_native
 
 needs_native = needs_library()  # (whether the kernel matches torch here is its probe, per shape: below)
 
@@ -51,9 +51,7 @@ def test_bitwise_torch_on_every_length_it_takes(heads):
     torch's call bit for bit (where the start-up probe passes on this machine's MKL)."""
     hq, hkv, d = heads
     scale = d ** -0.5
-    if not _bitwise_here(hq, hkv, d, scale):
-        pytest.skip(f"native kernels: this machine's MKL sums torch's products in another order "
-                    f"({registry.status('prompt_attention', num_q_heads=hq, num_kv_heads=hkv, head_dim=d, scale=scale).reason})")
+    skip_unless_native("prompt_attention", num_q_heads=hq, num_kv_heads=hkv, head_dim=d, scale=scale)
     rng = random.Random(hash(heads) & 0xFFFF)
     edges = [e + o for e in (192, 256, 512, 768, 1024, 1536, 2048) for o in (-1, 0, 4, 12, 40)]
     lengths = [t for t in list(range(12, 141)) + edges + rng.sample(range(141, 2100), 12) if pa.takes_length(t)]

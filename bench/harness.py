@@ -659,7 +659,7 @@ def kernels_line(log: Iterable[str]) -> str:
     kernels, pool; the linear products' mode (for printing beside every number)."""
     found = []
     for line in log:
-        match = re.search(r"(model \S+ on .*KV pool.*)$", line) or re.search(r"(linear products, .*mode)", line)
+        match = re.search(r"(model \S+ on .*KV pool.*)$", line) or re.search(r"(linear products, .*mode(?:, bf16 \S+ rows on radixkv's [^:(]*)?)", line)
         if match:
             found.append(match.group(1))
     return "; ".join(found[:2])

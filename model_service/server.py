@@ -24,7 +24,7 @@ from model_service.attention import AttentionBackend, TorchAttentionBackend, cre
 from model_service.cache_client import CacheClient
 from model_service.engine import Engine, EngineConfig
 from model_service.kv_cache import KVCache, KVCacheSpec
-from model_service.linear import ModelLinears
+from model_service.linear import ModelLinears, dot
 from model_service.linear.packed import warm_up
 from model_service.metrics import ModelMetrics
 from model_service.model_loader import load_model
@@ -132,6 +132,15 @@ def _linear_plan_note(linears: ModelLinears, kernels: str) -> str:
     return f" (native kernel: {native.unavailable_reason() or 'no shape summed by MKL in an order it reproduces'})"
 
 
+def _dot_note(linears: ModelLinears) -> str:
+    """The row counts the bf16 kernel of linear/dot.py takes, where the timing run gave it any."""
+    dot_rows = linears.timing.dot_rows if linears.timing is not None else 0
+    if not dot_rows or not any(plan.uses("dot") for plan in linears.plans):
+        return ""
+    engine = "AMX tiles" if dot.has_tiles() else "AVX512-BF16 dot products"
+    return f", bf16 1-{dot_rows} rows on radixkv's {engine}"
+
+
 def build_engine(config: ModelServiceConfig, worker_id: str) -> tuple[Engine, ModelServicer]:
     """Loads the model and wires every part of the service (slow: loads weights)."""
     device = resolve_device(config.device)
@@ -151,7 +160,7 @@ def build_engine(config: ModelServiceConfig, worker_id: str) -> tuple[Engine, Mo
              ", float32 products through oneDNN" if config.fp32_gemm == "onednn" and dtype == torch.float32 else "")
     runner = ModelRunner(loaded.model, kv_cache, backend, device, config.fp32_gemm, config.linear_kernels,
                          config.linear_mode)
-    log.info("linear products, %s mode%s:\n%s", runner.linears.mode,
+    log.info("linear products, %s mode%s%s:\n%s", runner.linears.mode, _dot_note(runner.linears),
              _linear_plan_note(runner.linears, config.linear_kernels), runner.linears.table())
     if device.type == "cpu":
         started = time.perf_counter()

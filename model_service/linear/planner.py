@@ -3,12 +3,14 @@
 For each weight (a layer's, or a fused q/k/v or gate/up group's) and each row count, the
 candidates are tried in order, fastest first:
 
-1. `packed` (oneDNN's reordered copy): bf16, or float32 with --fp32-gemm onednn; every row count.
-2. `blocked` (radixkv's AVX-512 kernel): float32 with --fp32-gemm mkl and --linear-kernels auto,
+1. `dot` (radixkv's bf16 kernel on AMX tiles or AVX512-BF16 dot products, dot.py): bf16 with
+   --linear-kernels auto, up to the row count the timing run found it faster than `packed` here.
+2. `packed` (oneDNN's reordered copy): bf16, or float32 with --fp32-gemm onednn; every row count.
+3. `blocked` (radixkv's AVX-512 kernel): float32 with --fp32-gemm mkl and --linear-kernels auto,
    no bias, the row counts its probe reproduces MKL's order for (16+, some of 2-15).
-3. `split` (one row in one-token steps): large weights, when the timing run finds it faster.
-4. `transposed` (2/16-256 rows): float32, when the timing run finds it faster.
-5. `F.linear`.
+4. `split` (one row in one-token steps): large weights, when the timing run finds it faster.
+5. `transposed` (2/16-256 rows): float32, when the timing run finds it faster.
+6. `F.linear`.
 
 Exact mode takes the first candidate verified bit-identical to F.linear for this shape and row
 count (verify.py; blocked's own probe); fast mode takes the first candidate and records whether
@@ -17,6 +19,7 @@ it was verified. The plan is logged as one table (`ModelLinears.table`) and expo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_service.linear import blocked as blocked_kernel
+from model_service.linear import dot as dot_kernel
 from model_service.linear.blocked import BlockedWeight, probe_rows
 from model_service.linear.fused import fuse_sibling_projections
 from model_service.linear.packed import FP32_GEMMS, pack_weight, packed_linear
@@ -41,7 +45,7 @@ from model_service.linear.short import (
     transposed_linear,
     transposed_rows,
 )
-from model_service.linear.tuning import Timing, time_paths
+from model_service.linear.tuning import Timing, time_dot_rows, time_paths
 from model_service.linear.verify import TRANSPOSED_PROBE_ROWS, Verifier, shared
 
 log = logging.getLogger(__name__)
@@ -99,6 +103,8 @@ class _Candidates:
     mode: str
     packed: torch.Tensor | None
     blocked: BlockedWeight | None
+    dot: torch.Tensor | None  # dot.py's copy
+    dot_rows: int  # inputs of up to this many rows may take it
     split_parts: int  # > 1: the split path is a candidate for one row
     transposed: range
     verifier: Verifier
@@ -117,6 +123,10 @@ class _Candidates:
 
     def _candidates(self, rows: int):
         w, b = self.weight, self.bias
+        if self.dot is not None and rows <= self.dot_rows:
+            engine = "AMX tiles" if dot_kernel.uses_tiles(self.dot) else "AVX512-BF16 dot products"
+            yield ("dot", lambda: self.verifier.dot(w, b, self.dot),
+                   f"radixkv kernel on {engine}, faster than oneDNN here up to {self.dot_rows} rows (timed)")
         if self.packed is not None:
             yield "packed", lambda: self.verifier.packed(w, b, self.packed), self.packed_note
         if self.blocked is not None and self.blocked.takes(rows):
@@ -138,6 +148,10 @@ def _why(why: str, refused: list[str]) -> str:
 
 def _path_fn(path: str, candidates: _Candidates, rows: int, step: SingleTokenStep) -> Product:
     w, b = candidates.weight, candidates.bias
+    if path == "dot":
+        striped = candidates.dot
+        tiles = dot_kernel.uses_tiles(striped)
+        return lambda x: dot_kernel.dot_linear(x, striped, b, tiles)
     if path == "packed":
         packed = candidates.packed
         return lambda x: packed_linear(x, packed, b)
@@ -165,13 +179,14 @@ def plan_weight(name: str, weight: torch.Tensor, bias: torch.Tensor | None, *, m
     if cpu and packed is None and bias is None and fp32_gemm == "mkl" and linear_kernels == "auto":
         blocked = blocked_kernel.pack(weight)
     timed = timing if timing is not None else Timing(transposed=False, split_one_row=False)
+    striped = dot_kernel.pack(weight) if cpu and linear_kernels == "auto" and timed.dot_rows > 0 else None
     candidates = _Candidates(
-        name, weight, bias, mode, packed, blocked,
+        name, weight, bias, mode, packed, blocked, striped, timed.dot_rows,
         split_parts() if cpu and timed.split_one_row and splits(weight) else 0,
         transposed_rows(weight) if cpu and timed.transposed else range(0),
         verifier,
         "oneDNN, weight reordered once" + (" (--fp32-gemm onednn)" if weight.dtype == torch.float32 else ""))
-    key = (tuple(weight.shape), weight.dtype, bias is None, packed is None,
+    key = (tuple(weight.shape), weight.dtype, bias is None, packed is None, striped is None, timed.dot_rows,
            None if blocked is None else (blocked.block, blocked.short_splits), candidates.split_parts,
            candidates.transposed, mode, id(verifier))
     choices = {} if choices is None else choices
@@ -190,7 +205,8 @@ def plan_weight(name: str, weight: torch.Tensor, bias: torch.Tensor | None, *, m
 
     by_rows = [lambda x: F.linear(x, weight, bias)] + [fn(path, r) for r, (path, _, _) in enumerate(per_row, 1)]
     return PlannedProduct(plan, weight, bias, packed if plan.uses("packed") else None,
-                          blocked if plan.uses("blocked") else None, by_rows, fn(tail[0], MAX_ROWS + 1))
+                          blocked if plan.uses("blocked") else None, striped if plan.uses("dot") else None,
+                          by_rows, fn(tail[0], MAX_ROWS + 1))
 
 
 def _linear_layers(model: nn.Module) -> list[tuple[nn.Module, str, str, nn.Linear]]:
@@ -229,9 +245,12 @@ def plan_model(model: nn.Module, *, mode: str = "auto", fp32_gemm: str = "mkl", 
     for parent, attr, name, layer in layers:
         holders.append((name, layer.weight, layer.bias, lambda p, a=(parent, attr, layer): put(p, *a)))
     cpu_float32 = [w for _, w, _, _ in holders if w.device.type == "cpu" and w.dtype == torch.float32]
+    cpu_bf16 = [w for _, w, _, _ in holders if w.device.type == "cpu" and w.dtype == torch.bfloat16]
     on_cpu = any(w.device.type == "cpu" for _, w, _, _ in holders)
     if timing is None and on_cpu:
         timing = time_paths(cpu_float32) if cpu_float32 else Timing()
+        if cpu_bf16 and linear_kernels == "auto" and dot_kernel.available():
+            timing = dataclasses.replace(timing, dot_rows=time_dot_rows(cpu_bf16))
     linears = ModelLinears(mode, timing=timing)
     products: dict[tuple[int, int], PlannedProduct] = {}  # a layer that appears twice is planned once
     choices: dict = {}

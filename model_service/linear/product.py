@@ -22,16 +22,17 @@ class PlannedProduct:
     longer inputs, so a call costs a row count and an index (no per-call rules). An input of
     another dtype than the weight's (not one the model passes) takes F.linear."""
 
-    __slots__ = ("plan", "weight", "bias", "packed", "blocked", "dtype", "_by_rows", "_tail")
+    __slots__ = ("plan", "weight", "bias", "packed", "blocked", "dot", "dtype", "_by_rows", "_tail")
 
     def __init__(self, plan: LinearPlan, weight: torch.Tensor, bias: torch.Tensor | None,
-                 packed: torch.Tensor | None, blocked: BlockedWeight | None,
+                 packed: torch.Tensor | None, blocked: BlockedWeight | None, dot: torch.Tensor | None,
                  by_rows: Sequence[Product], tail: Product) -> None:
         self.plan = plan
         self.weight = weight  # [out, in]
         self.bias = bias
         self.packed = packed  # oneDNN's copy, kept only where the plan takes it
         self.blocked = blocked  # the blocked kernel's copy, kept only where the plan takes it
+        self.dot = dot  # the bf16 dot-product kernel's copy, kept only where the plan takes it
         self.dtype = weight.dtype
         self._by_rows = tuple(by_rows)  # [rows] -> the path for inputs of that many rows
         self._tail = tail  # inputs of len(by_rows) rows or more

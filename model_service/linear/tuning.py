@@ -1,4 +1,5 @@
-"""Timing, per machine, whether the short-input paths of short.py are faster than `F.linear`.
+"""Timing, per machine, whether the short-input paths of short.py are faster than `F.linear`,
+and up to how many rows the bfloat16 dot-product kernel (dot.py) is faster than oneDNN's.
 
 Both paths compute what `F.linear` computes (bit for bit where the plan verified them), but
 whether they are faster depends on the CPU: on AMD EPYC cores both beat `F.linear`; on Intel Xeon
@@ -6,6 +7,10 @@ whether they are faster depends on the CPU: on AMD EPYC cores both beat `F.linea
 the plan times each path against `F.linear` on the model's own
 weights (passes over all of them, as a step makes; about a second for the bundled model) and
 offers a path only where it is clearly faster.
+
+bfloat16 weights: dot.py's kernel streams the weight at the memory's speed for few rows, but
+where it runs on dot products their throughput decides how many rows it takes before oneDNN wins
+(on its AMX tiles, 32 rows and more); so the run times both at DOT_PROBE_ROWS.
 
 A timing run decides speed only, never bits: it can take a path away from the plan, and the plan
 then still refuses (in exact mode) every path that was not verified bit-identical to `F.linear`.
@@ -22,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from model_service.linear import dot
+from model_service.linear.packed import pack_weight, packed_linear
 from model_service.linear.short import split_linear, split_parts, splits, transposed_linear
 
 log = logging.getLogger(__name__)
@@ -29,6 +36,8 @@ log = logging.getLogger(__name__)
 ROWS = 32  # a typical decode batch
 REPEATS = 5
 MIN_GAIN = 0.05  # a path is kept when it saves at least this share of F.linear's time
+DOT_PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the dot kernel is kept up to the last of these it wins at
+DOT_TIMING_BYTES = 512 << 20  # bf16 weights timed at most (packed twice more for the run)
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,13 +46,14 @@ class Timing:
 
     transposed: bool = True  # 2/16-256 rows: (W @ x.T).T instead of F.linear
     split_one_row: bool = True  # one token: one thread, large products split across the cores
+    dot_rows: int = 0  # bf16: inputs of up to this many rows take dot.py's kernel (0: none)
 
 
 def _pass_s(weights: list[torch.Tensor], rows: int,
             linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], repeats: int) -> float:
     """Median time of one pass over every weight, in the model's order: each weight streams from
     memory as in a real step (timing one shape in a loop would keep it in cache)."""
-    inputs = {w.shape[1]: torch.randn(1, rows, w.shape[1]) for w in weights}  # [1, rows, in]
+    inputs = {w.shape[1]: torch.randn(1, rows, w.shape[1]).to(w.dtype) for w in weights}  # [1, rows, in]
 
     def one_pass() -> None:
         for w in weights:
@@ -85,3 +95,37 @@ def time_paths(weights: Iterable[torch.Tensor], repeats: int = REPEATS) -> Timin
     log.info("short-input GEMMs: %d rows %.1f ms F.linear vs %.1f ms transposed; one row %.1f ms vs %.1f ms "
              "split -> %s", ROWS, 1e3 * plain, 1e3 * transposed, 1e3 * plain_one, 1e3 * split_one, timing)
     return timing
+
+
+def time_dot_rows(weights: Iterable[torch.Tensor], repeats: int = 3) -> int:
+    """Up to how many rows dot.py's kernel beats oneDNN's packed product on these bf16 CPU weights
+    ([out, in] each): the largest of DOT_PROBE_ROWS at which it, and at every smaller one, saved
+    at least MIN_GAIN of the time. 0 where it never does or either cannot take the weights."""
+    pairs, size = [], 0
+    for w in weights:
+        if size >= DOT_TIMING_BYTES:
+            break
+        if w.dim() != 2 or w.dtype != torch.bfloat16 or w.device.type != "cpu":
+            continue
+        packed, striped = pack_weight(w.detach()), dot.pack(w)
+        if packed is None or striped is None:
+            continue
+        pairs.append((w, packed, striped))
+        size += w.numel() * w.element_size()
+    if not pairs:
+        return 0
+    by_id = {id(w): (packed, striped) for w, packed, striped in pairs}
+    ws = [w for w, _, _ in pairs]
+    best, times = 0, []
+    with torch.inference_mode():
+        for rows in DOT_PROBE_ROWS:
+            onednn = _pass_s(ws, rows, lambda x, w: packed_linear(x, by_id[id(w)][0], None), repeats)
+            striped = _pass_s(ws, rows, lambda x, w: dot.dot_linear(x, by_id[id(w)][1], None), repeats)
+            times.append(f"{rows}: {1e3 * onednn:.1f}/{1e3 * striped:.1f}")
+            if striped >= (1 - MIN_GAIN) * onednn:
+                break
+            best = rows
+    engine = "AMX tiles" if dot.has_tiles() else "AVX512-BF16 dot products"
+    log.info("bf16 GEMMs, ms per pass (oneDNN / radixkv on %s) at rows %s -> radixkv up to %d rows",
+             engine, ", ".join(times), best)
+    return best

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from model_service.linear import dot as dot_kernel
 from model_service.linear.blocked import probe_rows
 from model_service.linear.packed import packed_linear
 from model_service.linear.short import split_linear, transposed_linear
@@ -19,6 +20,7 @@ from model_service.linear.short import split_linear, transposed_linear
 # on its own), most telling first, while their products stay under PROBE_FLOPS per shape.
 TRANSPOSED_PROBE_ROWS = (16, 17, 31, 32, 33, 64, 100, 128, 255, 256)
 PACKED_PROBE_ROWS = (1, 2, 3, 5, 16, 32, 33, 64, 257)
+DOT_PROBE_ROWS = (1, 2, 3, 5, 16, 32)
 
 
 class Verifier:
@@ -76,6 +78,16 @@ class Verifier:
                     return False
             return True
         return self._memo(self._key("packed", weight, bias, PACKED_PROBE_ROWS), check)
+
+    def dot(self, weight: torch.Tensor, bias: torch.Tensor | None, striped: torch.Tensor) -> bool:
+        """Whether dot.py's product equals F.linear at every row count of DOT_PROBE_ROWS."""
+        def check() -> bool:
+            for r in DOT_PROBE_ROWS:
+                x = self._inputs(weight, r, r)
+                if not torch.equal(dot_kernel.dot_linear(x, striped, bias), F.linear(x, weight, bias)):
+                    return False
+            return True
+        return self._memo(self._key("dot", weight, bias, DOT_PROBE_ROWS), check)
 
 
 

@@ -123,7 +123,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
 
 
 def has_bf16_dot_products() -> bool:
-    """Whether bfloat16 attention runs on AVX512-BF16 dot products here (else float32 FMAs)."""
+    """Whether this CPU has AVX512-BF16: bfloat16 attention then runs on its dot products (else float32
+    FMAs), and the bfloat16 dot-product linear (linear/dot.py) can run."""
     return bool(torch.ops.radixkv.has_bf16_dot_products())
 
 

@@ -40,6 +40,7 @@ namespace {
 
 constexpr int KC = 64;         // keys per chunk
 using radixkv::LANES;
+using radixkv::has_bf16_dot_products;
 constexpr int MAX_ROWS = 64;   // query rows of a work item (4 vectors)
 constexpr int MAX_D = 256;     // head_dim limit (a multiple of 16)
 constexpr int SMALL_ROWS = 8;  // work items of at most this many rows take the keys-in-lanes kernel
@@ -266,15 +267,9 @@ RADIXKV_BF16 inline void pair_probabilities(const float* st, int n, uint32_t* pp
       _mm512_storeu_si512(pp + (j / 2) * W + v * LANES, _mm512_permutexvar_epi16(interleave, ab));
     }
 }
-
-bool has_bf16_dot_products() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-}
 #else  // a compiler without AVX512-BF16 (build.py): never called
 template <int RV>
 inline void pair_probabilities(const float*, int, uint32_t*) { std::abort(); }
-bool has_bf16_dot_products() { return false; }
 #endif
 std::atomic<bool> allow_bf16_dot_products{true};
 
@@ -1148,5 +1143,5 @@ TORCH_LIBRARY(radixkv, m) {
         "-> (Tensor, Tensor)");
   m.impl("attend_cascade", c10::DispatchKey::CPU, TORCH_FN(attend_cascade));
   m.def("set_bf16_dot_products(bool enabled) -> bool", set_bf16_dot_products);
-  m.def("has_bf16_dot_products() -> bool", has_bf16_dot_products);
+  m.def("has_bf16_dot_products() -> bool", radixkv::has_bf16_dot_products);
 }

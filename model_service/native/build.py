@@ -1,5 +1,5 @@
-"""Builds the native CPU kernels (attention.cpp, linear.cpp, prompt_attention.cpp, kv_write.cpp,
-argmax.cpp, rms_norm.cpp, rope.cpp) into a shared library next to this file.
+"""Builds the native CPU kernels (attention.cpp, linear.cpp, dot_linear.cpp, prompt_attention.cpp,
+kv_write.cpp, argmax.cpp, rms_norm.cpp, rope.cpp) into a shared library next to this file.
 
 `make install` runs `python -m model_service.native.build`; the library's name carries a hash of
 the sources and headers, the compiler flags and the torch version, so a stale build is never
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-SOURCES = [HERE / "attention.cpp", HERE / "linear.cpp", HERE / "prompt_attention.cpp", HERE / "kv_write.cpp",
-           HERE / "argmax.cpp", HERE / "rms_norm.cpp", HERE / "rope.cpp"]
+SOURCES = [HERE / "attention.cpp", HERE / "linear.cpp", HERE / "dot_linear.cpp", HERE / "prompt_attention.cpp",
+           HERE / "kv_write.cpp", HERE / "argmax.cpp", HERE / "rms_norm.cpp", HERE / "rope.cpp"]
 HEADERS = sorted(HERE.glob("*.h"))  # simd.h: in the hash (and the Makefile's NATIVE_SRC) so edits rebuild
 # The kernels use AVX-512 F/BW/VL/DQ (the set torch calls "AVX512"); the library is only loaded
 # where torch reports that capability. AVX512-BF16 code is compiled only inside functions marked
@@ -39,6 +39,7 @@ CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-err
              "-Wno-c++20-extensions", "-DNDEBUG", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
              *ISA_FLAGS]
 NO_BF16_FLAG = "-DRADIXKV_NO_BF16"  # added where the compiler cannot target AVX512-BF16
+NO_AMX_FLAG = "-DRADIXKV_NO_AMX"  # added where it cannot target AMX (dot_linear then has no tile path)
 X86_MACHINES = ("x86_64", "amd64", "x64")
 
 
@@ -78,14 +79,25 @@ def library_path() -> Path:
     return HERE / "_build" / f"radixkv_native_{digest.hexdigest()[:16]}.so"
 
 
-def compiler_targets_bf16(cxx: str, directory: Path) -> bool:
-    """Whether `cxx` compiles a function with AVX512-BF16's target attribute and intrinsics."""
-    probe = directory / "bf16_probe.cpp"
-    probe.write_text('#include <immintrin.h>\n__attribute__((target("avx512bf16"))) __m512 dot(__m512 a, '
-                     '__m512i b, __m512i c) { return _mm512_dpbf16_ps(a, (__m512bh)b, (__m512bh)c); }\n')
-    result = subprocess.run([cxx, *ISA_FLAGS, "-c", str(probe), "-o", str(directory / "bf16_probe.o")],
+def _compiles(cxx: str, directory: Path, name: str, source: str) -> bool:
+    probe = directory / f"{name}_probe.cpp"
+    probe.write_text(source)
+    result = subprocess.run([cxx, *ISA_FLAGS, "-c", str(probe), "-o", str(directory / f"{name}_probe.o")],
                             capture_output=True)
     return result.returncode == 0
+
+
+def compiler_targets_bf16(cxx: str, directory: Path) -> bool:
+    """Whether `cxx` compiles a function with AVX512-BF16's target attribute and intrinsics."""
+    return _compiles(cxx, directory, "bf16", '#include <immintrin.h>\n__attribute__((target("avx512bf16"))) '
+                     '__m512 dot(__m512 a, __m512i b, __m512i c) { return _mm512_dpbf16_ps(a, (__m512bh)b, (__m512bh)c); }\n')
+
+
+def compiler_targets_amx(cxx: str, directory: Path) -> bool:
+    """Whether `cxx` compiles a function with AMX's target attributes and tile intrinsics."""
+    return _compiles(cxx, directory, "amx", '#include <immintrin.h>\n__attribute__((target("amx-tile,amx-bf16"))) '
+                     'void dot(const void* a, void* c) { _tile_loadd(1, a, 64); _tile_loadd(2, a, 64); '
+                     '_tile_dpbf16ps(0, 1, 2); _tile_stored(0, c, 64); _tile_release(); }\n')
 
 
 def include_flags() -> list[str]:
@@ -109,6 +121,10 @@ def build(force: bool = False, quiet: bool = False) -> Path:
         bf16 = [] if compiler_targets_bf16(cxx, Path(tmp)) else [NO_BF16_FLAG]
         if bf16 and not quiet:
             print(f"warning: {cxx} cannot target AVX512-BF16; bfloat16 attention uses float32 FMAs", file=sys.stderr)
+        if not bf16 and not compiler_targets_amx(cxx, Path(tmp)):
+            bf16.append(NO_AMX_FLAG)
+            if not quiet:
+                print(f"warning: {cxx} cannot target AMX; bfloat16 linears use dot products only", file=sys.stderr)
         # libgomp from torch's lib folder (same soname), so the kernels share torch's OpenMP pool.
         command = [cxx, *CXX_FLAGS, *bf16, *include_flags(), *map(str, SOURCES),
                    "-o", str(partial), f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-ltorch_cpu", "-lc10"]

@@ -25,8 +25,22 @@ inline __mmask16 tail_mask(int64_t remaining) {
 
 // AVX512-BF16 code: the library is compiled for AVX-512 F/BW/VL/DQ only, and functions with this
 // attribute may use AVX512-BF16 instructions too. They run only where has_bf16_dot_products()
-// (attention.cpp) found the instructions on this CPU. A compiler without AVX512-BF16 support
+// (below) found the instructions on this CPU. A compiler without AVX512-BF16 support
 // builds with RADIXKV_NO_BF16 (build.py): the dot-product path is then left out entirely.
 #ifndef RADIXKV_NO_BF16
 #define RADIXKV_BF16 __attribute__((target("avx512bf16")))
 #endif
+
+namespace radixkv {
+
+// Whether this CPU runs AVX512-BF16, so that RADIXKV_BF16 functions may be called.
+inline bool has_bf16_dot_products() {
+#ifndef RADIXKV_NO_BF16
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
+}  // namespace radixkv

@@ -16,6 +16,7 @@ from tests.native_required import skip_unless_native
 
 ROOT = Path(__file__).resolve().parents[2]
 BF16_INSTRUCTIONS = re.compile(r"\bv(dpbf16ps|cvtne2ps2bf16|cvtneps2bf16)\b")
+AMX_INSTRUCTIONS = re.compile(r"\b(tdpbf16ps|tileloadd|tileloaddt1|tilestored|ldtilecfg|tilezero|tilerelease)\b")
 
 
 def test_flags_keep_products_apart_and_leave_bf16_to_target_attributes():
@@ -74,11 +75,14 @@ def test_any_cpu_builds_for_another_x86_machine_but_not_for_another_architecture
 
 
 @pytest.mark.skipif(shutil.which(build.os.environ.get("CXX", "g++")) is None, reason="needs a C++ compiler")
-def test_attention_compiles_without_avx512_bf16():
-    """What a compiler that cannot target AVX512-BF16 builds (build.py adds RADIXKV_NO_BF16)."""
+@pytest.mark.parametrize("source, flag", [("attention.cpp", build.NO_BF16_FLAG), ("dot_linear.cpp", build.NO_BF16_FLAG),
+                                          ("dot_linear.cpp", build.NO_AMX_FLAG)])
+def test_dot_product_kernels_compile_without_avx512_bf16_or_amx(source: str, flag: str):
+    """What a compiler that cannot target AVX512-BF16 (or AMX) builds (build.py adds RADIXKV_NO_BF16,
+    RADIXKV_NO_AMX)."""
     cxx = build.os.environ.get("CXX", "g++")
     result = subprocess.run([cxx, "-fsyntax-only", *[f for f in build.CXX_FLAGS if f not in ("-shared", "-fPIC")],
-                             build.NO_BF16_FLAG, *build.include_flags(), str(build.HERE / "attention.cpp")],
+                             flag, *build.include_flags(), str(build.HERE / source)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -86,8 +90,8 @@ def test_attention_compiles_without_avx512_bf16():
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
 def test_bf16_instructions_only_in_the_dot_product_entry_points():
     """A CPU with AVX-512 and no AVX512-BF16 never runs them: they sit only in attend_rows_dp,
-    attend_small_dp and cascade_rows_dp (compiled with the target attribute), which run where the
-    CPU has them."""
+    attend_small_dp, cascade_rows_dp and dot_linear's stripes (compiled with the target attribute),
+    which run where the CPU has them."""
     skip_unless_native("attention")
     listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", str(build.library_path())],
                              capture_output=True, text=True, check=True).stdout
@@ -96,4 +100,19 @@ def test_bf16_instructions_only_in_the_dot_product_entry_points():
         if BF16_INSTRUCTIONS.search(function):
             header = function.split(">:", 1)[0].replace("(anonymous namespace)::", "")
             holders.add(header.split("<", 1)[1].split("(", 1)[0].split("::")[-1])
-    assert holders == {"attend_rows_dp", "attend_small_dp", "cascade_rows_dp"}
+    assert holders == {"attend_rows_dp", "attend_small_dp", "cascade_rows_dp", "stripes", "tile_stripes"}
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
+def test_amx_instructions_only_in_the_tile_entry_point():
+    """A CPU without AMX never runs them: they sit only in dot_linear's tile_stripes (compiled with
+    the AMX target attributes), which runs only where has_amx_tiles() found the tiles usable."""
+    skip_unless_native("attention")
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", str(build.library_path())],
+                             capture_output=True, text=True, check=True).stdout
+    holders = set()
+    for function in listing.split("\n\n"):
+        if AMX_INSTRUCTIONS.search(function):
+            header = function.split(">:", 1)[0].replace("(anonymous namespace)::", "")
+            holders.add(header.split("<", 1)[1].split("(", 1)[0].split("::")[-1])
+    assert holders <= {"tile_stripes"}  # a compiler without AMX leaves it out (RADIXKV_NO_AMX)

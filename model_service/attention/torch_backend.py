@@ -40,7 +40,8 @@ dense attention makes, on the same contiguous layout).
 
 Extend: queries padded to the longest chunk, a causal mask offset by each cached prefix, K/V
 gathered block by block. A single sequence without cached prefix attends over its own new
-K/V with `is_causal=True`, exactly the call dense attention makes.
+K/V with `is_causal=True`, exactly the call dense attention makes (in bf16 through the native
+kernel, or torch's SDPA where a timing run at start found it faster: prompt_timing.py).
 
 Tokens recomputed over a cache hit (`BatchLayout.written_rows` leaves them out) keep their
 cached K/V: only the other rows are written, and only those slots invalidate kept prefix
@@ -65,6 +66,7 @@ from model_service.attention.base import AttentionBackend, BatchLayout
 from model_service.attention.indexing import segments, shared_prefix_groups
 from model_service.attention.merge_state import attention_with_lse, merge_states
 from model_service.attention.prefix_store import PREFIX_STORE_MAX_BYTES, PrefixCopy, PrefixKVStore
+from model_service.attention.prompt_timing import sdpa_faster_for_bf16_prompts
 from model_service.native import prompt_attention, registry
 
 # Cascade cost model (bench/attention_bench.py measures it). Decode cost ~ K/V tokens gathered
@@ -225,6 +227,9 @@ class TorchAttentionBackend(AttentionBackend):
         # Fresh float32 prompts: the native kernel bitwise torch's call (where `_prompt_kernel_for` says so).
         self.prompt_kernel = kernels == "auto" and prompt_attention.supports(dtype, num_q_heads, num_kv_heads,
                                                                              head_dim, device)
+        # Fresh bf16 prompts: torch's SDPA where a timing run found it faster here (AMX), else native.
+        self.bf16_prompts_on_sdpa = (self.native and dtype == torch.bfloat16 and device.type == "cpu"
+                                     and sdpa_faster_for_bf16_prompts(num_q_heads, num_kv_heads, head_dim))
         self.cascade = cascade if decode_gather == "rows" else "never"
         self.min_shared_blocks = max(1, min_shared_blocks)
         self.decode_gather = decode_gather
@@ -704,10 +709,14 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             queries = q.index_select(0, g.q_pad_index).view(n, max_q, self.num_q_heads, self.head_dim)
             queries = queries.transpose(1, 2)  # [n, Hq, max_q, D]
-        if self._use_native(g.block_ids is None, q.dtype):
+        fresh_prompt = g.block_ids is None and g.is_causal and g.attn_mask is None
+        if fresh_prompt and self.bf16_prompts_on_sdpa and q.dtype == torch.bfloat16:
+            out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
+                                                 enable_gqa=self._enable_gqa)
+        elif self._use_native(g.block_ids is None, q.dtype):
             assert g.kv_lens is not None
             out, _ = native.attend(queries, keys, values, g.kv_lens, g.causal_offsets, scale)
-        elif g.block_ids is None and g.is_causal and g.attn_mask is None and self._prompt_kernel_for(keys.shape[2], scale):
+        elif fresh_prompt and self._prompt_kernel_for(keys.shape[2], scale):
             out = prompt_attention.prompt_attention(queries, keys, values, scale)  # bitwise the call below
         else:
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.attn_mask,

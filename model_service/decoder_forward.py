@@ -157,14 +157,18 @@ class DecoderForward:
             )
             for layer in inner.layers
         ]
-        # Residual add + RMSNorm in one native call where it is bitwise torch's ops (float32).
+        # Residual add + RMSNorm, and RoPE, in one native call each where that is bitwise torch's ops
+        # (float32 and bfloat16: the registry's probes, per dtype).
         norms = [(w, e) for layer in self.layers for w, e in ((layer.input_norm, layer.input_eps),
                                                               (layer.post_norm, layer.post_eps))]
         norms.append((self.norm, self.norm_eps))
-        self.native_rope = self.embed.device.type == "cpu" and registry.active("rope", head_dim=self.head_dim)
-        self.native_norm = (self.embed.dtype == torch.float32 and self.embed.device.type == "cpu"
-                            and all(w.dtype == torch.float32 and w.is_contiguous() for w, _ in norms)
-                            and all(registry.active("rms_norm", hidden_size=hidden_size, eps=e)
+        dtype = self.embed.dtype
+        kernel_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(dtype)
+        on_cpu = self.embed.device.type == "cpu" and kernel_dtype is not None
+        shape = {} if dtype == torch.float32 else {"dtype": kernel_dtype}  # float32: the probes' default keys
+        self.native_rope = on_cpu and registry.active("rope", head_dim=self.head_dim, **shape)
+        self.native_norm = (on_cpu and all(w.dtype == dtype and w.is_contiguous() for w, _ in norms)
+                            and all(registry.active("rms_norm", hidden_size=hidden_size, eps=e, **shape)
                                     for e in {e for _, e in norms}))
 
     def _add_norm(self, y: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -184,8 +188,8 @@ class DecoderForward:
         return cos[0].contiguous(), signed_sin
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """x * cos + rotate_half(x) * sin. x: [T, H, D] -> new [T, H, D]; one native call in float32."""
-        if x.dtype == torch.float32 and cos.dtype == torch.float32 and self.native_rope:
+        """x * cos + rotate_half(x) * sin. x: [T, H, D] -> new [T, H, D]; one native call where probed."""
+        if self.native_rope and x.dtype == cos.dtype == self.embed.dtype:
             return native.rope(x, cos, signed_sin)
         return torch_rope(x, cos, signed_sin)
 

@@ -109,16 +109,16 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def add_rms_norm(y: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm of float32 rows in torch's own order (rms_norm.cpp), after `y += residual`
-    in place when residual is given. y [T, H] contiguous (and residual like it), weight [H].
-    Returns the normalized rows [T, H]; y then holds the sum."""
+    """LlamaRMSNorm of float32 or bfloat16 rows in torch's own order and roundings (rms_norm.cpp),
+    after `y += residual` in place when residual is given. y [T, H] contiguous (and residual like
+    it), weight [H], all of one dtype. Returns the normalized rows [T, H]; y then holds the sum."""
     return torch.ops.radixkv.add_rms_norm(y, residual, weight, eps)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + cat(x2, x1) * signed_sin for float32 x [T, H, D] (last dim contiguous) and
-    contiguous cos, signed_sin [T, D], each product and the sum rounded as torch's ops round them
-    (rope.cpp). Returns a new contiguous [T, H, D]."""
+    """x * cos + cat(x2, x1) * signed_sin for float32 or bfloat16 x [T, H, D] (last dim contiguous)
+    and contiguous cos, signed_sin [T, D] of x's dtype, each product and the sum rounded as torch's
+    ops round them (rope.cpp). Returns a new contiguous [T, H, D]."""
     return torch.ops.radixkv.rope(x, cos, signed_sin)
 
 

@@ -143,18 +143,20 @@ def _probe_argmax(vocab: int = 49152) -> str | None:
     return _differs(native.argmax_rows(x), x.argmax(dim=-1), "argmax")
 
 
-def _probe_rms_norm(hidden_size: int = 576, eps: float = 1e-5) -> str | None:
-    """add_rms_norm against `y += residual` then LlamaRMSNorm's ops (decoder_forward._rms_norm):
-    torch's sum order is an observation about this torch build, so it is checked on random rows."""
+def _probe_rms_norm(hidden_size: int = 576, eps: float = 1e-5, dtype: str = "float32") -> str | None:
+    """add_rms_norm against `y += residual` then LlamaRMSNorm's ops (decoder_forward._rms_norm), in
+    `dtype` (float32 or bfloat16): torch's sum order is an observation about this torch build, so
+    it is checked on random rows."""
     from model_service.decoder_forward import _rms_norm  # (imports this package)
 
     g = torch.Generator().manual_seed(0)
+    kind = getattr(torch, dtype)
     with torch.inference_mode():
         for rows in (1, 3, 32, 257):
-            y, residual = (torch.randn(rows, hidden_size, generator=g) * 4 for _ in range(2))  # [rows, hidden]
-            weight = torch.randn(hidden_size, generator=g)
+            y, residual = ((torch.randn(rows, hidden_size, generator=g) * 4).to(kind) for _ in range(2))  # [rows, hidden]
+            weight = torch.randn(hidden_size, generator=g).to(kind)
             want_sum = y + residual
-            want = _rms_norm(want_sum, weight, eps)
+            want = _rms_norm(want_sum.clone(), weight, eps)
             got = native.add_rms_norm(y, residual, weight, eps)
             found = _differs(got, want, f"{rows} rows") or _differs(y, want_sum, f"{rows} rows' residual sum")
             if found:
@@ -162,15 +164,17 @@ def _probe_rms_norm(hidden_size: int = 576, eps: float = 1e-5) -> str | None:
     return None
 
 
-def _probe_rope(head_dim: int = 64, num_heads: int = 15) -> str | None:
-    """rope against x * cos + cat(x2, x1) * signed_sin in torch's ops (decoder_forward.torch_rope)."""
+def _probe_rope(head_dim: int = 64, num_heads: int = 15, dtype: str = "float32") -> str | None:
+    """rope against x * cos + cat(x2, x1) * signed_sin in torch's ops (decoder_forward.torch_rope), in
+    `dtype` (float32 or bfloat16)."""
     from model_service.decoder_forward import torch_rope  # (imports this package)
 
     gen = torch.Generator().manual_seed(4)
+    kind = getattr(torch, dtype)
     for tokens in (1, 33):
-        x = torch.randn(tokens, num_heads, head_dim, generator=gen) * 8
+        x = (torch.randn(tokens, num_heads, head_dim, generator=gen) * 8).to(kind)
         angles = torch.rand(tokens, head_dim, generator=gen) * 100
-        cos, signed_sin = angles.cos(), angles.sin()
+        cos, signed_sin = angles.cos().to(kind), angles.sin().to(kind)
         found = _differs(native.rope(x, cos, signed_sin), torch_rope(x, cos, signed_sin), f"{tokens} tokens")
         if found:
             return found
@@ -209,9 +213,11 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
            _probe_kv_write, "model_service/attention/torch_backend.py"),
     Kernel("argmax", ("argmax_rows",), "torch.argmax(dim=-1)", "bitwise", _probe_argmax,
            "model_service/sampler.py"),
-    Kernel("rms_norm", ("add_rms_norm",), "residual add + LlamaRMSNorm (decoder_forward._rms_norm)", "bitwise",
+    Kernel("rms_norm", ("add_rms_norm",), "residual add + LlamaRMSNorm (decoder_forward._rms_norm)",
+           "bitwise, float32 and bfloat16",
            _probe_rms_norm, "model_service/decoder_forward.py"),
-    Kernel("rope", ("rope",), "x * cos + rotate_half(x) * sin (decoder_forward.torch_rope)", "bitwise",
+    Kernel("rope", ("rope",), "x * cos + rotate_half(x) * sin (decoder_forward.torch_rope)",
+           "bitwise, float32 and bfloat16",
            _probe_rope, "model_service/decoder_forward.py"),
 )}
 

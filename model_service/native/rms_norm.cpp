@@ -1,10 +1,14 @@
-// radixkv native CPU RMSNorm for float32 rows, bit for bit what transformers' LlamaRMSNorm computes
-// with torch's CPU kernels, with the residual add before it fused in. Registered as
-// torch.ops.radixkv.add_rms_norm (model_service/native/__init__.py).
+// radixkv native CPU RMSNorm for float32 and bfloat16 rows, bit for bit what transformers'
+// LlamaRMSNorm computes with torch's CPU kernels, with the residual add before it fused in.
+// Registered as torch.ops.radixkv.add_rms_norm (model_service/native/__init__.py).
 //
 //   y += residual                                  (optional, in place: the new hidden state)
 //   variance = y.pow(2).mean(-1, keepdim=True)     (torch: sum, then div_ by H)
 //   out = (y * (variance + eps).rsqrt()) * weight
+//
+// In bfloat16 as LlamaRMSNorm runs it: the residual sum rounded to bfloat16, the row widened to
+// float32 for the variance and the scaling, that result rounded to bfloat16, times the bfloat16
+// weight rounded again (decoder_forward._rms_norm).
 //
 // Why: in a decode step these are six or seven tiny torch ops per norm (two norms a layer), each
 // paying dispatch and a parallel region, a visible share of the step in all.
@@ -22,6 +26,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -31,6 +36,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -116,31 +122,75 @@ void norm_row(float* y, const float* residual, const float* weight, float* out, 
   for (; e < H; ++e) out[e] = (y[e] * scale) * weight[e];
 }
 
-// y [T, H] float32 contiguous, updated in place with residual [T, H] (if given); weight [H].
+// The bfloat16 row (uint16_t bits): y += residual rounded to bf16; the float32 row in `wide`.
+void norm_row_bf16(uint16_t* y, const uint16_t* residual, const uint16_t* weight, uint16_t* out, int64_t H, float eps,
+                   float* wide) {
+  int64_t e = 0;
+  for (; e + LANES <= H; e += LANES) {
+    __m512 v = radixkv::load_bf16(y + e);
+    if (residual != nullptr) {
+      v = radixkv::round_bf16(_mm512_add_ps(v, radixkv::load_bf16(residual + e)));
+      radixkv::store_bf16(y + e, v);
+    }
+    _mm512_storeu_ps(wide + e, v);
+  }
+  for (; e < H; ++e) {
+    float v = radixkv::bf16_to_float(y[e]);
+    if (residual != nullptr) {
+      y[e] = radixkv::float_to_bf16(v + radixkv::bf16_to_float(residual[e]));
+      v = radixkv::bf16_to_float(y[e]);
+    }
+    wide[e] = v;
+  }
+  const float variance = sum_of_squares(wide, H) / static_cast<float>(H);
+  const float scale = 1.0f / std::sqrt(variance + eps);
+  const __m512 s = _mm512_set1_ps(scale);
+  for (e = 0; e + LANES <= H; e += LANES) {
+    const __m512 normed = radixkv::round_bf16(_mm512_mul_ps(_mm512_loadu_ps(wide + e), s));
+    radixkv::store_bf16(out + e, _mm512_mul_ps(radixkv::load_bf16(weight + e), normed));
+  }
+  for (; e < H; ++e)
+    out[e] = radixkv::float_to_bf16(radixkv::bf16_to_float(weight[e]) * radixkv::round_bf16(wide[e] * scale));
+}
+
+// y [T, H] float32 or bfloat16 contiguous, updated in place with residual [T, H] (if given); weight [H].
 // Returns the normalized rows [T, H].
 at::Tensor add_rms_norm(at::Tensor y, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
                         double eps) {
   TORCH_CHECK(y.device().is_cpu() && weight.device().is_cpu(), "add_rms_norm takes CPU tensors");
-  TORCH_CHECK(y.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "add_rms_norm takes float32 tensors");
+  const auto dtype = y.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && weight.scalar_type() == dtype,
+              "add_rms_norm takes float32 or bfloat16 tensors, y and weight of one dtype");
   TORCH_CHECK(y.dim() == 2 && y.is_contiguous(), "y must be a contiguous [rows, hidden] tensor");
   const int64_t T = y.size(0), H = y.size(1);
   TORCH_CHECK(H >= 1, "hidden size must be >= 1");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous(), "weight must be a contiguous [", H,
               "] tensor");
-  const float* rp = nullptr;
   if (residual.has_value()) {
-    TORCH_CHECK(residual->device().is_cpu() && residual->scalar_type() == at::kFloat && residual->is_contiguous() &&
+    TORCH_CHECK(residual->device().is_cpu() && residual->scalar_type() == dtype && residual->is_contiguous() &&
                     residual->sizes() == y.sizes(),
-                "residual must be a contiguous float32 tensor shaped like y");
-    rp = residual->data_ptr<float>();
+                "residual must be a contiguous tensor of y's dtype and shape");
   }
   at::Tensor out = at::empty({T, H}, y.options());
+  const float e = static_cast<float>(eps);
+  const int64_t grain = std::max<int64_t>(1, 32768 / H);  // small inputs: one thread, no parallel region
+  if (dtype == at::kBFloat16) {
+    auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); };
+    uint16_t* yp = bits(y);
+    const uint16_t* rp = residual.has_value() ? bits(*residual) : nullptr;
+    const uint16_t* wp = bits(weight);
+    uint16_t* op = bits(out);
+    at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> wide(H);
+      for (int64_t t = begin; t < end; ++t)
+        norm_row_bf16(yp + t * H, rp == nullptr ? nullptr : rp + t * H, wp, op + t * H, H, e, wide.data());
+    });
+    return out;
+  }
+  const float* rp = residual.has_value() ? residual->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const float e = static_cast<float>(eps);
-  const int64_t grain = std::max<int64_t>(1, 32768 / H);  // small inputs: one thread, no parallel region
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       norm_row(yp + t * H, rp == nullptr ? nullptr : rp + t * H, wp, op + t * H, H, e);

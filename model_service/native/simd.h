@@ -21,6 +21,44 @@ inline __mmask16 tail_mask(int64_t remaining) {
   return remaining >= LANES ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1u);
 }
 
+// bfloat16 <-> float32 in AVX-512 F/BW, as torch's AVX512 vector code converts (ATen's
+// cvtbf16_fp32 / cvtfp32_bf16): widening is exact; narrowing rounds to nearest even, NaN to 0xffff.
+inline __m512 load_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+inline __m256i to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), _mm512_set1_epi32(0xffff), rounded);
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+inline void store_bf16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v)); }
+
+// v rounded to bfloat16 and widened back: a bf16 tensor op's result, as float32 for the next op.
+inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
+}
+
+// The scalar forms (c10::BFloat16's: round to nearest even; NaN to 0x7fc0 there, never met here).
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  if (f != f) return 0x7fc0;
+  uint32_t bits;
+  __builtin_memcpy(&bits, &f, 4);
+  return static_cast<uint16_t>((bits + ((bits >> 16) & 1u) + 0x7fffu) >> 16);
+}
+
+inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
 }  // namespace radixkv
 
 // AVX512-BF16 code: the library is compiled for AVX-512 F/BW/VL/DQ only, and functions with this

@@ -59,8 +59,9 @@ def steps(vocab: int) -> list[list[SequenceChunk]]:
 def assert_lean_equals_transformers(runner: ModelRunner, vocab: int) -> None:
     lean = runner.decoder
     assert lean is not None
-    # float32 takes the native residual add + RMSNorm wherever the kernels run: these comparisons cover it.
-    assert lean.native_norm == (native.available() and lean.embed.dtype == torch.float32)
+    # float32 and bfloat16 take the native residual add + RMSNorm and RoPE wherever the kernels run:
+    # these comparisons cover them.
+    assert lean.native_norm == lean.native_rope == native.available()
     assert lean.native_rope == native.available()
     for chunks in steps(vocab):
         runner.decoder = None  # transformers' forward (writes the same K/V to the same slots)

@@ -103,15 +103,15 @@ def test_write_kv_refuses_bad_input(change, message):
 @settings(max_examples=150, deadline=None)
 @given(rows=st.integers(0, 40), hidden=st.integers(1, 3000), residual=st.booleans(),
        scale=st.sampled_from([1e-20, 1e-3, 1.0, 30.0, 1e20]), eps=st.sampled_from([1e-5, 1e-6, 0.0]),
-       seed=st.integers(0, 2**31 - 1))
-def test_add_rms_norm_is_torchs_ops(rows, hidden, residual, scale, eps, seed):
-    """Bit for bit `y += residual` and decoder_forward._rms_norm (LlamaRMSNorm's ops), over hidden
-    sizes that take every branch of torch's sum order (scalar rows under 8, cascade levels from
-    512, tails), and magnitudes that underflow or overflow the squares."""
+       seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_add_rms_norm_is_torchs_ops(rows, hidden, residual, scale, eps, seed, dtype):
+    """Bit for bit `y += residual` and decoder_forward._rms_norm (LlamaRMSNorm's ops), in float32
+    and bfloat16, over hidden sizes that take every branch of torch's sum order (scalar rows under
+    8, cascade levels from 512, tails), and magnitudes that underflow or overflow the squares."""
     g = torch.Generator().manual_seed(seed)
-    y = torch.randn(rows, hidden, generator=g) * scale  # [rows, hidden]
-    res = torch.randn(rows, hidden, generator=g) * scale if residual else None
-    weight = torch.randn(hidden, generator=g)
+    y = (torch.randn(rows, hidden, generator=g) * scale).to(dtype)  # [rows, hidden]
+    res = (torch.randn(rows, hidden, generator=g) * scale).to(dtype) if residual else None
+    weight = torch.randn(hidden, generator=g).to(dtype)
     want_sum = y + res if residual else y.clone()
     want = _rms_norm(want_sum.clone(), weight, eps)
     got = native.add_rms_norm(y, res, weight, eps)
@@ -120,17 +120,21 @@ def test_add_rms_norm_is_torchs_ops(rows, hidden, residual, scale, eps, seed):
         got.nan_to_num(), want.nan_to_num())
 
 
-def test_add_rms_norm_on_a_decode_and_a_prompt_of_the_bundled_size():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_on_a_decode_and_a_prompt_of_the_bundled_size(dtype):
     g = torch.Generator().manual_seed(3)
     for rows in (1, 32, 1056):
-        y, res = torch.randn(rows, 576, generator=g), torch.randn(rows, 576, generator=g)
-        weight = torch.randn(576, generator=g)
+        y, res = torch.randn(rows, 576, generator=g).to(dtype), torch.randn(rows, 576, generator=g).to(dtype)
+        weight = torch.randn(576, generator=g).to(dtype)
         assert torch.equal(native.add_rms_norm(y.clone(), res, weight, 1e-5), _rms_norm(y + res, weight, 1e-5))
-    assert registry.active("rms_norm", hidden_size=576, eps=1e-5)
+    shape = {} if dtype == torch.float32 else {"dtype": "bfloat16"}
+    assert registry.active("rms_norm", hidden_size=576, eps=1e-5, **shape)
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda y, r, w: (y.double(), r, w), "float32"),
+    (lambda y, r, w: (y.double(), r, w), "float32 or bfloat16"),
+    (lambda y, r, w: (y.bfloat16(), r, w), "one dtype"),
+    (lambda y, r, w: (y.bfloat16(), r, w.bfloat16()), "residual"),
     (lambda y, r, w: (y.t(), r, w), "contiguous"),
     (lambda y, r, w: (y, r, w[:-1]), "weight"),
     (lambda y, r, w: (y, r[:, :-1].contiguous(), w), "residual"),
@@ -158,17 +162,17 @@ def test_decoder_forwards_torch_rope_is_those_ops_and_the_probe_passes():
 
 @settings(max_examples=120, deadline=None)
 @given(tokens=st.integers(0, 40), heads=st.integers(1, 12), half=st.integers(1, 80), extra_heads=st.integers(0, 3),
-       seed=st.integers(0, 2**31 - 1))
-def test_rope_is_torchs_ops(tokens, heads, half, extra_heads, seed):
-    """Bit for bit, on a strided slice of a fused q/k/v-like tensor, for head_dims that take the
-    vector path (half a multiple of 16) and the scalar one."""
+       seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_rope_is_torchs_ops(tokens, heads, half, extra_heads, seed, dtype):
+    """Bit for bit, in float32 and bfloat16, on a strided slice of a fused q/k/v-like tensor, for
+    head_dims that take the vector path (half a multiple of 16) and the scalar one."""
     g = torch.Generator().manual_seed(seed)
     d = 2 * half
-    fused = torch.randn(tokens, heads + extra_heads, d, generator=g) * 10  # [T, H + extra, D]
+    fused = (torch.randn(tokens, heads + extra_heads, d, generator=g) * 10).to(dtype)  # [T, H + extra, D]
     x = fused[:, :heads]
     angles = torch.rand(tokens, half, generator=g) * 100
-    cos = torch.cat((angles.cos(), angles.cos()), dim=-1)
-    sin = torch.cat((angles.sin(), angles.sin()), dim=-1)
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), dim=-1).to(dtype)
     signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
     got = native.rope(x, cos, signed_sin)
     assert got.is_contiguous() and torch.equal(got, _torch_rope(x, cos, signed_sin))
@@ -182,7 +186,8 @@ def test_rope_on_the_bundled_head_dim():
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda x, c, s: (x.double(), c, s), "float32"),
+    (lambda x, c, s: (x.double(), c, s), "float32 or bfloat16"),
+    (lambda x, c, s: (x.bfloat16(), c, s), "one dtype"),
     (lambda x, c, s: (x.transpose(1, 2), c, s), "contiguous last"),
     (lambda x, c, s: (x[..., :7], c[:, :7].contiguous(), s[:, :7].contiguous()), "even"),
     (lambda x, c, s: (x, c[:-1], s), "cos and signed_sin"),

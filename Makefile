@@ -38,7 +38,7 @@ proto: $(PROTO_OUT)
 $(PROTO_OUT) &: $(PROTO_SRC) $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
 
-# The model service's eight AVX-512 kernels (model_service/native/*.cpp: attention, prompt attention, float32 linear, bf16 few-row linear, K/V writes, argmax, RMSNorm, RoPE; one g++ call against torch's headers, ~80 s on 2 cores; docs/native-kernels.md).
+# The model service's nine AVX-512 kernels (model_service/native/*.cpp: attention, prompt attention, float32 linear, bf16 few-row linear, K/V writes, argmax, RMSNorm, RoPE, SiLU-and-multiply; one g++ call against torch's headers, ~80 s on 2 cores; docs/native-kernels.md).
 # Without a compiler it warns and the model service runs on torch's kernels.
 native: $(NATIVE_STAMP)
 

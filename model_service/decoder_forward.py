@@ -157,8 +157,8 @@ class DecoderForward:
             )
             for layer in inner.layers
         ]
-        # Residual add + RMSNorm, and RoPE, in one native call each where that is bitwise torch's ops
-        # (float32 and bfloat16: the registry's probes, per dtype).
+        # Residual add + RMSNorm, RoPE and SiLU(gate) * up, in one native call each where that is
+        # bitwise torch's ops (float32 and bfloat16: the registry's probes, per dtype).
         norms = [(w, e) for layer in self.layers for w, e in ((layer.input_norm, layer.input_eps),
                                                               (layer.post_norm, layer.post_eps))]
         norms.append((self.norm, self.norm_eps))
@@ -170,6 +170,9 @@ class DecoderForward:
         self.native_norm = (on_cpu and all(w.dtype == dtype and w.is_contiguous() for w, _ in norms)
                             and all(registry.active("rms_norm", hidden_size=hidden_size, eps=e, **shape)
                                     for e in {e for _, e in norms}))
+        intermediate = {int(layer.gate_up.plan.shape[0]) // 2 for layer in self.layers}
+        self.native_silu_mul = on_cpu and all(layer.act is F.silu for layer in self.layers) and all(
+            registry.active("silu_mul", intermediate_size=n, **shape) for n in intermediate)
 
     def _add_norm(self, y: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                   eps: float) -> torch.Tensor:
@@ -193,6 +196,13 @@ class DecoderForward:
             return native.rope(x, cos, signed_sin)
         return torch_rope(x, cos, signed_sin)
 
+    def _activate(self, layer: _Layer, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up: one native call for SiLU where probed, else torch's ops (in place where
+        that allocates less: same values)."""
+        if self.native_silu_mul and gate.dtype == self.embed.dtype:
+            return native.silu_mul(gate, up)
+        return layer.act(gate).mul_(up) if layer.act is F.silu else layer.act(gate) * up
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_index: torch.Tensor,
                 scored_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, positions: [T] int64; logits_index: [K] rows whose logits are sampled;
@@ -215,7 +225,7 @@ class DecoderForward:
             x = self._add_norm(out, hidden, layer.post_norm, layer.post_eps)
             hidden = out  # o_proj(attn) + the residual
             gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [T, intermediate] each
-            act = layer.act(gate).mul_(up) if layer.act is F.silu else layer.act(gate) * up  # [T, intermediate]
+            act = self._activate(layer, gate, up)  # [T, intermediate]
             out = layer.down(act)
             if i < last:
                 x = self._add_norm(out, hidden, self.layers[i + 1].input_norm, self.layers[i + 1].input_eps)

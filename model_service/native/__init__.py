@@ -122,6 +122,13 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
     return torch.ops.radixkv.rope(x, cos, signed_sin)
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up for float32 or bfloat16 gate, up [T, n] of one dtype with contiguous rows
+    (any row stride), each op rounded as torch's two ops round it (silu_mul.cpp). Returns a new
+    contiguous [T, n]."""
+    return torch.ops.radixkv.silu_mul(gate, up)
+
+
 def has_bf16_dot_products() -> bool:
     """Whether this CPU has AVX512-BF16: bfloat16 attention then runs on its dot products (else float32
     FMAs), and the bfloat16 dot-product linear (linear/dot.py) can run."""

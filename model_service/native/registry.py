@@ -181,6 +181,21 @@ def _probe_rope(head_dim: int = 64, num_heads: int = 15, dtype: str = "float32")
     return None
 
 
+def _probe_silu_mul(intermediate_size: int = 1536, dtype: str = "float32") -> str | None:
+    """silu_mul against F.silu(gate).mul_(up) (decoder_forward) on halves of a fused gate/up
+    product, in `dtype`: the exp torch's silu vectorizes with is an observation about this build."""
+    gen = torch.Generator().manual_seed(6)
+    kind = getattr(torch, dtype)
+    with torch.inference_mode():
+        for rows in (1, 3, 33, 65):  # 65: a parallel split inside a row
+            fused = (torch.randn(rows, 2 * intermediate_size, generator=gen) * 6).to(kind)
+            gate, up = fused.chunk(2, dim=-1)
+            found = _differs(native.silu_mul(gate, up), F.silu(gate).mul_(up), f"{rows} rows")
+            if found:
+                return found
+    return None
+
+
 def cpu_vendor() -> str:
     """This CPU's vendor id (GenuineIntel, AuthenticAMD, ...; "" where /proc/cpuinfo has none)."""
     try:
@@ -219,6 +234,8 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("rope", ("rope",), "x * cos + rotate_half(x) * sin (decoder_forward.torch_rope)",
            "bitwise, float32 and bfloat16",
            _probe_rope, "model_service/decoder_forward.py"),
+    Kernel("silu_mul", ("silu_mul",), "F.silu(gate) * up (decoder_forward)", "bitwise, float32 and bfloat16",
+           _probe_silu_mul, "model_service/decoder_forward.py"),
 )}
 
 CACHE_FILE = "probes.json"

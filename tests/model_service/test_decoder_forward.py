@@ -59,9 +59,9 @@ def steps(vocab: int) -> list[list[SequenceChunk]]:
 def assert_lean_equals_transformers(runner: ModelRunner, vocab: int) -> None:
     lean = runner.decoder
     assert lean is not None
-    # float32 and bfloat16 take the native residual add + RMSNorm and RoPE wherever the kernels run:
+    # float32 and bfloat16 take the native residual add + RMSNorm, RoPE and SiLU * up wherever the kernels run:
     # these comparisons cover them.
-    assert lean.native_norm == lean.native_rope == native.available()
+    assert lean.native_norm == lean.native_rope == lean.native_silu_mul == native.available()
     assert lean.native_rope == native.available()
     for chunks in steps(vocab):
         runner.decoder = None  # transformers' forward (writes the same K/V to the same slots)

@@ -87,20 +87,27 @@ def test_dot_product_kernels_compile_without_avx512_bf16_or_amx(source: str, fla
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
-def test_bf16_instructions_only_in_the_dot_product_entry_points():
-    """A CPU with AVX-512 and no AVX512-BF16 never runs them: they sit only in attend_rows_dp,
-    attend_small_dp, cascade_rows_dp and dot_linear's stripes (compiled with the target attribute),
-    which run where the CPU has them."""
-    skip_unless_native("attention")
+def _functions_using(instructions: re.Pattern) -> set[str]:
+    """The names of the built library's functions whose code holds any of `instructions`."""
     listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", str(build.library_path())],
                              capture_output=True, text=True, check=True).stdout
     holders = set()
     for function in listing.split("\n\n"):
-        if BF16_INSTRUCTIONS.search(function):
+        if instructions.search(function):
             header = function.split(">:", 1)[0].replace("(anonymous namespace)::", "")
             holders.add(header.split("<", 1)[1].split("(", 1)[0].split("::")[-1])
-    assert holders == {"attend_rows_dp", "attend_small_dp", "cascade_rows_dp", "stripes", "tile_stripes"}
+    return holders
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
+def test_bf16_instructions_only_in_the_dot_product_entry_points():
+    """A CPU with AVX-512 and no AVX512-BF16 never runs them: they sit only in attend_rows_dp,
+    attend_small_dp, cascade_rows_dp and dot_linear's stripes and tile_stripes (compiled with the
+    target attribute), which run where the CPU has them."""
+    skip_unless_native("attention")
+    holders = _functions_using(BF16_INSTRUCTIONS)
+    # tile_stripes is absent where the compiler cannot target AMX (RADIXKV_NO_AMX)
+    assert holders - {"tile_stripes"} == {"attend_rows_dp", "attend_small_dp", "cascade_rows_dp", "stripes"}
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
@@ -108,11 +115,4 @@ def test_amx_instructions_only_in_the_tile_entry_point():
     """A CPU without AMX never runs them: they sit only in dot_linear's tile_stripes (compiled with
     the AMX target attributes), which runs only where has_amx_tiles() found the tiles usable."""
     skip_unless_native("attention")
-    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", str(build.library_path())],
-                             capture_output=True, text=True, check=True).stdout
-    holders = set()
-    for function in listing.split("\n\n"):
-        if AMX_INSTRUCTIONS.search(function):
-            header = function.split(">:", 1)[0].replace("(anonymous namespace)::", "")
-            holders.add(header.split("<", 1)[1].split("(", 1)[0].split("::")[-1])
-    assert holders <= {"tile_stripes"}  # a compiler without AMX leaves it out (RADIXKV_NO_AMX)
+    assert _functions_using(AMX_INSTRUCTIONS) <= {"tile_stripes"}  # none where the compiler has no AMX

@@ -14,30 +14,18 @@ from __future__ import annotations
 
 import functools
 import logging
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from model_service import native
+from model_service.median_time import median_seconds
 
 log = logging.getLogger(__name__)
 
 LENGTH = 384  # tokens of the timed prompt: a typical chunk of a prompt
 REPEATS = 5
 MIN_GAIN = 0.05
-
-
-def _median_s(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # first call: allocations, oneDNN's kernel build
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 @functools.cache
@@ -52,8 +40,8 @@ def sdpa_faster_for_bf16_prompts(num_q_heads: int, num_kv_heads: int, head_dim: 
     lengths, offsets = torch.tensor([length]), torch.tensor([0])
     gqa = num_q_heads != num_kv_heads
     with torch.inference_mode():
-        kernel = _median_s(lambda: native.attend(q, k, v, lengths, offsets, scale), repeats)
-        sdpa = _median_s(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+        kernel = median_seconds(lambda: native.attend(q, k, v, lengths, offsets, scale), repeats)
+        sdpa = median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                                  enable_gqa=gqa), repeats)
     faster = sdpa < (1 - MIN_GAIN) * kernel
     log.info("bf16 prompt attention, %d tokens: native %.2f ms, torch SDPA %.2f ms -> %s", length, 1e3 * kernel,

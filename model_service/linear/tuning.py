@@ -19,8 +19,6 @@ then still refuses (in exact mode) every path that was not verified bit-identica
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -30,6 +28,7 @@ import torch.nn.functional as F
 from model_service.linear import dot
 from model_service.linear.packed import pack_weight, packed_linear
 from model_service.linear.short import split_linear, split_parts, splits, transposed_linear
+from model_service.median_time import median_seconds
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +58,7 @@ def _pass_s(weights: list[torch.Tensor], rows: int,
         for w in weights:
             linear(inputs[w.shape[1]], w)
 
-    one_pass()  # first call: allocation, thread start-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        one_pass()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(one_pass, repeats)
 
 
 def _split_pass_s(weights: list[torch.Tensor], repeats: int) -> float:

@@ -138,8 +138,7 @@ def _dot_note(linears: ModelLinears) -> str:
     dot_rows = linears.timing.dot_rows if linears.timing is not None else 0
     if not dot_rows or not any(plan.uses("dot") for plan in linears.plans):
         return ""
-    engine = "AMX tiles" if dot.has_tiles() else "AVX512-BF16 dot products"
-    return f", bf16 1-{dot_rows} rows on radixkv's {engine}"
+    return f", bf16 1-{dot_rows} rows on radixkv's {dot.engine()}"
 
 
 def build_engine(config: ModelServiceConfig, worker_id: str) -> tuple[Engine, ModelServicer]:

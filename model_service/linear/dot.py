@@ -1,4 +1,4 @@
-"""bfloat16 linear layers for few rows as AVX512-BF16 dot products (native/dot_linear.cpp).
+"""bfloat16 linear layers for few rows on AMX tiles or AVX512-BF16 dot products (native/dot_linear.cpp).
 
 A decode step multiplies a few rows by every weight, so its products are bound by streaming the
 weights from memory. oneDNN's packed bf16 products (packed.py) do not reach the memory's speed at
@@ -39,6 +39,12 @@ def has_tiles() -> bool:
 def uses_tiles(packed: torch.Tensor) -> bool:
     """Whether products with this packed weight run on AMX tiles (else on dot products)."""
     return has_tiles() and packed.shape[1] % TILE_PAIRS == 0
+
+
+def engine(packed: torch.Tensor | None = None) -> str:
+    """What the kernel runs on here, for logs: for this packed weight, or where the tiles are usable."""
+    tiles = has_tiles() if packed is None else uses_tiles(packed)
+    return "AMX tiles" if tiles else "AVX512-BF16 dot products"
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:

@@ -8,8 +8,8 @@ chosen or refused). Paths (`PATHS`):
 - `blocked`: radixkv's AVX-512 kernel summing in MKL's order (blocked.py), verified by its probe.
 - `transposed`: `(W @ x.T).T` for short inputs (short.py), verified per row count.
 - `split`: one row split across the cores in one-token steps (short.py), verified per shape.
-- `dot`: radixkv's AVX512-BF16 dot-product kernel for few bf16 rows (dot.py), up to the row count
-  the timing run found it faster than `packed` here.
+- `dot`: radixkv's kernel for few bf16 rows on AMX tiles or AVX512-BF16 dot products (dot.py), up
+  to the row count the timing run found it faster than `packed` here.
 - `packed`: oneDNN with the weight reordered once (packed.py): bf16, or float32 with
   `--fp32-gemm onednn`; verified where it happens to equal F.linear bit for bit.
 

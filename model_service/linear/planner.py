@@ -124,9 +124,8 @@ class _Candidates:
     def _candidates(self, rows: int):
         w, b = self.weight, self.bias
         if self.dot is not None and rows <= self.dot_rows:
-            engine = "AMX tiles" if dot_kernel.uses_tiles(self.dot) else "AVX512-BF16 dot products"
             yield ("dot", lambda: self.verifier.dot(w, b, self.dot),
-                   f"radixkv kernel on {engine}, faster than oneDNN here up to {self.dot_rows} rows (timed)")
+                   f"radixkv kernel on {dot_kernel.engine(self.dot)}, faster than oneDNN here up to {self.dot_rows} rows (timed)")
         if self.packed is not None:
             yield "packed", lambda: self.verifier.packed(w, b, self.packed), self.packed_note
         if self.blocked is not None and self.blocked.takes(rows):

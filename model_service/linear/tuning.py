@@ -10,7 +10,7 @@ offers a path only where it is clearly faster.
 
 bfloat16 weights: dot.py's kernel streams the weight at the memory's speed for few rows, but
 where it runs on dot products their throughput decides how many rows it takes before oneDNN wins
-(on its AMX tiles, 32 rows and more); so the run times both at DOT_PROBE_ROWS.
+(on its AMX tiles, 32 rows and more); so the run times both at DOT_TIMED_ROWS.
 
 A timing run decides speed only, never bits: it can take a path away from the plan, and the plan
 then still refuses (in exact mode) every path that was not verified bit-identical to `F.linear`.
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 ROWS = 32  # a typical decode batch
 REPEATS = 5
 MIN_GAIN = 0.05  # a path is kept when it saves at least this share of F.linear's time
-DOT_PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the dot kernel is kept up to the last of these it wins at
+DOT_TIMED_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the dot kernel is kept up to the last of these it wins at
 DOT_TIMING_BYTES = 512 << 20  # bf16 weights timed at most (packed twice more for the run)
 
 
@@ -92,7 +92,7 @@ def time_paths(weights: Iterable[torch.Tensor], repeats: int = REPEATS) -> Timin
 
 def time_dot_rows(weights: Iterable[torch.Tensor], repeats: int = 3) -> int:
     """Up to how many rows dot.py's kernel beats oneDNN's packed product on these bf16 CPU weights
-    ([out, in] each): the largest of DOT_PROBE_ROWS at which it, and at every smaller one, saved
+    ([out, in] each): the largest of DOT_TIMED_ROWS at which it, and at every smaller one, saved
     at least MIN_GAIN of the time. 0 where it never does or either cannot take the weights."""
     pairs, size = [], 0
     for w in weights:
@@ -111,14 +111,13 @@ def time_dot_rows(weights: Iterable[torch.Tensor], repeats: int = 3) -> int:
     ws = [w for w, _, _ in pairs]
     best, times = 0, []
     with torch.inference_mode():
-        for rows in DOT_PROBE_ROWS:
+        for rows in DOT_TIMED_ROWS:
             onednn = _pass_s(ws, rows, lambda x, w: packed_linear(x, by_id[id(w)][0], None), repeats)
             striped = _pass_s(ws, rows, lambda x, w: dot.dot_linear(x, by_id[id(w)][1], None), repeats)
             times.append(f"{rows}: {1e3 * onednn:.1f}/{1e3 * striped:.1f}")
             if striped >= (1 - MIN_GAIN) * onednn:
                 break
             best = rows
-    engine = "AMX tiles" if dot.has_tiles() else "AVX512-BF16 dot products"
     log.info("bf16 GEMMs, ms per pass (oneDNN / radixkv on %s) at rows %s -> radixkv up to %d rows",
-             engine, ", ".join(times), best)
+             dot.engine(), ", ".join(times), best)
     return best

@@ -11,7 +11,7 @@ from torch import nn
 from model_service import native
 from model_service.linear import dot as dot_kernel
 from model_service.linear import plan_model
-from model_service.linear.tuning import DOT_PROBE_ROWS, Timing, time_dot_rows
+from model_service.linear.tuning import DOT_TIMED_ROWS, Timing, time_dot_rows
 from tests.native_required import SKIP_PREFIX
 
 needs_dot = pytest.mark.skipif(not dot_kernel.available(), reason=(
@@ -125,5 +125,5 @@ def test_the_plan_takes_it_up_to_the_timed_rows_and_only_with_native_kernels():
 def test_timing_answers_a_probed_row_count_and_nothing_for_float32():
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(192, 128, generator=gen).bfloat16() for _ in range(4)]
-    assert time_dot_rows(weights, repeats=1) in (0, *DOT_PROBE_ROWS)
+    assert time_dot_rows(weights, repeats=1) in (0, *DOT_TIMED_ROWS)
     assert time_dot_rows([w.float() for w in weights], repeats=1) == 0

@@ -8,6 +8,8 @@ has its own probe (blocked.pack); this covers the other paths.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
 import torch.nn.functional as F
 
@@ -43,16 +45,20 @@ class Verifier:
         g = torch.Generator().manual_seed(seed)
         return torch.randn(rows, weight.shape[1], generator=g).to(weight.dtype)  # [rows, in]
 
+    def _equals_f_linear(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: Iterable[int],
+                         product: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+        """Whether product(x) equals F.linear(x, weight, bias) bit for bit at every row count."""
+        for r in rows:
+            x = self._inputs(weight, r, r)
+            if not torch.equal(product(x), F.linear(x, weight, bias)):
+                return False
+        return True
+
     def transposed(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: tuple[int, ...]) -> bool:
         """Whether (W @ x.T).T equals F.linear at every one of `rows` (a budget may skip some of
         the larger ones: `probe_rows`)."""
-        def check() -> bool:
-            for r in rows:
-                x = self._inputs(weight, r, r)
-                if not torch.equal(transposed_linear(x, weight, bias), F.linear(x, weight, bias)):
-                    return False
-            return True
-        return self._memo(self._key("transposed", weight, bias, rows), check)
+        return self._memo(self._key("transposed", weight, bias, rows),
+                          lambda: self._equals_f_linear(weight, bias, rows, lambda x: transposed_linear(x, weight, bias)))
 
     def split(self, weight: torch.Tensor, bias: torch.Tensor | None, parts: int) -> bool:
         """Whether the one-row split, run as a one-token step runs it (one intra-op thread), equals
@@ -71,25 +77,15 @@ class Verifier:
 
     def packed(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> bool:
         """Whether oneDNN's packed product equals F.linear at every row count of PACKED_PROBE_ROWS."""
-        def check() -> bool:
-            for r in probe_rows(weight, PACKED_PROBE_ROWS):
-                x = self._inputs(weight, r, r)
-                if not torch.equal(packed_linear(x, packed, bias), F.linear(x, weight, bias)):
-                    return False
-            return True
-        return self._memo(self._key("packed", weight, bias, PACKED_PROBE_ROWS), check)
+        return self._memo(self._key("packed", weight, bias, PACKED_PROBE_ROWS),
+                          lambda: self._equals_f_linear(weight, bias, probe_rows(weight, PACKED_PROBE_ROWS),
+                                                        lambda x: packed_linear(x, packed, bias)))
 
     def dot(self, weight: torch.Tensor, bias: torch.Tensor | None, striped: torch.Tensor) -> bool:
         """Whether dot.py's product equals F.linear at every row count of DOT_PROBE_ROWS."""
-        def check() -> bool:
-            for r in DOT_PROBE_ROWS:
-                x = self._inputs(weight, r, r)
-                if not torch.equal(dot_kernel.dot_linear(x, striped, bias), F.linear(x, weight, bias)):
-                    return False
-            return True
-        return self._memo(self._key("dot", weight, bias, DOT_PROBE_ROWS), check)
-
-
+        return self._memo(self._key("dot", weight, bias, DOT_PROBE_ROWS),
+                          lambda: self._equals_f_linear(weight, bias, DOT_PROBE_ROWS,
+                                                        lambda x: dot_kernel.dot_linear(x, striped, bias)))
 
 
 shared = Verifier()  # the process's answers (a memo: every plan_model call asks the same questions)

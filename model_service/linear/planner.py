@@ -167,18 +167,22 @@ def _path_fn(path: str, candidates: _Candidates, rows: int, step: SingleTokenSte
 
 def plan_weight(name: str, weight: torch.Tensor, bias: torch.Tensor | None, *, mode: str, fp32_gemm: str,
                 linear_kernels: str, timing: Timing | None, step: SingleTokenStep,
-                verifier: Verifier, choices: dict | None = None) -> PlannedProduct:
+                verifier: Verifier, choices: dict | None = None,
+                copies: tuple[torch.Tensor, torch.Tensor] | None = None) -> PlannedProduct:
     """The plan of one weight [out, in] (and bias) and the product that follows it. `choices`: a
-    memo of the per-row choices by what they depend on (weights of one shape choose alike)."""
+    memo of the per-row choices by what they depend on (weights of one shape choose alike);
+    `copies`: the bf16 timing run's (oneDNN's, dot.py's) copies of this weight, used instead of new ones."""
     weight = weight.detach()
     bias = None if bias is None else bias.detach()
     cpu = weight.device.type == "cpu" and weight.dim() == 2 and min(weight.shape) > 0
-    packed = pack_weight(weight, fp32_gemm) if cpu else None
+    packed = copies[0] if copies is not None else pack_weight(weight, fp32_gemm) if cpu else None
     blocked = None
     if cpu and packed is None and bias is None and fp32_gemm == "mkl" and linear_kernels == "auto":
         blocked = blocked_kernel.pack(weight)
     timed = timing if timing is not None else Timing(transposed=False, split_one_row=False)
-    striped = dot_kernel.pack(weight) if cpu and linear_kernels == "auto" and timed.dot_rows > 0 else None
+    striped = None
+    if cpu and linear_kernels == "auto" and timed.dot_rows > 0:
+        striped = copies[1] if copies is not None else dot_kernel.pack(weight)
     candidates = _Candidates(
         name, weight, bias, mode, packed, blocked, striped, timed.dot_rows,
         split_parts() if cpu and timed.split_one_row and splits(weight) else 0,
@@ -246,10 +250,12 @@ def plan_model(model: nn.Module, *, mode: str = "auto", fp32_gemm: str = "mkl", 
     cpu_float32 = [w for _, w, _, _ in holders if w.device.type == "cpu" and w.dtype == torch.float32]
     cpu_bf16 = [w for _, w, _, _ in holders if w.device.type == "cpu" and w.dtype == torch.bfloat16]
     on_cpu = any(w.device.type == "cpu" for _, w, _, _ in holders)
+    copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the bf16 timing run's, by id(weight)
     if timing is None and on_cpu:
         timing = time_paths(cpu_float32) if cpu_float32 else Timing()
         if cpu_bf16 and linear_kernels == "auto" and dot_kernel.available():
-            timing = dataclasses.replace(timing, dot_rows=time_dot_rows(cpu_bf16))
+            dot_rows, copies = time_dot_rows(cpu_bf16)
+            timing = dataclasses.replace(timing, dot_rows=dot_rows)
     linears = ModelLinears(mode, timing=timing)
     products: dict[tuple[int, int], PlannedProduct] = {}  # a layer that appears twice is planned once
     choices: dict = {}
@@ -258,7 +264,8 @@ def plan_model(model: nn.Module, *, mode: str = "auto", fp32_gemm: str = "mkl", 
         if key not in products:
             products[key] = plan_weight(name, weight, bias, mode=mode, fp32_gemm=fp32_gemm,
                                         linear_kernels=linear_kernels, timing=timing, step=linears.step,
-                                        verifier=verifier or shared, choices=choices)
+                                        verifier=verifier or shared, choices=choices,
+                                        copies=copies.pop(id(weight), None))
             linears.products.append(products[key])
         place(products[key])
     linears.step.enabled = any(p.plan.uses("split") for p in linears.products)

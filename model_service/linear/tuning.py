@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -90,7 +91,14 @@ def time_paths(weights: Iterable[torch.Tensor], repeats: int = REPEATS) -> Timin
     return timing
 
 
-def time_dot_rows(weights: Iterable[torch.Tensor], repeats: int = 3) -> int:
+class DotTiming(NamedTuple):
+    """time_dot_rows' answer, and the copies it made, for the plan to keep instead of making them again."""
+
+    rows: int  # dot.py's kernel is faster up to this many rows (0: at none)
+    copies: dict[int, tuple[torch.Tensor, torch.Tensor]]  # id(weight) -> (oneDNN's copy, dot.py's copy)
+
+
+def time_dot_rows(weights: Iterable[torch.Tensor], repeats: int = 3) -> DotTiming:
     """Up to how many rows dot.py's kernel beats oneDNN's packed product on these bf16 CPU weights
     ([out, in] each): the largest of DOT_TIMED_ROWS at which it, and at every smaller one, saved
     at least MIN_GAIN of the time. 0 where it never does or either cannot take the weights."""
@@ -105,9 +113,9 @@ def time_dot_rows(weights: Iterable[torch.Tensor], repeats: int = 3) -> int:
             continue
         pairs.append((w, packed, striped))
         size += w.numel() * w.element_size()
-    if not pairs:
-        return 0
     by_id = {id(w): (packed, striped) for w, packed, striped in pairs}
+    if not pairs:
+        return DotTiming(0, by_id)
     ws = [w for w, _, _ in pairs]
     best, times = 0, []
     with torch.inference_mode():
@@ -120,4 +128,4 @@ def time_dot_rows(weights: Iterable[torch.Tensor], repeats: int = 3) -> int:
             best = rows
     log.info("bf16 GEMMs, ms per pass (oneDNN / radixkv on %s) at rows %s -> radixkv up to %d rows",
              dot.engine(), ", ".join(times), best)
-    return best
+    return DotTiming(best, by_id)

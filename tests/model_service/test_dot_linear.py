@@ -125,5 +125,7 @@ def test_the_plan_takes_it_up_to_the_timed_rows_and_only_with_native_kernels():
 def test_timing_answers_a_probed_row_count_and_nothing_for_float32():
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(192, 128, generator=gen).bfloat16() for _ in range(4)]
-    assert time_dot_rows(weights, repeats=1) in (0, *DOT_TIMED_ROWS)
-    assert time_dot_rows([w.float() for w in weights], repeats=1) == 0
+    rows, copies = time_dot_rows(weights, repeats=1)
+    assert rows in (0, *DOT_TIMED_ROWS)
+    assert sorted(copies) == sorted(id(w) for w in weights)  # the plan keeps these instead of packing again
+    assert time_dot_rows([w.float() for w in weights], repeats=1) == (0, {})

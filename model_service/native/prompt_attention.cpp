@@ -26,16 +26,10 @@
 // Rows are independent in that order, so work items are (query head, 8 aligned rows), latest rows
 // first; K is transposed once per call ([Hkv][D][T]) so QK^T puts 16 keys in a vector.
 
-// torch's Vectorized<float> for the AVX512 capability (the kernel torch dispatches to here).
-#ifndef CPU_CAPABILITY
-#define CPU_CAPABILITY AVX512
-#define CPU_CAPABILITY_AVX512
-#endif
+#include "torch_vec.h"  // first: it sets torch's AVX512 capability for the ATen headers
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <immintrin.h>
@@ -51,10 +45,8 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-static_assert(Vec::size() == 16, "the AVX512 Vectorized<float> has 16 lanes");
-
 using radixkv::LANES;
+using radixkv::Vec;
 constexpr int64_t KV_SPLIT = 512;   // torch's kv_split_size
 constexpr int64_t MKL_KC = 192;     // MKL's k block
 constexpr int64_t TILE = 8;         // query rows of a work item

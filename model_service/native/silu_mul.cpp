@@ -19,15 +19,10 @@
 // file uses the same Vectorized<float> (the AVX512 build torch dispatches to) and the same split
 // per row, so the registry's probe checks it reproduces the torch the service runs.
 
-// torch's Vectorized<float> for the AVX512 capability (the kernel torch dispatches to here).
-#ifndef CPU_CAPABILITY
-#define CPU_CAPABILITY AVX512
-#define CPU_CAPABILITY_AVX512
-#endif
+#include "torch_vec.h"  // first: it sets torch's AVX512 capability for the ATen headers
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -40,8 +35,7 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-static_assert(Vec::size() == 16, "the AVX512 Vectorized<float> has 16 lanes");
+using radixkv::Vec;
 
 inline Vec silu(const Vec& x) { return x / (Vec(1.0f) + x.neg().exp()); }
 

@@ -108,7 +108,9 @@ def _http_server(app, sock: socket.socket, log_level: str, tls: ServerTLS | None
         ssl_args = dict(ssl_certfile=str(tls.cert), ssl_keyfile=str(tls.key))
         if tls.client_ca is not None:
             ssl_args.update(ssl_ca_certs=str(tls.client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
-    config = uvicorn.Config(app, fd=None, lifespan="off", log_config=None, access_log=False,
+    from router.http_linger import LingeringH11Protocol
+
+    config = uvicorn.Config(app, fd=None, http=LingeringH11Protocol, lifespan="off", log_config=None, access_log=False,
                             log_level=log_level.lower(), timeout_graceful_shutdown=max(1, round(grace_seconds)),
                             **ssl_args)
     return Server(config)

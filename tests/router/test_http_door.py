@@ -229,6 +229,23 @@ def test_a_200_mib_body_is_413_and_the_router_stays_small(door: Door) -> None:
     assert_healthy(door.open)
 
 
+def test_a_client_that_sends_its_whole_refused_body_before_reading_still_gets_the_413(door: Door) -> None:
+    # A plain close with the body's bytes still arriving resets the connection, and the reset can
+    # discard the 413 before the client reads it: the door shuts its write side and drops the
+    # rest of the body instead (router/http_linger.py).
+    host, _, port = door.small.url.removeprefix("http://").rpartition(":")
+    for _ in range(3):
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(post_head("/v1/completions", f"Content-Length: {8 * MiB}\r\n"))
+            time.sleep(0.2)  # the 413 is sent and the door closes while the body is on its way
+            sock.sendall(b" " * (8 * MiB))
+            received = bytearray()
+            while data := sock.recv(65536):
+                received += data
+        assert_413(parse(bytes(received)), MiB)
+    assert_healthy(door.small)
+
+
 def chunked(total: int, piece: bytes) -> Iterator[bytes]:
     """`total` bytes of `piece` repeated, as HTTP/1.1 chunks (no terminating chunk: a body still
     coming is enough)."""

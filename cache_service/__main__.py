@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 
+from cache_service.peer_pulls import DEFAULT_PIN_SECONDS, TICKET_MARGIN_SECONDS
 from cache_service.pool_registry import DEFAULT_MAX_PINNED_FRACTION
 from cache_service.registry_limits import (
     DEFAULT_MAX_MEMORY_BYTES,
@@ -44,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-pinned-fraction", type=float, default=DEFAULT_MAX_PINNED_FRACTION,
                         help="share of each pool's blocks that Route reservations (reserve_ms) may pin at once; a "
                              "Route beyond it answers without pinning (default 0.25; 0: no pins)")
+    parser.add_argument("--peer-pulls", choices=["on", "off"], default="on",
+                        help="let an admission pull the pages another replica of the model holds instead of "
+                             "computing them (between replicas started with --kv-pulls on; docs/kv-pulls.md). "
+                             "Off with --state-dir")
+    parser.add_argument("--pull-pin-seconds", type=float, default=DEFAULT_PIN_SECONDS,
+                        help="how long a source replica's pages stay pinned for a pull whose puller does not report "
+                             f"it (default {DEFAULT_PIN_SECONDS:g}; pulls give up after half of it)")
     caps = parser.add_argument_group("replica identity and caps")
     caps.add_argument("--max-pools", type=int, default=DEFAULT_MAX_POOLS, metavar="N",
                       help=f"most pools registered at once; more: RESOURCE_EXHAUSTED (default {DEFAULT_MAX_POOLS}; "
@@ -79,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--snapshot-mb and --fsync-ms must be > 0")
     if not 0 <= args.max_pinned_fraction <= 1:  # also refuses nan
         parser.error("--max-pinned-fraction must be in [0, 1]")
+    if not 2 * TICKET_MARGIN_SECONDS < args.pull_pin_seconds <= 600:  # also refuses nan
+        parser.error(f"--pull-pin-seconds must be in ({2 * TICKET_MARGIN_SECONDS:g}, 600]")
     if not 0 <= args.port <= 65535:
         parser.error("--port must be in [0, 65535]")
     for flag in ("max_pools", "max_pools_per_principal", "max_cache_memory_mib"):
@@ -100,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                              fsync_seconds=args.fsync_ms / 1000, metrics_host=args.metrics_host,
                              max_pinned_fraction=args.max_pinned_fraction, registry_limits=registry_limits,
                              worker_san_check=args.worker_san_check == "on",
-                             max_watch_streams=args.max_watch_streams))
+                             max_watch_streams=args.max_watch_streams, peer_pulls=args.peer_pulls == "on",
+                             pull_pin_seconds=args.pull_pin_seconds))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Sequence
 
 from cache_service.errors import InvalidArgument
@@ -18,7 +20,9 @@ from cache_service.schema import (
     Extend,
     Finish,
     MatchInfo,
+    PeerPull,
     PoolStats,
+    PullStats,
     ReplicaLoad,
     StepInput,
     StepResult,
@@ -29,7 +33,7 @@ from cache_service.schema import (
 from cache_service.tiers.pool_tiers import POLICY_EVICT, POLICY_WRITE_THROUGH
 from common.limits import quote_id
 from common.token_bytes import unpack_tokens
-from protos import cache_pb2
+from protos import cache_pb2, kv_transfer_pb2
 
 
 def _finish(msg: cache_pb2.Finish) -> Finish:
@@ -37,19 +41,20 @@ def _finish(msg: cache_pb2.Finish) -> Finish:
 
 
 def replica_load(msg: cache_pb2.ReplicaLoad) -> ReplicaLoad:
-    for name in ("host_load_cost", "disk_load_cost"):
+    for name in ("host_load_cost", "disk_load_cost", "peer_load_cost"):
         value = getattr(msg, name)
         if not 0.0 <= value < float("inf"):  # NaN fails this too
             raise InvalidArgument(f"load.{name} must be a finite number >= 0")
     return ReplicaLoad(msg.num_waiting_requests, msg.num_waiting_tokens, msg.num_running_requests,
-                       msg.host_load_cost, msg.disk_load_cost)
+                       msg.host_load_cost, msg.disk_load_cost, msg.peer_load_cost)
 
 
 def replica_load_proto(load: ReplicaLoad) -> cache_pb2.ReplicaLoad:
     return cache_pb2.ReplicaLoad(num_waiting_requests=load.num_waiting_requests,
                                  num_waiting_tokens=load.num_waiting_tokens,
                                  num_running_requests=load.num_running_requests,
-                                 host_load_cost=load.host_load_cost, disk_load_cost=load.disk_load_cost)
+                                 host_load_cost=load.host_load_cost, disk_load_cost=load.disk_load_cost,
+                                 peer_load_cost=load.peer_load_cost)
 
 
 def _admit_tokens(msg: cache_pb2.Admit) -> Sequence[int]:
@@ -83,6 +88,7 @@ def step_input(msg: cache_pb2.StepRequest) -> StepInput:
         commits=[Commit(c.request_id, c.num_computed_tokens, tuple(c.output_token_ids)) for c in msg.commits],
         load=replica_load(msg.load) if msg.HasField("load") else None,
         copy_outcomes=[CopyOutcome(o.copy_id, o.num_pages_copied) for o in msg.copy_outcomes],
+        pull_outcomes=[CopyOutcome(o.copy_id, o.num_pages_copied) for o in msg.pull_outcomes],
     )
 
 
@@ -108,6 +114,22 @@ def tier_copy(copy: TierCopy) -> cache_pb2.TierCopy:
     return cache_pb2.TierCopy(copy_id=copy.copy_id, src_tier=copy.src_tier, dst_tier=copy.dst_tier, src=copy.src,
                               dst=copy.dst, namespace=copy.namespace, parent_hash=copy.parent_hash,
                               page_hashes=copy.page_hashes, packed_token_ids=copy.token_bytes)
+
+
+def peer_pull(pull: PeerPull) -> cache_pb2.PeerPull:
+    """The PeerPull message, its ticket signed with the source's key (kv_transfer.proto PullTicket)."""
+    ticket = kv_transfer_pb2.PullTicket(
+        worker_id=pull.source_worker_id, incarnation=pull.source_incarnation, puller_worker_id=pull.puller_worker_id,
+        pull_id=pull.pull_id, src_tier=cache_pb2.TIER_DEVICE, src=pull.src, namespace=pull.namespace,
+        page_hashes=pull.page_hashes, expires_at=pull.expires_at).SerializeToString()
+    return cache_pb2.PeerPull(pull_id=pull.pull_id, source_worker_id=pull.source_worker_id,
+                              source_addr=pull.source_addr, ticket=ticket,
+                              ticket_mac=hmac.new(pull.source_key, ticket, hashlib.sha256).digest(),
+                              dst=pull.dst, pin_seconds=pull.pin_seconds)
+
+
+def _pull_stats(stats: PullStats | None) -> cache_pb2.PullStats | None:
+    return None if stats is None else cache_pb2.PullStats(**stats._asdict())
 
 
 def _tier_stats(stats: TierStats | None) -> cache_pb2.TierStats | None:
@@ -139,6 +161,7 @@ def step_response(result: StepResult) -> cache_pb2.StepResponse:
                 block_table=a.block_table,
                 miss=_miss(a.miss),
                 loads=[tier_copy(c) for c in a.loads],
+                pulls=[peer_pull(p) for p in a.pulls],
             )
             for a in result.admits
         ],
@@ -189,6 +212,7 @@ def pool_stats(s: PoolStats) -> cache_pb2.PoolStats:
         host_tier=_tier_stats(s.host_tier),
         disk_tier=_tier_stats(s.disk_tier),
         offload_policy=_POLICY_PROTOS.get(s.offload_policy, cache_pb2.OFFLOAD_POLICY_UNSPECIFIED),
+        pulls=_pull_stats(s.pulls),
     )
 
 
@@ -211,6 +235,7 @@ def route_response(result: RouteResult) -> cache_pb2.RouteResponse:
                 num_free_blocks=c.num_free_blocks, num_evictable_blocks=c.num_evictable_blocks,
                 num_blocks=c.num_blocks, score=c.score, reserved=c.reserved,
                 matched_host_tokens=c.matched_host_tokens, matched_disk_tokens=c.matched_disk_tokens,
+                matched_peer_tokens=c.matched_peer_tokens, pull_from_worker_id=c.pull_from_worker_id,
             )
             for c in result.candidates
         ],

@@ -30,6 +30,7 @@ from cache_service.errors import (
 )
 from cache_service.events import AllCleared, EventLog, EventPayload, removed_by_namespace, stored_from_node
 from cache_service.miss_reasons import EvictedPages, classify_miss
+from cache_service.peer_pulls import PeerPulls, TransferEndpoint
 from cache_service.radix_tree import RadixTree, TreeNode
 from cache_service.routed import MIN_MAX_ROUTED_PAGES, RoutedRequest, RoutedRequests, RoutingState
 from cache_service.schema import (
@@ -107,6 +108,7 @@ class Pool:
         max_finished_ids: int = 65536,
         serving_addr: str = "",
         tiers: TierSpec | None = None,
+        transfer: TransferEndpoint | None = None,
     ) -> None:
         self.pool_id = pool_id
         self.worker_id = pool_id
@@ -146,6 +148,8 @@ class Pool:
         # The replica's host / disk tiers (cache_service/tiers/); None: it has none.
         self.tier_spec = tiers if tiers is not None else TierSpec()
         self.tiers = PoolTiers(self.tier_spec, block_size, self._publish) if self.tier_spec.enabled else None
+        # Peer pulls: as a puller and as a source (cache_service/peer_pulls.py); the registry wires it.
+        self.pulls = PeerPulls(transfer)
 
     @property
     def num_charged_pages(self) -> int:
@@ -169,6 +173,7 @@ class Pool:
                 tiers.load_costs = {TIER_HOST: step.load.host_load_cost, TIER_DISK: step.load.disk_load_cost}
         if tiers is not None:
             tiers.apply_outcomes(step.copy_outcomes)
+        self.pulls.apply_outcomes(step.pull_outcomes)
         evicted_before = self.num_evicted_blocks
         for item in step.releases:
             self._finish(item, released=True)
@@ -193,6 +198,7 @@ class Pool:
             if self.tiers is None:
                 raise InvalidArgument("copy_outcomes given for a pool without lower tiers")
             self.tiers.validate_outcomes(step.copy_outcomes)
+        self.pulls.validate_outcomes(step.pull_outcomes)
         seen: set[str] = set()
         for item in chain(step.releases, step.finishes, step.extends, step.admits):
             rid = item.request_id
@@ -316,6 +322,8 @@ class Pool:
         table = match.block_ids + self.allocator.allocate(num_fresh)
         loaded = tiers.loads(hit, item.namespace, table, num_cached, not item.resumed) if tiers is not None else None
         num_loaded = loaded.host_pages + loaded.disk_pages if loaded is not None else 0
+        pulled = self.pulls.plan(self, key[: max_cached * TOKEN_BYTES], item.namespace, num_cached + num_loaded,
+                                 max_cached // bs, table) if self.pulls.enabled else None
         self.requests[item.request_id] = RequestState(
             item.request_id, item.namespace, tokens, match.last_node, num_cached, table,
             num_needed_tokens=len(tokens) + min(item.num_lookahead_tokens, 1), prompt_bytes=key,
@@ -327,6 +335,10 @@ class Pool:
             parent_hash = match.last_node.last_hash if match.last_node is not None else 0
             if num_loaded:
                 parent_hash = loaded.last_hash
+            if pulled is not None:
+                parent_hash = pulled.last_hash
+                num_loaded += pulled.num_pages
+                self.pulls.counters.peer_hit_tokens += pulled.num_pages * bs
             peers = (t for t in self.routing.peer_trees() if t is not self.tree)
             miss, other_namespace = classify_miss(self.tree, self.evicted_pages, peers, tokens, item.namespace,
                                                   num_cached + num_loaded, parent_hash, key)
@@ -342,7 +354,7 @@ class Pool:
             self.pool_id, item.request_id, len(tokens), num_cached * bs, num_fresh,
         )
         return AdmitResult(item.request_id, True, num_cached * bs, list(table), miss,
-                           loaded.loads if loaded is not None else [])
+                           loaded.loads if loaded is not None else [], [pulled.pull] if pulled is not None else [])
 
     def _extend(self, item: Extend) -> ExtendResult:
         req = self.requests[item.request_id]
@@ -485,6 +497,7 @@ class Pool:
     def retire(self) -> None:
         """Drop every request (locks and private blocks) and the whole tree (lease expiry)."""
         self._unlock(self.routing.routed.drop_all())
+        self.pulls.drop()
         for rid in list(self.requests):
             req = self.requests.pop(rid)
             self.allocator.free(req.block_table)
@@ -590,6 +603,7 @@ class Pool:
             host_tier=self.tiers.host.stats() if self.tiers is not None and self.tiers.host is not None else None,
             disk_tier=self.tiers.disk.stats() if self.tiers is not None and self.tiers.disk is not None else None,
             offload_policy=self.tier_spec.offload_policy if self.tiers is not None else "",
+            pulls=self.pulls.stats(),
         )
 
     def check_integrity(self) -> None:

@@ -30,6 +30,7 @@ from typing import NamedTuple, Protocol
 
 from cache_service.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from cache_service.events import EventLog, stored_from_node
+from cache_service.peer_pulls import DEFAULT_PIN_SECONDS, TransferEndpoint, check_endpoint
 from cache_service.pool import Pool
 from cache_service.registry_limits import RegistryLimits
 from cache_service.routed import RouteJournal
@@ -114,6 +115,20 @@ class PoolRegistry:
         self._tombstones: OrderedDict[str, str] = OrderedDict()  # pool_id -> why it went away
         self._max_tombstones = max_tombstones
         self._journal: RegistryJournal | None = None
+        self._peer_pulls = True
+        self.pull_pin_seconds = DEFAULT_PIN_SECONDS  # set before pools register (cache_service/server.py)
+
+    @property
+    def peer_pulls(self) -> bool:
+        """Whether admissions pull pages from other replicas (cache_service/peer_pulls.py): off for
+        a durable cache manager (pins are not journaled) and by --peer-pulls off."""
+        return self._peer_pulls
+
+    @peer_pulls.setter
+    def peer_pulls(self, on: bool) -> None:
+        self._peer_pulls = on
+        for pool in self.pools.values():
+            pool.pulls.brokered = on
 
     @property
     def journal(self) -> RegistryJournal | None:
@@ -157,6 +172,8 @@ class PoolRegistry:
         num_steps_acknowledged: int = 0,
         owner: str = "",
         tiers: TierSpec | None = None,
+        kv_transfer_addr: str = "",
+        kv_transfer_key: bytes = b"",
     ) -> Registration:
         """Register a replica's pool; re-attach to its existing one when the incarnation matches.
 
@@ -168,7 +185,8 @@ class PoolRegistry:
         `epoch`: replay of a journal only (the live decision is replayed as it was).
         `owner`: who registers (see the module docstring). `tiers`: the replica's host / disk tiers
         (a kept pool must have the same ones; a new pool's disk tier starts with `tiers.disk_runs`,
-        what the replica's disk holds). Raises InvalidArgument (bad shape),
+        what the replica's disk holds). `kv_transfer_addr` / `kv_transfer_key`: where the replica
+        serves KvTransfer and its ticket key (peer pulls; both or neither). Raises InvalidArgument (bad shape),
         PermissionDenied (the worker id's live pool has another owner) or ResourceExhausted (a
         cap), in that order, having changed nothing.
         """
@@ -177,6 +195,7 @@ class PoolRegistry:
         _check_shape(worker_id, num_blocks, block_size, vocab_size, serving_addr)
         tiers = tiers if tiers is not None else TierSpec()
         _check_tiers(tiers)
+        transfer = check_endpoint(kv_transfer_addr, kv_transfer_key, MAX_ADDR_LEN)
         old = self.pools.get(worker_id)
         if epoch is None and old is not None and old.attach.owner != owner and self._clock() < old.lease_deadline:
             # Neither the owner nor anything about it is named: the caller learns only that the id is taken.
@@ -195,6 +214,8 @@ class PoolRegistry:
             old.lease_deadline = self._clock() + self.lease_seconds
             if old.tiers is not None:  # copies the replica may not have seen ordered: not waited for
                 old.tiers.drop_pending()
+            old.pulls.drop()  # pulls too: their pins end now
+            old.pulls.endpoint = transfer
             if self.journal is not None:
                 self.journal.registered(old, True)
             log.info("pool re-attached pool=%s epoch=%d restored=%s running_requests=%d cached_blocks=%d",
@@ -204,7 +225,7 @@ class PoolRegistry:
             self.limits.check((p for p in self.pools.values() if p is not old), owner,
                               num_blocks + tiers.num_host_slots + tiers.num_disk_slots, block_size)
         pool = self._create(worker_id, num_blocks, block_size, model_fingerprint, vocab_size, serving_addr,
-                            epoch, tiers)
+                            epoch, tiers, transfer)
         pool.attach.incarnation = incarnation
         pool.attach.owner = owner
         if self.journal is not None:
@@ -212,9 +233,10 @@ class PoolRegistry:
         return Registration(pool, False)
 
     def _create(self, worker_id: str, num_blocks: int, block_size: int, model_fingerprint: str, vocab_size: int,
-                serving_addr: str, epoch: int | None, tiers: TierSpec) -> Pool:
+                serving_addr: str, epoch: int | None, tiers: TierSpec,
+                transfer: TransferEndpoint | None = None) -> Pool:
         pool = Pool(worker_id, 0, num_blocks, block_size, model_fingerprint, vocab_size, self.events,
-                    serving_addr=serving_addr, tiers=tiers)
+                    serving_addr=serving_addr, tiers=tiers, transfer=transfer)
         if pool.tiers is not None:  # validated before the old pool goes: a refusal changes nothing
             pool.tiers.restore_disk(tiers.disk_runs, vocab_size)
         if worker_id in self.pools:
@@ -260,6 +282,11 @@ class PoolRegistry:
         model_fingerprint = pool.model_fingerprint
         routing = pool.routing
         routing.peer_trees = lambda: (p.tree for p in self.live_pools(model_fingerprint))
+        pulls = pool.pulls
+        pulls.sources = lambda: self.live_pools(model_fingerprint)
+        pulls.brokered = self._peer_pulls
+        pulls.clock = self._clock
+        pulls.pin_seconds = self.pull_pin_seconds
         routing.max_pinned_blocks = int(self.max_pinned_fraction * pool.num_blocks)
         pool.lease_deadline = self._clock() + self.lease_seconds
         routing.journal = self._journal
@@ -320,6 +347,7 @@ class PoolRegistry:
         now = self._clock()
         for pool in self.pools.values():
             pool.expire_routed(now)
+            pool.pulls.expire(now)  # pins of pulls whose puller never reported
 
     def lease_remaining(self, pool: Pool) -> float:
         return max(0.0, pool.lease_deadline - self._clock())

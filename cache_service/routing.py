@@ -10,7 +10,10 @@ score (lower is better, in token units: the work between the request and its fir
 minus the prefix a request routed there moments ago will have cached (counted as matched), and
 minus the pages after it its replica's host, then disk tier holds (cache_service/tiers/): those
 count in the prefill term at their measured load cost (ReplicaLoad.host_load_cost, a share of a
-computed token's cost), so a device hit is free, a tier hit cheap, a miss full price.
+computed token's cost), so a device hit is free, a tier hit cheap, a miss full price. Between
+replicas that pull from each other (cache_service/peer_pulls.py), the pages after those that
+another candidate holds count at the pool's measured pull cost (ReplicaLoad.peer_load_cost), so
+a busy holder of a hot prefix loses to an idle replica that would pull it.
 `routed_tokens` are the expected prefill tokens of requests routed there and not yet admitted.
 A prefill token saved counts twice a queued token by default (llm-d's prefix:load 2:1): sending
 a request where its prefix is costs the fleet only its suffix, recomputing it elsewhere costs the
@@ -40,6 +43,7 @@ from typing import NamedTuple
 
 from cache_service.errors import InvalidArgument
 from cache_service.page_hash import page_hashes
+from cache_service.peer_pulls import peer_load_cost
 from cache_service.pool import Pool
 from cache_service.routed import DEFAULT_ROUTED_TTL_SECONDS, RoutedRequest
 from cache_service.schema import ReplicaLoad
@@ -91,6 +95,8 @@ class RouteCandidate(NamedTuple):
     reserved: bool = False
     matched_host_tokens: int = 0  # after the (routed) matched prefix, loaded from the host tier
     matched_disk_tokens: int = 0  # then from the disk tier
+    matched_peer_tokens: int = 0  # then pulled from another replica (cache_service/peer_pulls.py)
+    pull_from_worker_id: str = ""
 
 
 class RouteResult(NamedTuple):
@@ -149,25 +155,36 @@ def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
     encoded = encode_tokens(query.token_ids) if query.token_ids else b""  # encoded once for all pools
     wp, wq, wr = weights.prefill_weight, weights.queue_weight, weights.running_weight
     num_pages = 0
+
+    def cacheable(bs: int) -> tuple[int, int, bytes]:
+        """(prompt tokens, pages that may be cached, their key) for pools of page size `bs`."""
+        if not query.token_ids:
+            return len(query.page_hashes) * bs, len(query.page_hashes), b""
+        max_cached = (len(query.token_ids) - 1) // bs  # pages: the last prompt token is always computed
+        key = keys.get(bs)
+        if key is None:
+            key = keys[bs] = encoded[: max_cached * bs * TOKEN_BYTES]
+        return len(query.token_ids), max_cached, key
+
+    device_pages: dict[str, int] = {}
+    for pool in candidates:
+        _, _, key = cacheable(pool.block_size)
+        device_pages[pool.pool_id] = (pool.tree.peek_key(key, query.namespace) // pool.block_size if query.token_ids
+                                      else pool.tree.peek_hashes(query.page_hashes, query.namespace))
+    # Pools that pull from each other (kv_transfer_addr): the two that hold the most of the prompt,
+    # so each candidate's best other source is found without a second pass over the pools.
+    sources = sorted(((device_pages[p.pool_id], p.block_size, p) for p in candidates
+                      if p.pulls.enabled and p.pulls.brokered), key=lambda item: -item[0])[:2]
     # (score, -free, pool_id, pool, matched tokens, promised tokens, prefill tokens, evictable,
-    #  host tokens, disk tokens)
-    scored: list[tuple[float, int, str, Pool, int, int, int, int, int, int]] = []
+    #  host tokens, disk tokens, peer tokens, peer worker id)
+    scored: list[tuple[float, int, str, Pool, int, int, int, int, int, int, int, str]] = []
     for pool in candidates:
         routed = pool.routing.routed
         if routed.next_deadline <= now:
             pool.expire_routed(now)
         bs = pool.block_size
-        if query.token_ids:
-            num_tokens = len(query.token_ids)
-            max_cached = (num_tokens - 1) // bs  # pages: the last prompt token is always computed
-            key = keys.get(bs)
-            if key is None:
-                key = keys[bs] = encoded[: max_cached * bs * TOKEN_BYTES]
-            matched = pool.tree.peek_key(key, query.namespace) // bs
-        else:
-            num_tokens = len(query.page_hashes) * bs
-            max_cached = len(query.page_hashes)
-            matched = pool.tree.peek_hashes(query.page_hashes, query.namespace)
+        num_tokens, max_cached, key = cacheable(bs)
+        matched = device_pages[pool.pool_id]
         num_pages = max(num_pages, num_tokens // bs)
         effective = matched
         if len(routed):
@@ -178,7 +195,16 @@ def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
             host, disk = (pool.tiers.peek(key, query.namespace, effective) if query.token_ids else
                           pool.tiers.peek_hashes(query.page_hashes, query.namespace, effective))
             tier_cost = bs * (host * pool.tiers.load_cost(TIER_HOST) + disk * pool.tiers.load_cost(TIER_DISK))
-        prefill = num_tokens - (effective + host + disk) * bs
+        peer, peer_id = 0, ""
+        if pool.pulls.enabled and pool.pulls.brokered and peer_load_cost(pool) < 1.0:
+            covered = effective + host + disk
+            for pages, source_bs, source in sources:
+                if source is not pool and source_bs == bs:
+                    if pages > covered:
+                        peer, peer_id = pages - covered, source.worker_id
+                    break
+            tier_cost += bs * peer * peer_load_cost(pool)
+        prefill = num_tokens - (effective + host + disk + peer) * bs
         free, evictable = visible_blocks(pool, query.all_namespaces)
         load = pool.load
         score = (wp * (prefill + tier_cost) + wq * (load.num_waiting_tokens + routed.queued_tokens)
@@ -186,15 +212,16 @@ def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
         if -(-(num_tokens + 1) // bs) - matched > free + evictable:
             score += POOL_FULL_PENALTY
         scored.append((score, -free, pool.pool_id, pool, matched * bs, (effective - matched) * bs, prefill,
-                       evictable, host * bs, disk * bs))
+                       evictable, host * bs, disk * bs, peer * bs, peer_id))
     scored.sort(key=lambda item: item[:3])
     if query.max_candidates:
         scored = scored[: query.max_candidates]
     ranked = [
         RouteCandidate(pool.pool_id, pool.worker_id, pool.serving_addr, matched, promised, prefill, pool.load,
                        pool.routing.routed.queued_tokens, -neg_free, evictable, pool.num_blocks, score,
-                       matched_host_tokens=host, matched_disk_tokens=disk)
-        for score, neg_free, _, pool, matched, promised, prefill, evictable, host, disk in scored
+                       matched_host_tokens=host, matched_disk_tokens=disk, matched_peer_tokens=peer,
+                       pull_from_worker_id=peer_id)
+        for score, neg_free, _, pool, matched, promised, prefill, evictable, host, disk, peer, peer_id in scored
     ]
     if ranked and query.request_id and not query.dry_run:
         pool = scored[0][3]

@@ -18,6 +18,7 @@ class ReplicaLoad:
     num_running_requests: int = 0
     host_load_cost: float = 0.0  # a loaded token's cost as a share of a computed one (0: not measured)
     disk_load_cost: float = 0.0
+    peer_load_cost: float = 0.0  # a token pulled from another replica, the same way
 
 
 @dataclass(slots=True)
@@ -108,6 +109,25 @@ class StepInput:
     commits: list[Commit] = field(default_factory=list)
     load: ReplicaLoad | None = None  # None: keep the last reported load
     copy_outcomes: list[CopyOutcome] = field(default_factory=list)
+    pull_outcomes: list[CopyOutcome] = field(default_factory=list)  # of the last reply's PeerPulls
+
+
+class PeerPull(NamedTuple):
+    """Pages an admission pulls from another replica (cache.proto PeerPull; convert.py signs the
+    ticket with `source_key`, which never leaves the cache manager otherwise)."""
+
+    pull_id: int
+    source_worker_id: str
+    source_addr: str
+    source_incarnation: str
+    source_key: bytes
+    src: list[int]  # the source's blocks
+    dst: list[int]  # the puller's
+    namespace: str
+    page_hashes: list[int]
+    pin_seconds: float
+    expires_at: float  # unix time the ticket runs out
+    puller_worker_id: str
 
 
 class AdmitResult(NamedTuple):
@@ -117,6 +137,7 @@ class AdmitResult(NamedTuple):
     block_table: list[int]
     miss: MissBreakdown | None = None  # first admissions only
     loads: list[TierCopy] = []  # lower-tier pages copied into block_table after the cached ones
+    pulls: list[PeerPull] = []  # then pages pulled from another replica
 
 
 class ExtendResult(NamedTuple):
@@ -166,6 +187,18 @@ class TierStats:
     num_evicted_pages: int
 
 
+class PullStats(NamedTuple):
+    """Peer pulls of a pool (cache.proto PullStats)."""
+
+    num_pulls: int
+    num_pulled_pages: int
+    num_failed_pages: int
+    peer_hit_tokens: int
+    num_served_pulls: int
+    num_pinned_pages: int
+    num_expired_pins: int
+
+
 @dataclass(slots=True)
 class PoolStats:
     pool_id: str
@@ -197,6 +230,7 @@ class PoolStats:
     host_tier: TierStats | None = None
     disk_tier: TierStats | None = None
     offload_policy: str = ""
+    pulls: PullStats | None = None
 
     @property
     def hit_rate(self) -> float:

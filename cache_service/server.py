@@ -13,6 +13,7 @@ from grpc_health.v1 import health
 from cache_service.durable import DEFAULT_FSYNC_SECONDS, DEFAULT_SNAPSHOT_BYTES, DurableState
 from cache_service.events import DEFAULT_BUFFER_BYTES, EventLog
 from cache_service.metrics import Metrics
+from cache_service.peer_pulls import DEFAULT_PIN_SECONDS
 from cache_service.pool_registry import DEFAULT_MAX_PINNED_FRACTION, PoolRegistry
 from cache_service.registry_limits import RegistryLimits
 from cache_service.servicer import METHOD_ROLES, SERVICE_NAME, CacheManagerServicer
@@ -104,18 +105,24 @@ async def serve(
     registry_limits: RegistryLimits | None = None,
     worker_san_check: bool = True,
     max_watch_streams: int = DEFAULT_MAX_WATCH_STREAMS,
+    peer_pulls: bool = True,
+    pull_pin_seconds: float = DEFAULT_PIN_SECONDS,
 ) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code.
 
     `state_dir`: durable mode (cache_service/durable/): rebuild every pool from it first, then
     journal every applied change there. `registry_limits`: caps on pools and their memory (None:
-    the defaults). `worker_san_check`: with mutual TLS (`tls.client_ca`), bind worker ids to
+    the defaults). `peer_pulls`: broker pulls between replicas (off in durable mode anyway), each
+    pinning its pages for at most `pull_pin_seconds`.
+    `worker_san_check`: with mutual TLS (`tls.client_ca`), bind worker ids to
     the client certificates' subject alternative names.
     """
     registry_limits = registry_limits if registry_limits is not None else RegistryLimits()
     worker_san_check = worker_san_check and tls is not None and tls.client_ca is not None
     registry = PoolRegistry(lease_seconds=lease_seconds, events=EventLog(max_bytes=event_buffer_bytes),
                             max_pinned_fraction=max_pinned_fraction, limits=registry_limits)
+    registry.peer_pulls = peer_pulls
+    registry.pull_pin_seconds = pull_pin_seconds
     durable = None
     if state_dir is not None:
         durable = DurableState(state_dir, registry, snapshot_bytes, fsync_seconds)

@@ -144,6 +144,7 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
                 request.vocab_size, request.serving_addr, request.incarnation,
                 num_steps_acknowledged=request.num_steps_acknowledged, owner=owner,
                 tiers=convert.tier_spec(request.tiers),
+                kv_transfer_addr=request.kv_transfer_addr, kv_transfer_key=request.kv_transfer_key,
             )
         except PermissionDenied:
             # The caller is told nothing about the holder; the operator learns who tried (never a key).

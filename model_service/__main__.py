@@ -138,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-policy", choices=["evict", "write-through"], default="evict",
                    help="when pages go down to the first lower tier: evict (when the pool evicts them, the "
                         "default) or write-through (as soon as they are cached)")
+    p.add_argument("--kv-pulls", choices=["on", "off"], default="off",
+                   help="peer KV pulls (docs/kv-pulls.md): serve this replica's cached pages to other replicas "
+                        "of the model (KvTransfer, on the gRPC port, 'replica' role) and pull theirs instead of "
+                        "computing them, as the cache manager brokers it; pulls use the --cache-tls-* "
+                        "credentials and --cache-token-file token (default off)")
     p.add_argument("--num-threads", type=positive_int, default=None,
                    help="torch CPU threads (default: torch's choice, one per core); use fewer when the "
                         "cores are shared with other busy processes")
@@ -185,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         cache_tls=cache_tls, cache_token=cache_token, limits=limits, request_limits=request_limits,
         grace_seconds=grace_from_args(args, parser), host_cache_bytes=int(args.host_cache_gib * 2**30),
         disk_cache_dir=args.disk_cache_dir, disk_cache_bytes=int(disk_gib * 2**30) if args.disk_cache_dir else 0,
-        offload_policy=args.offload_policy)
+        offload_policy=args.offload_policy, kv_pulls=args.kv_pulls == "on")
     try:
         return asyncio.run(serve(config))
     except (OSError, ValueError) as e:  # a missing model, a disk tier in use by another replica ...

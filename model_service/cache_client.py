@@ -75,7 +75,10 @@ class CacheClient:
         # The replica's lower tiers as RegisterPool describes them (None: none), re-read at every
         # registration (what the disk tier holds changes); and their measured load costs.
         self.tier_config: Callable[[], cache_pb2.TierConfig] | None = None
-        self.load_costs: tuple[float, float] = (0.0, 0.0)
+        self.load_costs: tuple[float, float, float] = (0.0, 0.0, 0.0)  # host, disk, peer (copy_costs.py)
+        # Where this replica serves KvTransfer and its ticket key (peer pulls; empty: none).
+        self.kv_transfer_addr = ""
+        self.kv_transfer_key = b""
         self.pool_id = ""
         self.epoch = 0
         self.incarnation = ""  # of this process's KV tensors (RegisterPoolRequest.incarnation)
@@ -106,7 +109,8 @@ class CacheClient:
                 model_fingerprint=self.model_fingerprint, vocab_size=self.vocab_size,
                 serving_addr=self.serving_addr, incarnation=self.incarnation,
                 num_steps_acknowledged=self.num_steps_acknowledged,
-                tiers=self.tier_config() if self.tier_config is not None else None),
+                tiers=self.tier_config() if self.tier_config is not None else None,
+                kv_transfer_addr=self.kv_transfer_addr, kv_transfer_key=self.kv_transfer_key),
                 timeout=self.timeout, metadata=self.token.metadata)
         except grpc.RpcError as e:
             self.pool_id = ""
@@ -149,6 +153,7 @@ class CacheClient:
                                       output_token_ids=c.output_token_ids) for c in plan.commits],
             load=_load_proto(plan.load, self.load_costs),
             copy_outcomes=plan.copy_outcomes,
+            pull_outcomes=plan.pull_outcomes,
         )
 
     def heartbeat_if_due(self) -> None:
@@ -233,7 +238,7 @@ class StepCall:
 def _step_reply(reply: cache_pb2.StepResponse) -> CacheReply:
     return CacheReply(
         admits=[AdmitReply(a.request_id, a.status == cache_pb2.ADMIT_STATUS_ADMITTED, a.cached_tokens,
-                           list(a.block_table), _miss(a), a.loads) for a in reply.admits],
+                           list(a.block_table), _miss(a), a.loads, pulls=a.pulls) for a in reply.admits],
         extends=[ExtendReply(e.request_id, e.ok, list(e.new_block_ids)) for e in reply.extends],
         commits=[CommitReply(c.request_id, c.cached_tokens, list(c.cached_block_ids)) for c in reply.commits],
         num_free_blocks=reply.num_free_blocks,
@@ -246,11 +251,11 @@ def _finish_proto(record: FinishRecord) -> cache_pb2.Finish:
                             num_computed_tokens=record.num_computed_tokens, block_table=record.block_table)
 
 
-def _load_proto(load: ReplicaLoad, costs: tuple[float, float]) -> cache_pb2.ReplicaLoad:
+def _load_proto(load: ReplicaLoad, costs: tuple[float, float, float]) -> cache_pb2.ReplicaLoad:
     return cache_pb2.ReplicaLoad(num_waiting_requests=load.num_waiting_requests,
                                  num_waiting_tokens=load.num_waiting_tokens,
                                  num_running_requests=load.num_running_requests,
-                                 host_load_cost=costs[0], disk_load_cost=costs[1])
+                                 host_load_cost=costs[0], disk_load_cost=costs[1], peer_load_cost=costs[2])
 
 
 def _miss(result: cache_pb2.AdmitResult) -> MissBreakdown | None:

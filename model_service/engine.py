@@ -29,7 +29,9 @@ import torch
 
 from model_service.cache_client import CacheClient, CachePoolLost
 from model_service.cache_pipeline import CachePipeline, step_and_wait
+from model_service.copy_costs import PEER, CopyCosts
 from model_service.forks import copy_prompt_tails, sampling_rows, unforked
+from model_service.kv_pulls.puller import PeerPuller
 from model_service.logits_processors import LogitsProcessors
 from model_service.logprobs import Position, positions, record_prompt_scores, take_prompt_logprobs
 from model_service.metrics import ModelMetrics
@@ -41,6 +43,7 @@ from model_service.sampler import Sampler
 from model_service.scheduler import CachePlan, CacheReply, QueueFullError, ScheduledBatch, Scheduler
 from model_service.structured.decoding import GuidedDecoding
 from model_service.tiers.copier import TierCopier
+from protos import cache_pb2
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,7 @@ class Usage(NamedTuple):
     # Of cached_prompt_tokens, those loaded from the host / disk tier (the rest: the KV pool's).
     cached_host_tokens: int = 0
     cached_disk_tokens: int = 0
+    cached_peer_tokens: int = 0  # pulled from another replica
 
 
 class EngineLoad(NamedTuple):
@@ -111,10 +115,15 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler,
-                 cache: CacheClient, metrics: ModelMetrics, tiers: TierCopier | None = None) -> None:
-        """`tiers`: the replica's host / disk tiers (model_service/tiers/), None without."""
+                 cache: CacheClient, metrics: ModelMetrics, tiers: TierCopier | None = None,
+                 puller: PeerPuller | None = None) -> None:
+        """`tiers`: the replica's host / disk tiers (model_service/tiers/), None without. `puller`:
+        pulls pages from other replicas (model_service/kv_pulls/), None when this replica does not."""
         self.config = config
         self.tiers = tiers
+        self.puller = puller
+        # What copying a token costs next to computing it (shared with the tiers and the puller).
+        self.costs = tiers.costs if tiers is not None else puller.costs if puller is not None else CopyCosts()
         if tiers is not None:  # disk writes finish on their own thread: their outcomes go in a later Step
             scheduler.finished_copy_outcomes = tiers.finished_outcomes
             tiers.on_write_done = lambda: self._inbox.put(("wake",))
@@ -254,8 +263,8 @@ class Engine:
             self._execute(batch)
 
     def _apply_reply(self, plan: CachePlan, reply: CacheReply) -> None:
-        if self.tiers is not None and (reply.offloads or any(a.loads for a in reply.admits)):
-            reply = self._run_tier_copies(reply)
+        if reply.offloads or any(a.loads or a.pulls for a in reply.admits):
+            reply = self._run_copies(reply)
         preemptions_before = self.scheduler.num_preemptions
         self.scheduler.apply_reply(plan, reply)
         copy_prompt_tails([r for r, a in zip(plan.admits, reply.admits, strict=False)
@@ -266,7 +275,7 @@ class Engine:
         for request, admit in zip(plan.admits, reply.admits, strict=False):
             # First admissions of prompts only (the pool's hit rate): not preempted ones, not forks.
             if admit.admitted and request.num_preemptions == 0 and request.index == 0:
-                cached = admit.cached_tokens + admit.loaded_host_tokens + admit.loaded_disk_tokens
+                cached = admit.cached_tokens + admit.loaded_host_tokens + admit.loaded_disk_tokens + admit.loaded_peer_tokens
                 self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
                 self.metrics.cached_prompt_tokens.inc(cached)
                 self._prompt_tokens += len(request.prompt_token_ids)
@@ -275,22 +284,38 @@ class Engine:
                     self.metrics.tier_cached_tokens.labels("host").inc(admit.loaded_host_tokens)
                 if admit.loaded_disk_tokens:
                     self.metrics.tier_cached_tokens.labels("disk").inc(admit.loaded_disk_tokens)
+                if admit.loaded_peer_tokens:
+                    self.metrics.pull_cached_tokens.inc(admit.loaded_peer_tokens)
         self.metrics.waiting.set(len(self.scheduler.waiting))
         self.metrics.running.set(len(self.scheduler.running))
         self._sync_counts()
 
-    def _run_tier_copies(self, reply: CacheReply) -> CacheReply:
-        """Performs the reply's tier copies (offloads, then each admission's loads) before anything
-        writes a block it handed out; their outcomes go with the next Step."""
-        tiers, outcomes = self.tiers, self.scheduler.pending_copy_outcomes
-        assert tiers is not None
-        outcomes.extend(tiers.run_offloads(reply.offloads))
+    def _run_copies(self, reply: CacheReply) -> CacheReply:
+        """Performs the reply's tier copies (offloads, then each admission's loads) and its pulls
+        from other replicas before anything writes a block it handed out; their outcomes go with
+        the next Step. Copies this replica cannot make are reported failed (nothing loaded)."""
+        tiers, puller = self.tiers, self.puller
+        outcomes = self.scheduler.pending_copy_outcomes
+        if tiers is not None:
+            outcomes.extend(tiers.run_offloads(reply.offloads))
         admits = []
         for admit in reply.admits:
+            whole = True
             if admit.loads:
-                done, host, disk = tiers.run_loads(admit.loads)
+                if tiers is not None:
+                    done, host, disk = tiers.run_loads(admit.loads)
+                else:
+                    done, host, disk = [cache_pb2.CopyOutcome(copy_id=c.copy_id) for c in admit.loads], 0, 0
                 outcomes.extend(done)
                 admit = admit._replace(loaded_host_tokens=host, loaded_disk_tokens=disk)
+                whole = all(o.num_pages_copied == len(c.src) for o, c in zip(done, admit.loads, strict=True))
+            if admit.pulls:
+                if puller is not None and whole:  # pulled pages follow the loaded ones: only after all of them
+                    done, pulled = puller.run(admit.pulls)
+                else:
+                    done, pulled = [cache_pb2.CopyOutcome(copy_id=p.pull_id) for p in admit.pulls], 0
+                self.scheduler.pending_pull_outcomes.extend(done)
+                admit = admit._replace(loaded_peer_tokens=pulled)
             admits.append(admit)
         return reply._replace(admits=admits)
 
@@ -309,9 +334,10 @@ class Engine:
             return
         elapsed = time.perf_counter() - started
         self.metrics.step_time.observe(elapsed)
-        if self.tiers is not None:  # what computing a token costs, next to loading it (tiers/copier.py)
-            self.tiers.observe_forward(elapsed, sum(len(c.token_ids) for c in batch.chunks))
-            self.cache.load_costs = self.tiers.load_costs()
+        if self.tiers is not None or self.puller is not None:  # what computing a token costs (copy_costs.py)
+            self.costs.observe_forward(elapsed, sum(len(c.token_ids) for c in batch.chunks))
+            host, disk = self.tiers.load_costs() if self.tiers is not None else (0.0, 0.0)
+            self.cache.load_costs = (host, disk, self.costs.cost(PEER))
         self.metrics.steps.inc()
         self.scheduler.on_executed(batch)
         if step.scored is not None:
@@ -406,6 +432,7 @@ class Engine:
             miss_new_tokens=miss.new_tokens,
             cached_host_tokens=request.cached_tier_tokens[0],
             cached_disk_tokens=request.cached_tier_tokens[1],
+            cached_peer_tokens=request.cached_tier_tokens[2],
         )
         # The id is free before the final output goes out: a client that reuses it as soon as it
         # sees the end of its stream must not be refused as a duplicate.
@@ -519,6 +546,7 @@ class Engine:
         # Copies the cache manager may not have seen reported: it stops waiting for them at the
         # re-registration (a kept pool drops its pending copies; a new pool never had them).
         self.scheduler.pending_copy_outcomes.clear()
+        self.scheduler.pending_pull_outcomes.clear()
         if self.tiers is not None:
             self.tiers.reset()
         self._sync_counts()

@@ -67,6 +67,24 @@ class ModelMetrics(MetricsServer):
                                     "Measured cost of loading a token from the tier, as a share of computing it",
                                     ["tier"], registry=r)
 
+        self.pull_pages = Counter("radixkv_model_pull_pages", "KV pages pulled from other replicas, by outcome "
+                                  "(failed: computed instead)", ["outcome"], registry=r)
+        self.pull_bytes = Counter("radixkv_model_pull_bytes", "Bytes of KV received from other replicas", registry=r)
+        self.pull_seconds = Histogram("radixkv_model_pull_seconds", "Time of one pull from another replica",
+                                      buckets=_WAIT_BUCKETS, registry=r)
+        self.pull_fallbacks = Counter("radixkv_model_pull_fallbacks",
+                                      "Pulls that came up short and were computed instead, by reason", ["reason"],
+                                      registry=r)
+        self.peer_load_cost = Gauge("radixkv_model_peer_load_cost",
+                                    "Measured cost of pulling a token from another replica, as a share of computing it",
+                                    registry=r)
+        self.pull_cached_tokens = Counter("radixkv_model_peer_hit_tokens",
+                                          "First-admission prompt tokens pulled from another replica", registry=r)
+        self.pull_served_pages = Counter("radixkv_model_pull_served_pages",
+                                         "KV pages this replica sent to replicas pulling them", registry=r)
+        self.pull_served_bytes = Counter("radixkv_model_pull_served_bytes",
+                                         "Bytes of KV this replica sent to replicas pulling them", registry=r)
+
     def set_linear_plan(self, plans: Iterable[LinearPlan]) -> None:
         """Exports the load-time plan of every linear weight (one series per shape and row range)."""
         self.linear_plan.clear()

@@ -71,7 +71,7 @@ class Request:
     num_admitted_tokens: int = 0  # tokens sent to the cache manager at the last admission
     num_shared_tokens: int = 0  # leading tokens whose pages the cache's tree holds (hit + commits)
     cached_prompt_tokens: int | None = None  # cache hit at first admission (None: never admitted)
-    cached_tier_tokens: tuple[int, int] = (0, 0)  # of those, loaded from the host / disk tier
+    cached_tier_tokens: tuple[int, int, int] = (0, 0, 0)  # of those, loaded from the host / disk tier, pulled
     miss: MissBreakdown | None = None  # why the rest missed, at first admission
     num_preemptions: int = 0
     first_token_time: float | None = None

@@ -76,6 +76,9 @@ class AdmitReply(NamedTuple):
     loads: Sequence[object] = ()
     loaded_host_tokens: int = 0
     loaded_disk_tokens: int = 0
+    # Then pages to pull from another replica (cache.proto PeerPull), and the tokens of them pulled.
+    pulls: Sequence[object] = ()
+    loaded_peer_tokens: int = 0
 
 
 class ExtendReply(NamedTuple):
@@ -113,11 +116,13 @@ class CachePlan:
     load: ReplicaLoad = ReplicaLoad()
     # Outcomes of tier copies performed since the last Step (cache.proto CopyOutcome).
     copy_outcomes: list[object] = field(default_factory=list)
+    # Outcomes of the peer pulls of the last reply (cache.proto StepRequest.pull_outcomes).
+    pull_outcomes: list[object] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not (self.releases or self.finishes or self.extends or self.admits or self.commits
-                    or self.copy_outcomes)
+                    or self.copy_outcomes or self.pull_outcomes)
 
 
 class ScheduledBatch(NamedTuple):
@@ -158,6 +163,7 @@ class Scheduler:
         # Outcomes of tier copies the engine performed, for the next plan (cache.proto CopyOutcome),
         # and where the ones finishing later (disk writes) come from.
         self.pending_copy_outcomes: list[object] = []
+        self.pending_pull_outcomes: list[object] = []
         # (urgent) -> outcomes finished since; not urgent: may keep them for a Step made anyway.
         self.finished_copy_outcomes: Callable[[bool], list[object]] = lambda urgent: []
         self._pause_admission = False
@@ -239,6 +245,7 @@ class Scheduler:
         self.pending_finishes.clear()
         self.pending_releases.clear()
         self.pending_copy_outcomes.clear()  # of the old pool's copies
+        self.pending_pull_outcomes.clear()
         self._pause_admission = False
         self._lookahead_paused = False
         self.generation += 1
@@ -258,10 +265,11 @@ class Scheduler:
         token will have one more (its sampled token), and extensions carry lookahead."""
         plan = CachePlan(releases=self.pending_releases,
                          finishes=[self._record(r) for r in self.pending_finishes],
-                         copy_outcomes=self.pending_copy_outcomes)
+                         copy_outcomes=self.pending_copy_outcomes, pull_outcomes=self.pending_pull_outcomes)
         for request in self.pending_finishes:
             request.returned_by = plan
         self.pending_copy_outcomes = []
+        self.pending_pull_outcomes = []
         if plan.releases or plan.finishes:
             self._admission_refused = False
         self.pending_releases, self.pending_finishes = [], []
@@ -358,7 +366,8 @@ class Scheduler:
             if not adm.admitted:
                 self._admission_refused = not request.is_finished
                 break
-            loaded = adm.loaded_host_tokens + adm.loaded_disk_tokens  # pages copied in from a lower tier
+            # Pages copied in from a lower tier, then pulled from another replica.
+            loaded = adm.loaded_host_tokens + adm.loaded_disk_tokens + adm.loaded_peer_tokens
             if request.is_finished:  # cancelled or aborted while its admission was in flight
                 request.block_table = list(adm.block_table)
                 request.num_computed_tokens = adm.cached_tokens + loaded
@@ -373,7 +382,7 @@ class Scheduler:
             request.num_admitted_tokens = request.num_tokens
             if request.cached_prompt_tokens is None:
                 request.cached_prompt_tokens = adm.cached_tokens + loaded
-                request.cached_tier_tokens = (adm.loaded_host_tokens, adm.loaded_disk_tokens)
+                request.cached_tier_tokens = (adm.loaded_host_tokens, adm.loaded_disk_tokens, adm.loaded_peer_tokens)
                 request.miss = adm.miss
             self.running.append(request)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import socket
 import sys
 import time
@@ -22,8 +23,11 @@ from common.server_runner import ServerHooks, run_server
 from model_service import native
 from model_service.attention import AttentionBackend, TorchAttentionBackend, create_attention_backend
 from model_service.cache_client import CacheClient
+from model_service.copy_costs import CopyCosts
 from model_service.engine import Engine, EngineConfig
 from model_service.kv_cache import KVCache, KVCacheSpec
+from model_service.kv_pulls import transfer_servicer as transfer
+from model_service.kv_pulls.puller import PeerPuller
 from model_service.linear import ModelLinears, dot
 from model_service.linear.packed import warm_up
 from model_service.metrics import ModelMetrics
@@ -36,7 +40,7 @@ from model_service.tiers.copier import TierCopier
 from model_service.tiers.disk_tier import DiskTier
 from model_service.tiers.host_tier import HostTier
 from model_service.torch_threads import run_in_passing_thread
-from protos import model_pb2
+from protos import kv_transfer_pb2, model_pb2
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +99,8 @@ class ModelServiceConfig:
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = 0
     offload_policy: str = "evict"
+    # Peer KV pulls (model_service/kv_pulls/, docs/kv-pulls.md): serve KvTransfer and pull.
+    kv_pulls: bool = False
 
 
 def resolve_device(name: str) -> torch.device:
@@ -178,9 +184,15 @@ def build_engine(config: ModelServiceConfig, worker_id: str) -> tuple[Engine, Mo
     tiers = build_tiers(config, kv_cache, loaded.fingerprint, metrics)
     if tiers is not None:
         cache.tier_config = tiers.tier_config
+    puller = None
+    if config.kv_pulls:
+        cache.kv_transfer_key = secrets.token_bytes(32)  # new per process: tickets of an earlier run fail
+        puller = PeerPuller(kv_cache, tiers.costs if tiers is not None else CopyCosts(),
+                            config.cache_tls.credentials() if config.cache_tls is not None else None,
+                            config.cache_token, metrics)
     engine = Engine(EngineConfig(frozenset(loaded.eos_token_ids), loaded.max_context_tokens,
                                  cache_pipeline=config.cache_pipeline), scheduler, runner,
-                    Sampler(), cache, metrics, tiers)
+                    Sampler(), cache, metrics, tiers, puller)
     info = ServingInfo(config.block_size, num_blocks, str(dtype).removeprefix("torch."), str(device), backend.name,
                        config.cache_addr, worker_id)
     return engine, ModelServicer(engine, loaded, info, config.request_limits)
@@ -230,8 +242,16 @@ async def serve(config: ModelServiceConfig) -> int:
     worker_id = config.worker_id or f"model-{socket.gethostname()}-{config.port}"
     # Not asyncio.to_thread: its thread would live on with an idle OpenMP pool (see torch_threads).
     engine, servicer = await run_in_passing_thread(build_engine, config, worker_id)
-    server = new_server(config.limits, server_interceptors(config.tokens, {SERVICE_NAME: METHOD_ROLES}))
+    roles = {SERVICE_NAME: METHOD_ROLES}
+    if config.kv_pulls:
+        roles[transfer.SERVICE_NAME] = transfer.METHOD_ROLES
+    server = new_server(config.limits, server_interceptors(config.tokens, roles))
     add_servicer(server, servicer, model_pb2.DESCRIPTOR.services_by_name["ModelService"], id_error)
+    if config.kv_pulls:
+        cache = engine.cache
+        add_servicer(server, transfer.KvTransferServicer(engine.runner.kv_cache, cache.kv_transfer_key,
+                                                         lambda: (cache.worker_id, cache.incarnation), engine.metrics),
+                     kv_transfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"])
     health_servicer = add_health_and_reflection(server, SERVICE_NAME)
 
     async def create() -> tuple[grpc.aio.Server, int]:
@@ -241,6 +261,8 @@ async def serve(config: ModelServiceConfig) -> int:
         serving_addr = config.advertise_addr or format_address(config.host, port)
         servicer.info.serving_addr = serving_addr
         engine.cache.serving_addr = serving_addr  # before engine.start(): the pool registers with it
+        if config.kv_pulls:  # KvTransfer is served on the same port
+            engine.cache.kv_transfer_addr = serving_addr
 
     async def starting() -> None:
         engine.start()

@@ -383,8 +383,10 @@ def _response(request_id: str, out: GenerationOutput, served_by: str, texts: Tok
             total_time=u.total_time, num_preemptions=u.num_preemptions,
             miss_evicted_tokens=u.miss_evicted_tokens, miss_other_replica_tokens=u.miss_other_replica_tokens,
             miss_new_tokens=u.miss_new_tokens,  # miss_other_namespace_tokens: deprecated, always 0
-            cached_device_tokens=u.cached_prompt_tokens - u.cached_host_tokens - u.cached_disk_tokens,
+            cached_device_tokens=(u.cached_prompt_tokens - u.cached_host_tokens - u.cached_disk_tokens
+                                  - u.cached_peer_tokens),
             cached_host_tokens=u.cached_host_tokens, cached_disk_tokens=u.cached_disk_tokens,
+            cached_peer_tokens=u.cached_peer_tokens,
             served_by=served_by))
     return response
 

@@ -54,6 +54,7 @@ REPLICA_FIXTURES = frozenset({
     "servers",             # tests/security/test_metrics_host.py
     "replicas",            # tests/security/test_tenant_scoping.py
     "soak_services",       # tests/security/test_soak.py
+    "pull_fleet",          # tests/model_service/test_kv_pulls.py
 })
 # Fixtures of long load runs: a test using any of them is `soak`.
 SOAK_FIXTURES = frozenset({

@@ -78,6 +78,9 @@ class DurableState:
                  fsync_seconds: float = DEFAULT_FSYNC_SECONDS) -> None:
         self.state_dir = state_dir
         self.registry = registry
+        # Peer pulls pin pages on their source, which changes what it may evict, and pins are not
+        # journaled: a durable cache manager brokers none (cache_service/peer_pulls.py).
+        registry.peer_pulls = False
         self.snapshot_bytes = snapshot_bytes
         self.fsync_seconds = fsync_seconds
         self.generation = 0

@@ -11,10 +11,9 @@ and the file writes and checksums overlap the next forward passes. Their outcome
 next Step the engine makes anyway, or one of their own when it is idle (`on_write_done` wakes it)
 or they waited MAX_OUTCOME_DELAY_SECONDS: no cache RPC only for them while decode steps need none.
 
-It also measures what a load costs next to computing: seconds per loaded token over seconds per
-prefilled token (the engine reports its forward passes), sent with every Step as the replica's
-host_load_cost / disk_load_cost, so Route prices tier hits, and the cache manager stops loading
-from a tier that is slower than recomputing.
+It also measures what a load costs next to computing (model_service/copy_costs.py), sent with
+every Step as the replica's host_load_cost / disk_load_cost, so Route prices tier hits, and the
+cache manager stops loading from a tier that is slower than recomputing.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
+from model_service.copy_costs import CopyCosts
 from model_service.kv_cache import KVCache
 from model_service.metrics import ModelMetrics
 from model_service.tiers.disk_tier import DiskTier, PageInfo
@@ -34,12 +34,6 @@ log = logging.getLogger(__name__)
 
 POLICIES = {"evict": cache_pb2.OFFLOAD_POLICY_EVICT, "write-through": cache_pb2.OFFLOAD_POLICY_WRITE_THROUGH}
 TIER_NAMES = {cache_pb2.TIER_DEVICE: "device", cache_pb2.TIER_HOST: "host", cache_pb2.TIER_DISK: "disk"}
-_EMA = 0.2  # weight of the newest sample in the cost averages
-# A load cost not refreshed for this long is reported as unknown (0): a tier the cache manager stopped
-# loading from because it measured slower than computing gets tried again now and then.
-COST_TTL_SECONDS = 60.0
-# Batches with fewer tokens than this are decode-bound: they say little about prefill cost.
-MIN_PREFILL_SAMPLE_TOKENS = 64
 # While the engine is busy, finished disk writes wait for a Step it makes anyway, at most this long
 # (their pages are held, hittable, only once reported).
 MAX_OUTCOME_DELAY_SECONDS = 0.25
@@ -49,7 +43,7 @@ class TierCopier:
     """The replica's lower tiers and the copies between them and the KV pool (engine thread only)."""
 
     def __init__(self, kv: KVCache, host: HostTier | None, disk: DiskTier | None, policy: str = "evict",
-                 metrics: ModelMetrics | None = None) -> None:
+                 metrics: ModelMetrics | None = None, costs: CopyCosts | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"offload policy must be one of {', '.join(POLICIES)}")
         self.kv = kv
@@ -62,9 +56,7 @@ class TierCopier:
         # Disk writes in flight: (copy id, pages, future of the pages written).
         self._writes: list[tuple[int, int, Future[int]]] = []
         self._finished_seen_at: float | None = None  # when finished writes were first left waiting
-        self._seconds_per_token: dict[int, float] = {}  # per tier: loads
-        self._sampled_at: dict[int, float] = {}
-        self._prefill_seconds_per_token = 0.0
+        self.costs = costs if costs is not None else CopyCosts()  # what a load costs next to computing
         if metrics is not None:
             for tier, store in ((cache_pb2.TIER_HOST, host), (cache_pb2.TIER_DISK, disk)):
                 if store is not None:
@@ -210,30 +202,15 @@ class TierCopier:
     # ------------------------------------------------------------------ cost
 
     def _observe_load(self, tier: int, seconds: float, tokens: int) -> None:
-        per_token = seconds / tokens
-        old = self._seconds_per_token.get(tier)
-        fresh = old is None or time.monotonic() - self._sampled_at[tier] > COST_TTL_SECONDS
-        self._seconds_per_token[tier] = per_token if fresh else (1 - _EMA) * old + _EMA * per_token
-        self._sampled_at[tier] = time.monotonic()
+        self.costs.observe_copy(TIER_NAMES[tier], seconds, tokens)
         if self.metrics is not None:
             self.metrics.tier_load_seconds.labels(TIER_NAMES[tier]).observe(seconds)
 
-    def observe_forward(self, seconds: float, num_tokens: int) -> None:
-        """A forward pass computed `num_tokens` tokens in `seconds` (prefill-sized ones count)."""
-        if num_tokens < MIN_PREFILL_SAMPLE_TOKENS:
-            return
-        per_token = seconds / num_tokens
-        old = self._prefill_seconds_per_token
-        self._prefill_seconds_per_token = per_token if not old else (1 - _EMA) * old + _EMA * per_token
-
     def load_costs(self) -> tuple[float, float]:
         """(host, disk): seconds per loaded token / seconds per computed token (0: not measured yet)."""
-        prefill = self._prefill_seconds_per_token
         costs = []
         for tier in (cache_pb2.TIER_HOST, cache_pb2.TIER_DISK):
-            load = self._seconds_per_token.get(tier)
-            stale = load is None or time.monotonic() - self._sampled_at[tier] > COST_TTL_SECONDS
-            cost = load / prefill if not stale and prefill else 0.0
+            cost = self.costs.cost(TIER_NAMES[tier])
             costs.append(cost)
             if self.metrics is not None and cost:
                 self.metrics.tier_load_cost.labels(TIER_NAMES[tier]).set(cost)

@@ -1,0 +1,229 @@
+"""Peer pulls (docs/kv-pulls.md): pages another replica of the model holds, pulled instead of computed.
+
+When a pool admits a prompt and another live pool of the same model and page size (the *source*)
+holds more of it in its device blocks than the admitting pool has (its device hit and lower-tier
+loads together), the admission pulls the pages in between: `AdmitResult.pulls` names the
+source's blocks in a ticket the cache manager signs with the source replica's own key
+(`RegisterPoolRequest.kv_transfer_key`), and the source's path through them is pinned (a lock ref
+on its tree node) until the puller's next Step reports the pull, or the pin's time runs out (a
+puller that died or stalled). Only pools registered with a kv_transfer_addr pull or are pulled from.
+
+A pull happens only where it is cheaper than computing: the puller measures a pulled token's cost
+as a share of a computed one (`ReplicaLoad.peer_load_cost`; DEFAULT_PEER_LOAD_COST until it has),
+and at 1 or more pulls nothing. Pins of a source hold at most MAX_PINNED_SHARE of its blocks.
+
+Pins change what the source may evict and are not journaled, so a cache manager with --state-dir
+brokers no pulls (the registry's `peer_pulls` is off there: the durable state sets it).
+Every lookup is made in the admission's namespace only: a source's other namespaces are never read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+from cache_service.attach import AttachState
+from cache_service.errors import InvalidArgument
+from cache_service.radix_tree import RadixTree, TreeNode, path_hashes
+from cache_service.schema import CopyOutcome, PeerPull, PullStats, ReplicaLoad
+from common.token_bytes import TOKEN_BYTES
+
+DEFAULT_PEER_LOAD_COST = 0.1  # a pulled token / a computed one until the puller measured it
+DEFAULT_PIN_SECONDS = 10.0  # how long a source's pages stay pinned for a puller that never reports
+# A ticket runs out this long before its pin ends, so clocks a little apart between the cache
+# manager and the source replica never let the source read pages whose pin has ended.
+TICKET_MARGIN_SECONDS = 2.0
+MAX_PINNED_SHARE = 0.25  # of a source's blocks, pinned for pulls at once
+MIN_KEY_BYTES, MAX_KEY_BYTES = 16, 64
+
+
+class Pool(Protocol):
+    """What peer pulls read of a pool (cache_service/pool.py)."""
+
+    worker_id: str
+    block_size: int
+    num_blocks: int
+    tree: RadixTree
+    attach: AttachState
+    load: ReplicaLoad
+    pulls: PeerPulls
+
+
+@dataclass(slots=True)
+class TransferEndpoint:
+    """Where a replica serves KvTransfer, and the key its pull tickets are signed with."""
+
+    addr: str
+    key: bytes
+
+
+@dataclass(slots=True)
+class PullPin:
+    """A source's pages pinned for one pull (a lock ref on `node`, its path's last node)."""
+
+    source: Pool
+    node: TreeNode
+    num_pages: int
+    expires_at: float  # the registry's clock
+    active: bool = True
+
+    def release(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        source = self.source
+        source.pulls.pinned_pages -= self.num_pages
+        if self.node.in_tree:
+            source.tree.dec_lock_ref(self.node)
+
+
+@dataclass(slots=True)
+class _PendingPull:
+    pin: PullPin
+    num_pages: int
+
+
+@dataclass(slots=True)
+class PullCounters:
+    num_pulls: int = 0
+    num_pulled_pages: int = 0
+    num_failed_pages: int = 0
+    peer_hit_tokens: int = 0
+    num_served_pulls: int = 0
+    num_expired_pins: int = 0
+
+
+class PlannedPull(NamedTuple):
+    pull: PeerPull
+    num_pages: int
+    last_hash: int  # hash of the last pulled page
+
+
+def _no_sources() -> Iterable[Pool]:
+    return ()
+
+
+@dataclass(slots=True)
+class PeerPulls:
+    """One pool's side of peer pulls: as a puller (the pulls of its last reply) and as a source
+    (pages others pin on it). The registry wires `sources`, `brokered` and the clocks."""
+
+    endpoint: TransferEndpoint | None = None
+    counters: PullCounters = field(default_factory=PullCounters)
+    next_pull_id: int = 1
+    pending: dict[int, _PendingPull] = field(default_factory=dict)
+    pinned_pages: int = 0  # this pool's pages pinned by other pools' pulls
+    sources: Callable[[], Iterable[Pool]] = _no_sources  # live pools of the same model
+    brokered: bool = True  # False: this cache manager brokers no pulls (durable)
+    pin_seconds: float = DEFAULT_PIN_SECONDS
+    clock: Callable[[], float] = time.monotonic
+    wall_clock: Callable[[], float] = time.time
+
+    @property
+    def enabled(self) -> bool:
+        return self.endpoint is not None
+
+    def plan(self, pool: Pool, key: bytes, namespace: str, covered: int, max_pages: int,
+             dst: Sequence[int]) -> PlannedPull | None:
+        """The pull of pages [covered, n) of `key` (the cacheable prompt, encoded) from the source
+        that holds the most of them, pinned there; None when no source adds a page or a pull would
+        cost as much as computing. `dst`: the admitted request's whole block table."""
+        if not (self.brokered and self.enabled) or peer_load_cost(pool) >= 1.0 or covered >= max_pages:
+            return None
+        bs = pool.block_size
+        best: Pool | None = None
+        best_pages = covered
+        for source in self.sources():
+            if source is pool or not source.pulls.enabled or source.block_size != bs or source.attach.awaiting_reattach:
+                continue
+            pages = source.tree.peek_key(key[: max_pages * bs * TOKEN_BYTES], namespace) // bs
+            room = int(MAX_PINNED_SHARE * source.num_blocks) - source.pulls.pinned_pages
+            if pages > best_pages and pages - covered <= room:
+                best, best_pages = source, pages
+        if best is None:
+            return None
+        match = best.tree.match_prefix(key[: best_pages * bs * TOKEN_BYTES], namespace)
+        node, n = match.last_node, best_pages - covered
+        assert node is not None and len(match.block_ids) == best_pages
+        best.tree.inc_lock_ref(node)
+        source_pulls = best.pulls
+        source_pulls.pinned_pages += n
+        source_pulls.counters.num_served_pulls += 1
+        now = self.clock()
+        pin = PullPin(best, node, n, now + self.pin_seconds)
+        pull_id = self.next_pull_id
+        self.next_pull_id += 1
+        self.pending[pull_id] = _PendingPull(pin, n)
+        self.counters.num_pulls += 1
+        self.counters.num_pulled_pages += n
+        endpoint = source_pulls.endpoint
+        assert endpoint is not None
+        pull = PeerPull(pull_id, best.worker_id, endpoint.addr, best.attach.incarnation, endpoint.key,
+                        list(match.block_ids[covered:]), list(dst[covered:best_pages]), namespace,
+                        path_hashes(node, n), self.pin_seconds,
+                        self.wall_clock() + self.pin_seconds - TICKET_MARGIN_SECONDS, pool.worker_id)
+        return PlannedPull(pull, n, node.last_hash)
+
+    def validate_outcomes(self, outcomes: Sequence[CopyOutcome]) -> None:
+        seen = set()
+        for o in outcomes:
+            if o.copy_id in seen:
+                raise InvalidArgument(f"pull {o.copy_id} is reported twice")
+            seen.add(o.copy_id)
+            pending = self.pending.get(o.copy_id)
+            if pending is not None and o.num_pages_copied > pending.num_pages:
+                raise InvalidArgument(f"pull {o.copy_id}: num_pages_copied {o.num_pages_copied} exceeds its "
+                                      f"{pending.num_pages} pages")
+
+    def apply_outcomes(self, outcomes: Sequence[CopyOutcome]) -> None:
+        """The last reply's pulls end: their pins are released, reported or not (a pull not
+        reported counts as failed whole); outcomes of other pulls change nothing."""
+        if not self.pending:
+            return
+        done = {o.copy_id: o.num_pages_copied for o in outcomes}
+        for pull_id, pending in self.pending.items():
+            pending.pin.release()
+            self.counters.num_failed_pages += pending.num_pages - done.get(pull_id, 0)
+        self.pending = {}
+
+    def expire(self, now: float) -> None:
+        """End the pins of pulls whose puller did not report them in time."""
+        for pull_id in [i for i, p in self.pending.items() if p.pin.expires_at <= now]:
+            pin = self.pending.pop(pull_id).pin
+            if pin.active:
+                pin.source.pulls.counters.num_expired_pins += 1
+            pin.release()
+
+    def drop(self) -> None:
+        """Release every pin this pool's pulls hold (it retires, or its replica re-registered)."""
+        for pending in self.pending.values():
+            pending.pin.release()
+        self.pending = {}
+
+    def stats(self) -> PullStats | None:
+        if not self.enabled:
+            return None
+        c = self.counters
+        return PullStats(c.num_pulls, c.num_pulled_pages, c.num_failed_pages, c.peer_hit_tokens,
+                         c.num_served_pulls, self.pinned_pages, c.num_expired_pins)
+
+
+def peer_load_cost(pool: Pool) -> float:
+    """What pulling a token costs `pool`'s replica as a share of computing it (measured, or the default)."""
+    return pool.load.peer_load_cost or DEFAULT_PEER_LOAD_COST
+
+
+def check_endpoint(addr: str, key: bytes, max_addr_len: int) -> TransferEndpoint | None:
+    """The endpoint a registration gives (None: it serves and makes no pulls); InvalidArgument
+    when only one of the two is set, the key's length is outside [16, 64] or the address too long."""
+    if not addr and not key:
+        return None
+    if not addr or not key:
+        raise InvalidArgument("kv_transfer_addr and kv_transfer_key go together: set both or neither")
+    if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
+        raise InvalidArgument(f"kv_transfer_key must be {MIN_KEY_BYTES}-{MAX_KEY_BYTES} bytes, got {len(key)}")
+    if len(addr) > max_addr_len:
+        raise InvalidArgument(f"kv_transfer_addr longer than {max_addr_len} characters")
+    return TransferEndpoint(addr, bytes(key))

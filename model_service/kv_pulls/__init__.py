@@ -1,0 +1,1 @@
+"""KV pulls between replicas (docs/kv-pulls.md): the KvTransfer service and the puller."""

@@ -1,0 +1,210 @@
+"""Peer KV pulls through real processes (docs/kv-pulls.md): a cache manager and two replicas of the
+tiny model with --kv-pulls on, every call authenticated. A prompt computed on one replica is pulled,
+not recomputed, by the other, with bit-identical output; the pins end; KvTransfer refuses callers
+without the replica role and tickets that do not verify, name other pages or ran out; a pull from
+a SIGKILLed source falls back to computing, with the same output and nothing leaked."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from protos import cache_pb2, cache_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc, model_pb2, model_pb2_grpc
+from tests.services import Running, launch_model, start_cache, start_model
+from tests.tiny_model import save_tiny_llama
+
+BS = 16
+REPLICA_TOKEN, CLIENT_TOKEN, ADMIN_TOKEN = "replica-secret", "client-secret", "admin-secret"
+PIN_SECONDS = 6.0  # the ticket runs out 2 s before the pin ends (cache_service/peer_pulls.py)
+
+
+@dataclass
+class PullFleet:
+    cache: Running
+    a: Running
+    b: Running
+    model: Path
+    token_file: Path
+    replica_token_file: Path
+
+
+def replica_args(fleet_model: Path, worker: str, tokens: Path, replica_token: Path) -> list[str]:
+    return ["--model", str(fleet_model), "--worker-id", worker, "--num-threads", "1", "--num-blocks", "256",
+            "--kv-pulls", "on", "--auth-token-file", str(tokens), "--cache-token-file", str(replica_token)]
+
+
+@pytest.fixture(scope="module")
+def pull_fleet(tmp_path_factory) -> Iterator[PullFleet]:
+    root = tmp_path_factory.mktemp("pulls")
+    model = save_tiny_llama(root / "model")
+    tokens = root / "tokens"
+    tokens.write_text(f"{REPLICA_TOKEN} replica\n{CLIENT_TOKEN} client\n{ADMIN_TOKEN}\n")
+    replica_token = root / "replica-token"
+    replica_token.write_text(REPLICA_TOKEN + "\n")
+    cache = start_cache(["--auth-token-file", str(tokens), "--pull-pin-seconds", str(PIN_SECONDS),
+                         "--lease-seconds", "4"])
+    launched = [launch_model(cache.addr, *replica_args(model, w, tokens, replica_token)) for w in ("pull-a", "pull-b")]
+    started: list[Running] = []
+    try:
+        started = [launch.wait() for launch in launched]
+        yield PullFleet(cache, started[0], started[1], model, tokens, replica_token)
+    finally:
+        for launch in launched:
+            launch.process.stop(10.0)
+        cache.process.stop(5.0)
+
+
+def client_md(token: str = CLIENT_TOKEN) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")]
+
+
+def generate(addr: str, prompt: list[int], max_tokens: int = 6) -> tuple[list[int], list[float], model_pb2.Usage]:
+    with grpc.insecure_channel(addr) as channel:
+        stub = model_pb2_grpc.ModelServiceStub(channel)
+        request = model_pb2.GenerateRequest(token_ids=model_pb2.TokenIds(ids=prompt), sampling=model_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0, logprobs=0, ignore_eos=True))
+        tokens, logprobs, usage = [], [], model_pb2.Usage()
+        for message in stub.Generate(request, metadata=client_md(), timeout=60):
+            tokens.extend(message.token_ids)
+            logprobs.extend(p.chosen.logprob for p in message.logprobs)
+            if message.HasField("usage"):
+                usage = message.usage
+        return tokens, logprobs, usage
+
+
+def pool_stats(fleet: PullFleet) -> dict[str, cache_pb2.PoolStats]:
+    with grpc.insecure_channel(fleet.cache.addr) as channel:
+        reply = cache_pb2_grpc.CacheManagerStub(channel).Stats(cache_pb2.StatsRequest(), metadata=client_md(ADMIN_TOKEN))
+    return {p.pool_id: p for p in reply.pools}
+
+
+def wait_unpinned(fleet: PullFleet, pool_id: str) -> cache_pb2.PoolStats:
+    deadline = time.monotonic() + 10
+    while True:
+        stats = pool_stats(fleet)[pool_id]
+        if stats.pulls.num_pinned_pages == 0 and stats.num_locked_blocks == 0:
+            return stats
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+
+
+def prompt(seed: int, n: int = 200) -> list[int]:
+    return [(seed * 7919 + i * 31) % 1000 + 10 for i in range(n)]
+
+
+def test_a_prompt_computed_on_one_replica_is_pulled_by_the_other_bit_exact(pull_fleet: PullFleet) -> None:
+    p = prompt(1)
+    cold, _, usage_cold = generate(pull_fleet.a.addr, p)
+    assert usage_cold.cached_prompt_tokens == 0
+    # The reference: a's own cache hit, which computes the same tail on the same cached prefix.
+    tokens_a, logprobs_a, usage_a = generate(pull_fleet.a.addr, p)
+    cacheable = (len(p) - 1) // BS * BS
+    assert usage_a.cached_device_tokens == cacheable
+    tokens_b, logprobs_b, usage_b = generate(pull_fleet.b.addr, p)
+    assert usage_b.cached_peer_tokens == cacheable == usage_b.cached_prompt_tokens
+    assert usage_b.cached_device_tokens == 0 and usage_b.miss_other_replica_tokens == 0
+    assert (tokens_b, logprobs_b) == (tokens_a, logprobs_a)  # the pulled KV is a's, bit for bit
+    assert tokens_b == cold
+    stats_a = wait_unpinned(pull_fleet, "pull-a")
+    assert stats_a.pulls.num_served_pulls >= 1 and stats_a.pulls.num_expired_pins == 0
+    stats_b = pool_stats(pull_fleet)["pull-b"]
+    assert stats_b.pulls.num_pulled_pages >= cacheable // BS and stats_b.pulls.num_failed_pages == 0
+    # b holds the prompt now: a third request there is a plain device hit.
+    _, _, usage = generate(pull_fleet.b.addr, p)
+    assert usage.cached_device_tokens == cacheable and usage.cached_peer_tokens == 0
+
+
+def _ticket(fleet: PullFleet, p: list[int]) -> tuple[cache_pb2.PeerPull, cache_pb2_grpc.CacheManagerStub,
+                                                     cache_pb2.RegisterPoolResponse, grpc.Channel]:
+    """A PeerPull for `p` (cached on a) as the cache manager gives it to a replica: a pool
+    registered by hand with the replica token, which admits `p` and never pulls."""
+    channel = grpc.insecure_channel(fleet.cache.addr)
+    stub = cache_pb2_grpc.CacheManagerStub(channel)
+    md = client_md(REPLICA_TOKEN)
+    reg = stub.RegisterPool(cache_pb2.RegisterPoolRequest(
+        worker_id="by-hand", num_blocks=64, block_size=BS, model_fingerprint=pool_stats(fleet)["pull-a"].model_fingerprint,
+        kv_transfer_addr="127.0.0.1:1", kv_transfer_key=b"k" * 32), metadata=md)
+    reply = stub.Step(cache_pb2.StepRequest(pool_id=reg.pool_id, epoch=reg.epoch, admits=[
+        cache_pb2.Admit(request_id="r", token_ids=p)]), metadata=md)
+    (pull,) = reply.admits[0].pulls
+    assert pull.source_worker_id == "pull-a" and pull.source_addr == fleet.a.addr
+    return pull, stub, reg, channel
+
+
+def read_pages(addr: str, ticket: bytes, mac: bytes, token: str | None = REPLICA_TOKEN) -> list:
+    with grpc.insecure_channel(addr) as channel:
+        stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
+        md = client_md(token) if token is not None else None
+        return list(stub.ReadPages(kv_transfer_pb2.ReadPagesRequest(ticket=ticket, ticket_mac=mac), metadata=md,
+                                   timeout=10))
+
+
+def test_kv_transfer_serves_only_signed_live_tickets_to_replicas(pull_fleet: PullFleet) -> None:
+    p = prompt(2)
+    generate(pull_fleet.a.addr, p)
+    pull, stub, reg, channel = _ticket(pull_fleet, p)
+    try:
+        addr = pull_fleet.a.addr
+        pages = read_pages(addr, pull.ticket, pull.ticket_mac)  # the replica role, a live ticket: served
+        layers = 2  # the tiny model
+        assert {m.layer for m in pages} == set(range(layers))
+        assert sum(m.num_pages for m in pages) == layers * len(pull.dst)
+        for token, code in ((None, grpc.StatusCode.UNAUTHENTICATED), (CLIENT_TOKEN, grpc.StatusCode.PERMISSION_DENIED)):
+            with pytest.raises(grpc.RpcError) as err:
+                read_pages(addr, pull.ticket, pull.ticket_mac, token)
+            assert err.value.code() == code
+        # A ticket changed to name other blocks (or another namespace) no longer verifies.
+        ticket = kv_transfer_pb2.PullTicket.FromString(pull.ticket)
+        moved = kv_transfer_pb2.PullTicket()
+        moved.CopyFrom(ticket)
+        moved.src[:] = [b + 1 for b in ticket.src]
+        renamed = kv_transfer_pb2.PullTicket()
+        renamed.CopyFrom(ticket)
+        renamed.namespace = "other-tenant"
+        for forged in (moved, renamed):
+            with pytest.raises(grpc.RpcError) as err:
+                read_pages(addr, forged.SerializeToString(), pull.ticket_mac)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "signature" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            read_pages(addr, b"\x01garbage", b"0" * 32)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # The pin lasts PIN_SECONDS; the ticket runs out before it.
+        assert pool_stats(pull_fleet)["pull-a"].pulls.num_pinned_pages == len(pull.dst)
+        heartbeat = cache_pb2.HeartbeatRequest(pool_id=reg.pool_id, epoch=reg.epoch)
+        while time.time() < ticket.expires_at + 0.2:  # the by-hand pool stays alive (its lease is 4 s)
+            stub.Heartbeat(heartbeat, metadata=client_md(REPLICA_TOKEN))
+            time.sleep(0.5)
+        with pytest.raises(grpc.RpcError) as err:
+            read_pages(addr, pull.ticket, pull.ticket_mac)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "run out" in err.value.details()
+        # The by-hand pool never reports its pull: the pin ends on time.
+        while pool_stats(pull_fleet)["pull-a"].pulls.num_pinned_pages:
+            assert time.time() < ticket.expires_at + 4, "the pin did not end"
+            stub.Heartbeat(heartbeat, metadata=client_md(REPLICA_TOKEN))
+            time.sleep(0.2)
+        assert pool_stats(pull_fleet)["pull-a"].pulls.num_expired_pins == 1
+        wait_unpinned(pull_fleet, "pull-a")
+    finally:
+        channel.close()
+
+
+def test_a_pull_from_a_killed_source_falls_back_to_computing(pull_fleet: PullFleet) -> None:
+    p = prompt(3)
+    source = start_model(pull_fleet.cache.addr, *replica_args(pull_fleet.model, "pull-c", pull_fleet.token_file,
+                                                             pull_fleet.replica_token_file))
+    try:
+        tokens_c, logprobs_c, _ = generate(source.addr, p)
+    finally:
+        source.process.proc.kill()  # SIGKILL: its pool stays registered until its lease runs out
+        source.process.stop(5.0)
+    tokens_b, logprobs_b, usage_b = generate(pull_fleet.b.addr, p)
+    assert (tokens_b, logprobs_b) == (tokens_c, logprobs_c)
+    assert usage_b.cached_peer_tokens == 0 and usage_b.cached_prompt_tokens == 0
+    stats_b = pool_stats(pull_fleet)["pull-b"]
+    assert stats_b.pulls.num_failed_pages >= (len(p) - 1) // BS
+    assert stats_b.num_running_requests == 0

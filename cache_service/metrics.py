@@ -25,11 +25,23 @@ _TIER_COUNTERS = [
     ("tier_failed_pages", "Pages whose copy into or out of the tier was reported failed", "num_failed_pages"),
     ("tier_evicted_pages", "Pages that left the tier (to the next one down, or dropped)", "num_evicted_pages"),
 ]
+# Peer pulls of a pool (cache.proto PullStats, docs/kv-pulls.md): metric name, help, PullStats field.
+_PULL_COUNTERS = [
+    ("pulls", "Pulls of pages from other replicas ordered for this pool's admissions", "num_pulls"),
+    ("pulled_pages", "Pages ordered pulled from other replicas", "num_pulled_pages"),
+    ("pull_failed_pages", "Pages whose pull was reported failed or not reported (computed instead)",
+     "num_failed_pages"),
+    ("peer_hit_tokens", "First-admission prompt tokens ordered pulled from other replicas", "peer_hit_tokens"),
+    ("served_pulls", "Pulls of this pool's pages by other replicas", "num_served_pulls"),
+    ("expired_pull_pins", "Pins of this pool's pages that ended because their puller never reported",
+     "num_expired_pins"),
+]
 
 
 class PoolCollector(Collector):
     """Block accounting, token hit counters and request counters of every live pool, and the
-    slots and copy counters of each pool's lower tiers (docs/tiers.md)."""
+    slots and copy counters of each pool's lower tiers (docs/tiers.md) and its peer pulls
+    (docs/kv-pulls.md)."""
 
     def __init__(self, pools: PoolRegistry) -> None:
         self._pools = pools
@@ -63,6 +75,10 @@ class PoolCollector(Collector):
             "completed; pending: reserved for a copy not reported yet; free)", labels=["pool", "tier", "state"])
         tier_counters = {name: CounterMetricFamily(f"radixkv_cache_{name}", doc, labels=["pool", "tier"])
                          for name, doc, _ in _TIER_COUNTERS}
+        pull_counters = {name: CounterMetricFamily(f"radixkv_cache_{name}", doc, labels=["pool"])
+                         for name, doc, _ in _PULL_COUNTERS}
+        pinned = GaugeMetricFamily("radixkv_cache_pull_pinned_pages", "Pages of the pool pinned for pulls now",
+                                   labels=["pool"])
         for pool in pools:
             s = pool.stats()
             pid = s.pool_id
@@ -75,6 +91,10 @@ class PoolCollector(Collector):
                     tier_pages.add_metric([pid, tier, state], value)
                 for name, _, attr in _TIER_COUNTERS:
                     tier_counters[name].add_metric([pid, tier], getattr(t, attr))
+            if s.pulls is not None:
+                pinned.add_metric([pid], s.pulls.num_pinned_pages)
+                for name, _, attr in _PULL_COUNTERS:
+                    pull_counters[name].add_metric([pid], getattr(s.pulls, attr))
             for state, value in [
                 ("free", s.num_free_blocks),
                 ("cached", s.num_cached_blocks),
@@ -97,7 +117,7 @@ class PoolCollector(Collector):
             ]:
                 counters[name].add_metric([pid], value)
         yield from (blocks, total, running, hit_rate, *counters.values(), tier_slots, tier_pages,
-                    *tier_counters.values())
+                    *tier_counters.values(), pinned, *pull_counters.values())
 
 
 class DurabilityCollector(Collector):

@@ -47,11 +47,12 @@ class Usage:
     miss_other_namespace_tokens: int = 0  # deprecated: always 0 (other namespaces never show)
     miss_new_tokens: int = 0
     served_by: str = ""  # the serving address of the replica that ran the request
-    # cached_prompt_tokens by where their KV came from (docs/tiers.md): the replica's KV pool, its
-    # host tier, its disk tier; 0 from servers without tiers.
+    # cached_prompt_tokens by where their KV came from (docs/tiers.md, docs/kv-pulls.md): the
+    # replica's KV pool, its host tier, its disk tier, another replica; 0 from servers without them.
     cached_device_tokens: int = 0
     cached_host_tokens: int = 0
     cached_disk_tokens: int = 0
+    cached_peer_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +251,19 @@ class TierStats:
 
 
 @dataclass(frozen=True, slots=True)
+class PullStats:
+    """Peer pulls of a pool (cache.proto PullStats, docs/kv-pulls.md)."""
+
+    num_pulls: int
+    num_pulled_pages: int
+    num_failed_pages: int  # computed instead
+    peer_hit_tokens: int
+    num_served_pulls: int  # of this pool's pages, by other replicas
+    num_pinned_pages: int
+    num_expired_pins: int
+
+
+@dataclass(frozen=True, slots=True)
 class PoolStats:
     """One KV pool as the cache service sees it (CacheManager.Stats)."""
 
@@ -278,9 +292,10 @@ class PoolStats:
     host_tier: TierStats | None = None
     disk_tier: TierStats | None = None
     offload_policy: str = ""  # "evict" or "write-through"; "" without tiers
+    pulls: PullStats | None = None  # peer pulls (None: the replica makes and serves none)
 
 
-_TIER_FIELDS = ("host_tier", "disk_tier", "offload_policy")
+_TIER_FIELDS = ("host_tier", "disk_tier", "offload_policy", "pulls")
 
 
 def _pool_stats(message: cache_pb2.PoolStats) -> PoolStats:
@@ -292,6 +307,8 @@ def _pool_stats(message: cache_pb2.PoolStats) -> PoolStats:
     for name in ("host_tier", "disk_tier"):
         if message.HasField(name):
             values[name] = from_proto(TierStats, getattr(message, name))
+    if message.HasField("pulls"):
+        values["pulls"] = from_proto(PullStats, message.pulls)
     if message.host_tier.num_slots or message.disk_tier.num_slots:
         policy = message.offload_policy or cache_pb2.OFFLOAD_POLICY_EVICT  # unspecified: the default
         try:

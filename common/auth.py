@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 # Cache manager: replica (RegisterPool, Step, Heartbeat), reader (Match, Stats, WatchEvents,
 # Route), router (Route that records its decision or pins a prefix), admin (Evict, Clear).
-# Model service and router: client (all of their RPCs).
+# Model service and router: client (ModelService, the HTTP door); model service: replica (KvTransfer).
 ROLES = frozenset({"replica", "reader", "router", "admin", "client"})
 UNAUTHENTICATED = "UNAUTHENTICATED"
 PERMISSION_DENIED = "PERMISSION_DENIED"

@@ -18,11 +18,12 @@ POLICIES = ("kv", "least-loaded", "round-robin")
 # Reasons of route decisions (metrics label values).
 KV_HIT = "kv_hit"  # Route's best candidate has (part of) the prompt cached
 KV_LOAD = "kv_load"  # Route's ranking, no candidate has any of the prompt: chosen by load alone
+KV_PULL = "kv_pull"  # Route's best candidate will pull (part of) the prompt from another replica
 LEAST_LOADED = "least_loaded"
 ROUND_ROBIN = "round_robin"
 FALLBACK_NO_CACHE_MANAGER = "fallback_no_cache_manager"  # kv policy, cache manager unreachable
 RETRY = "retry"  # one per further candidate tried after a failure before the first message
-REASONS = (KV_HIT, KV_LOAD, LEAST_LOADED, ROUND_ROBIN, FALLBACK_NO_CACHE_MANAGER, RETRY)
+REASONS = (KV_HIT, KV_LOAD, KV_PULL, LEAST_LOADED, ROUND_ROBIN, FALLBACK_NO_CACHE_MANAGER, RETRY)
 
 
 class Candidate(Protocol):
@@ -31,6 +32,7 @@ class Candidate(Protocol):
     serving_addr: str
     matched_tokens: int
     routed_prefix_tokens: int
+    matched_peer_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +83,10 @@ def kv_plan(candidates: Sequence[Candidate], replicas: ReplicaSet, others: Seque
 
     ranked.sort(key=known_down)  # stable: Route's order otherwise
     best = ranked[0]
-    reason = KV_HIT if best.matched_tokens + best.routed_prefix_tokens > 0 else KV_LOAD
+    if best.matched_peer_tokens > 0:  # more of the prompt comes from another replica than from its own cache
+        reason = KV_PULL
+    else:
+        reason = KV_HIT if best.matched_tokens + best.routed_prefix_tokens > 0 else KV_LOAD
     addrs = [c.serving_addr for c in ranked]
     addrs += [a for a in others if a not in seen]
     return RoutePlan(addrs, reason)

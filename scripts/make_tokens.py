@@ -9,7 +9,8 @@ Writes (directories 0700, files 0600)::
     DIR/cache/server-tokens          the cache manager's --auth-token-file: an admin token
                                      (reader,admin), one `replica worker=WORKER` token per replica,
                                      the routers' `reader,router` token
-    DIR/NAME/server-tokens           replica NAME's --auth-token-file: the routers' `client` token
+    DIR/NAME/server-tokens           replica NAME's --auth-token-file: the routers' `client` token,
+                                     the other replicas' tokens as `replica` (KV pulls, KvTransfer)
     DIR/NAME/cache-token             replica NAME's --cache-token-file: its own replica token
     DIR/router/server-tokens         the router's --auth-token-file: one `client` token per tenant
     DIR/router/cache-token           the router's --cache-token-file (reader,router)
@@ -80,8 +81,10 @@ class TokenSet:
                   f"{self.router_cache} reader,router"]
         out = {"cache/server-tokens": "\n".join(cache) + "\n"}
         for r in self.replicas:
+            peers = [f"# replica {p.name} pulls KV from it (--kv-pulls; KvTransfer)\n{p.token} replica\n"
+                     for p in self.replicas if p is not r]
             out[f"{r.name}/server-tokens"] = f"# replica {r.name}'s --auth-token-file: the routers\n" \
-                                             f"{self.router_replica} client\n"
+                                             f"{self.router_replica} client\n" + "".join(peers)
             out[f"{r.name}/cache-token"] = r.token + "\n"
         tenants = ["# the router's --auth-token-file: one client token per tenant"]
         for tenant, token in self.tenants.items():

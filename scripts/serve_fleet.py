@@ -7,7 +7,8 @@ this reuses: scripts/serve.py).
 
     python -m scripts.serve_fleet [--host H] [--cache-port P] [--model-port P] [--replicas N]
         [--router-port P] [--http-port P] [--policy kv|least-loaded|round-robin] [--model PATH]
-        [--num-threads T] [--cache-args "..."] [--router-args "..."] [MODEL SERVICE FLAGS ...]
+        [--num-threads T] [--kv-pulls on|off] [--cache-args "..."] [--router-args "..."]
+        [MODEL SERVICE FLAGS ...]
 
 Replica i listens on --model-port + i (all on free ports when --model-port is 0). Flags the
 launcher does not know go to every model service.
@@ -53,6 +54,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     parser.add_argument("--model", help="local HF folder or GGUF file (default: the bundled SmolLM2-135M)")
     parser.add_argument("--num-threads", type=int, default=1,
                         help="torch CPU threads per replica (default 1: the replicas share the cores)")
+    parser.add_argument("--kv-pulls", choices=["on", "off"], default="on",
+                        help="replicas pull the KV another replica holds instead of computing it (default on; "
+                             "docs/kv-pulls.md)")
     parser.add_argument("--cache-args", default="", help='extra cache service flags, e.g. "--lease-seconds 60"')
     parser.add_argument("--router-args", default="", help='extra router flags, e.g. "--metrics-port 9102"')
     parser.add_argument("--startup-timeout", type=float, default=600.0,
@@ -89,7 +93,7 @@ def serve(args: argparse.Namespace, model_args: list[str], console: Console, sto
     for i, port in enumerate(model_ports(args)):
         console.line(f"==> starting model_service {i} on {host}:{port} (cache service at {cache.addr})")
         argv = ["--host", host, "--port", str(port), "--cache-addr", cache.addr, "--worker-id", f"replica-{i}",
-                "--num-threads", str(args.num_threads)]
+                "--num-threads", str(args.num_threads), "--kv-pulls", args.kv_pulls]
         if args.model:
             argv += ["--model", args.model]
         replicas.append(start_model([*argv, *model_args], console, children, prefix=f"model-{i}"))

@@ -340,12 +340,12 @@ def _ingress_rules_for(policy: dict, port: int) -> list[dict]:
 
 def test_network_policies_admit_only_who_needs_each_port(variant) -> None:
     """One NetworkPolicy per server (ingress and egress): the cache manager's gRPC from replicas and
-    routers only, a replica's gRPC from routers only, every metrics port from the monitoring
-    namespace only, no rule open to every port."""
+    routers only, a replica's gRPC from routers and the other replicas (KV pulls: --kv-pulls on)
+    only, every metrics port from the monitoring namespace only, no rule open to every port."""
     _, docs = variant
     policies = by_kind(docs, "NetworkPolicy")
     pods = {app(w): w["spec"]["template"]["metadata"]["labels"] for w in workloads(docs).values()}
-    from_pods = {"radixkv-cache": {"radixkv-model", "radixkv-router"}, "radixkv-model": {"radixkv-router"}}
+    from_pods = {"radixkv-cache": {"radixkv-model", "radixkv-router"}, "radixkv-model": {"radixkv-router", "radixkv-model"}}
     for app_name, labels in pods.items():
         (policy,) = [p for p in policies.values() if selects(p["spec"]["podSelector"], labels)]
         assert set(policy["spec"]["policyTypes"]) == {"Ingress", "Egress"}, app_name

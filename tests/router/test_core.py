@@ -181,6 +181,14 @@ def test_kv_plan_follows_route_ranking_and_moves_known_down_last() -> None:
     assert kv_plan([], replicas).addrs == []
 
 
+def test_kv_plan_names_a_pull_when_the_best_candidate_pulls_the_prompt_from_another_replica() -> None:
+    replicas = ReplicaSet([A, B])
+    pulling = cache_pb2.RouteCandidate(pool_id="pool-b", serving_addr=B, matched_tokens=16, matched_peer_tokens=64,
+                                       pull_from_worker_id="pool-a")
+    plan = kv_plan([pulling, candidate(A, matched=80)], replicas)
+    assert (plan.addrs, plan.reason) == ([B, A], "kv_pull")
+
+
 def test_replica_set_serves_one_model_and_forgets_stale_learnt_replicas() -> None:
     clock = Clock()
     replicas = ReplicaSet([A], forget_after_s=10, clock=clock, trust=ReplicaTrust([A], allow=["10.0.0.0/24"]))

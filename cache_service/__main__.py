@@ -47,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
                              "Route beyond it answers without pinning (default 0.25; 0: no pins)")
     parser.add_argument("--peer-pulls", choices=["on", "off"], default="on",
                         help="let an admission pull the pages another replica of the model holds instead of "
-                             "computing them (between replicas started with --kv-pulls on; docs/kv-pulls.md). "
-                             "Off with --state-dir")
+                             "computing them (between replicas started with --kv-pulls on; docs/kv-pulls.md)")
     parser.add_argument("--pull-pin-seconds", type=float, default=DEFAULT_PIN_SECONDS,
                         help="how long a source replica's pages stay pinned for a pull whose puller does not report "
                              f"it (default {DEFAULT_PIN_SECONDS:g}; pulls give up after half of it)")

@@ -12,9 +12,10 @@ A pull happens only where it is cheaper than computing: the puller measures a pu
 as a share of a computed one (`ReplicaLoad.peer_load_cost`; DEFAULT_PEER_LOAD_COST until it has),
 and at 1 or more pulls nothing. Pins of a source hold at most MAX_PINNED_SHARE of its blocks.
 
-Pins change what the source may evict and are not journaled, so a cache manager with --state-dir
-brokers no pulls (the registry's `peer_pulls` is off there: the durable state sets it).
-Every lookup is made in the admission's namespace only: a source's other namespaces are never read.
+Pins change what the source may evict, so a durable cache manager journals them (`PullJournal`:
+a pin with the pull that made it, a pin that expired) and keeps them in snapshots; its replay
+brokers no pulls itself (the journal's pins are applied instead) and keeps the pins, with a fresh
+expiry, past the restart (the puller may still be reading). Every lookup is made in the admission's namespace only: a source's other namespaces are never read.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from cache_service.attach import AttachState
-from cache_service.errors import InvalidArgument
+from cache_service.errors import IntegrityError, InvalidArgument
 from cache_service.radix_tree import RadixTree, TreeNode, path_hashes
 from cache_service.schema import CopyOutcome, PeerPull, PullStats, ReplicaLoad
 from common.token_bytes import TOKEN_BYTES
@@ -42,6 +43,7 @@ MIN_KEY_BYTES, MAX_KEY_BYTES = 16, 64
 class Pool(Protocol):
     """What peer pulls read of a pool (cache_service/pool.py)."""
 
+    pool_id: str
     worker_id: str
     block_size: int
     num_blocks: int
@@ -49,6 +51,13 @@ class Pool(Protocol):
     attach: AttachState
     load: ReplicaLoad
     pulls: PeerPulls
+
+
+class PullJournal(Protocol):
+    """Where a durable cache manager records pins ended by time (cache_service/durable/; it records
+    the pins a Step made after that Step, from `pinned`)."""
+
+    def pull_expired(self, puller_id: str, pull_id: int) -> None: ...
 
 
 @dataclass(slots=True)
@@ -111,6 +120,7 @@ class PeerPulls:
     (pages others pin on it). The registry wires `sources`, `brokered` and the clocks."""
 
     endpoint: TransferEndpoint | None = None
+    pool_id: str = ""
     counters: PullCounters = field(default_factory=PullCounters)
     next_pull_id: int = 1
     pending: dict[int, _PendingPull] = field(default_factory=dict)
@@ -120,6 +130,7 @@ class PeerPulls:
     pin_seconds: float = DEFAULT_PIN_SECONDS
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
+    journal: PullJournal | None = None
 
     @property
     def enabled(self) -> bool:
@@ -191,10 +202,37 @@ class PeerPulls:
     def expire(self, now: float) -> None:
         """End the pins of pulls whose puller did not report them in time."""
         for pull_id in [i for i, p in self.pending.items() if p.pin.expires_at <= now]:
-            pin = self.pending.pop(pull_id).pin
-            if pin.active:
-                pin.source.pulls.counters.num_expired_pins += 1
-            pin.release()
+            if self.journal is not None:
+                self.journal.pull_expired(self.pool_id, pull_id)
+            self.end(pull_id)
+
+    def end(self, pull_id: int) -> None:
+        """End one pull's pin, counted as expired (`expire`, and its journal record replayed)."""
+        pending = self.pending.pop(pull_id, None)
+        if pending is None:
+            return
+        if pending.pin.active:
+            pending.pin.source.pulls.counters.num_expired_pins += 1
+        pending.pin.release()
+
+    def restore(self, source: Pool, pull_id: int, tokens: Sequence[int], namespace: str, num_pages: int) -> None:
+        """Pin again what a pull pinned (a journal record or a snapshot), its pin lasting `pin_seconds`
+        from now; IntegrityError when the source does not hold those pages."""
+        match = source.tree.match_prefix(tokens, namespace)
+        if match.last_node is None or match.num_tokens != len(tokens) or len(match.block_ids) < num_pages:
+            raise IntegrityError(f"pull {pull_id}: the source {source.pool_id!r} does not hold the pinned pages")
+        source.tree.inc_lock_ref(match.last_node)
+        source.pulls.pinned_pages += num_pages
+        pin = PullPin(source, match.last_node, num_pages, self.clock() + self.pin_seconds)
+        self.pending[pull_id] = _PendingPull(pin, num_pages)
+        self.next_pull_id = max(self.next_pull_id, pull_id + 1)
+
+    def pinned(self, pull_ids: Iterable[int] | None = None) -> list[tuple[int, Pool, TreeNode, int]]:
+        """(pull id, source, pinned node, pages) of the pulls waiting for a report (all, or those of
+        `pull_ids`): what a snapshot keeps, and what the journal records after a Step."""
+        ids = self.pending if pull_ids is None else [i for i in pull_ids if i in self.pending]
+        return [(i, p.pin.source, p.pin.node, p.num_pages) for i in ids
+                if (p := self.pending[i]).pin.active]
 
     def drop(self) -> None:
         """Release every pin this pool's pulls hold (it retires, or its replica re-registered)."""

@@ -149,7 +149,7 @@ class Pool:
         self.tier_spec = tiers if tiers is not None else TierSpec()
         self.tiers = PoolTiers(self.tier_spec, block_size, self._publish) if self.tier_spec.enabled else None
         # Peer pulls: as a puller and as a source (cache_service/peer_pulls.py); the registry wires it.
-        self.pulls = PeerPulls(transfer)
+        self.pulls = PeerPulls(transfer, pool_id)
 
     @property
     def num_charged_pages(self) -> int:

@@ -30,7 +30,7 @@ from typing import NamedTuple, Protocol
 
 from cache_service.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from cache_service.events import EventLog, stored_from_node
-from cache_service.peer_pulls import DEFAULT_PIN_SECONDS, TransferEndpoint, check_endpoint
+from cache_service.peer_pulls import DEFAULT_PIN_SECONDS, PullJournal, TransferEndpoint, check_endpoint
 from cache_service.pool import Pool
 from cache_service.registry_limits import RegistryLimits
 from cache_service.routed import RouteJournal
@@ -48,7 +48,7 @@ MAX_INCARNATION_LEN = 256
 DEFAULT_MAX_PINNED_FRACTION = 0.25
 
 
-class RegistryJournal(RouteJournal, Protocol):
+class RegistryJournal(RouteJournal, PullJournal, Protocol):
     """What a durable cache manager records of the registry's and its pools' decisions
     (cache_service/durable/)."""
 
@@ -120,8 +120,8 @@ class PoolRegistry:
 
     @property
     def peer_pulls(self) -> bool:
-        """Whether admissions pull pages from other replicas (cache_service/peer_pulls.py): off for
-        a durable cache manager (pins are not journaled) and by --peer-pulls off."""
+        """Whether admissions pull pages from other replicas (cache_service/peer_pulls.py): off by
+        --peer-pulls off, and while a durable cache manager replays its journal."""
         return self._peer_pulls
 
     @peer_pulls.setter
@@ -140,6 +140,7 @@ class PoolRegistry:
         self._journal = journal
         for pool in self.pools.values():
             pool.routing.journal = journal
+            pool.pulls.journal = journal
 
     def _new_epoch(self) -> int:
         self._last_epoch = max(time.time_ns(), self._last_epoch + 1)
@@ -287,6 +288,7 @@ class PoolRegistry:
         pulls.brokered = self._peer_pulls
         pulls.clock = self._clock
         pulls.pin_seconds = self.pull_pin_seconds
+        pulls.journal = self._journal
         routing.max_pinned_blocks = int(self.max_pinned_fraction * pool.num_blocks)
         pool.lease_deadline = self._clock() + self.lease_seconds
         routing.journal = self._journal

@@ -139,6 +139,15 @@ def path_hashes(node: TreeNode | None, num_pages: int) -> list[int]:
     return [h for part in reversed(parts) for h in part]
 
 
+def path_tokens(node: TreeNode | None) -> list[int]:
+    """The tokens from the root down to the end of `node` (what matching them finds it by)."""
+    parts = []
+    while node is not None and node.parent is not None:
+        parts.append(node.token_ids)
+        node = node.parent
+    return [t for part in reversed(parts) for t in part]
+
+
 def path_key(node: TreeNode | None) -> bytes:
     """The encoded tokens of the whole prefix from the root through `node` (as `path_values`)."""
     parts = []

@@ -112,7 +112,7 @@ async def serve(
 
     `state_dir`: durable mode (cache_service/durable/): rebuild every pool from it first, then
     journal every applied change there. `registry_limits`: caps on pools and their memory (None:
-    the defaults). `peer_pulls`: broker pulls between replicas (off in durable mode anyway), each
+    the defaults). `peer_pulls`: broker pulls between replicas, each
     pinning its pages for at most `pull_pin_seconds`.
     `worker_san_check`: with mutual TLS (`tls.client_ca`), bind worker ids to
     the client certificates' subject alternative names.

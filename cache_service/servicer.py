@@ -162,7 +162,7 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
             pool = self.registry.get(request.pool_id, request.epoch)
             result = pool.step(convert.step_input(request))
             if self.durable is not None:
-                self.durable.step(request_bytes.get() or request, result)
+                self.durable.step(request_bytes.get() or request, result, pool)
             return convert.step_response(result)
         finally:
             if self.metrics is not None:

@@ -17,10 +17,9 @@ from enum import IntEnum
 from typing import Any
 
 from cache_service import convert
-from cache_service.errors import CacheError
+from cache_service.errors import CacheError, IntegrityError
 from cache_service.pool import Pool
 from cache_service.pool_registry import PoolRegistry
-from cache_service.radix_tree import TreeNode
 from cache_service.routed import RoutedRequest
 from cache_service.schema import DiskRun, StepResult, TierSpec
 from protos import cache_pb2
@@ -39,6 +38,8 @@ class Kind(IntEnum):
     ROUTED = 6  # a Route decision remembered by a pool (its reservation pin, if any)
     ROUTED_EXPIRED = 7  # routed requests / pins of a pool ended by time
     TRACK = 8  # namespaces whose events are counted from here on (WatchEvents views, events.py)
+    PULL_PINNED = 9  # a peer pull's pin on its source (cache_service/peer_pulls.py)
+    PULL_EXPIRED = 10  # a pull's pin ended by time
 
 
 def step_digest(result: StepResult) -> int:
@@ -62,15 +63,6 @@ def step_digest(result: StepResult) -> int:
 
 
 STEP_HEADER = struct.Struct("<I")  # a STEP record: [u32 digest][StepRequest bytes]
-
-
-def path_tokens(node: TreeNode) -> list[int]:
-    """The tokens from the root down to the end of `node` (public node fields only)."""
-    parts = []
-    while node is not None and node.parent is not None:
-        parts.append(node.token_ids)
-        node = node.parent
-    return [t for part in reversed(parts) for t in part]
 
 
 class Replayer:
@@ -119,6 +111,21 @@ class Replayer:
             return
         if kind == Kind.TRACK:
             registry.events.track_namespaces(json.loads(payload)["namespaces"])
+            return
+        if kind in (Kind.PULL_PINNED, Kind.PULL_EXPIRED):
+            r = json.loads(payload)
+            if kind == Kind.PULL_EXPIRED:
+                puller = registry.pools.get(r["pool_id"])
+                if puller is not None and r["pool_id"] not in dropped:
+                    puller.pulls.end(r["pull_id"])
+                return
+            source, puller = registry.pools.get(r["pool_id"]), registry.pools.get(r["puller"])
+            if source is None or puller is None or dropped & {r["pool_id"], r["puller"]}:
+                return
+            try:
+                puller.pulls.restore(source, r["pull_id"], r["tokens"], r["namespace"], r["num_pages"])
+            except IntegrityError as err:
+                self._drop(source.pool_id, dropped, f"a pull's pin did not replay: {err}")
             return
         if kind in (Kind.EVICT, Kind.CLEAR, Kind.ROUTED, Kind.ROUTED_EXPIRED):
             r = json.loads(payload)

@@ -26,7 +26,7 @@ from cache_service.errors import IntegrityError
 from cache_service.events import EventLog
 from cache_service.page_hash import page_hashes
 from cache_service.pool import Pool, RequestState
-from cache_service.radix_tree import RadixTree, TreeNode
+from cache_service.radix_tree import RadixTree, TreeNode, path_tokens
 from cache_service.routed import RoutedRequest
 from cache_service.schema import ReplicaLoad, TierCopy, TierSpec
 from cache_service.tiers.lower_tier import TIER_DISK, TIER_HOST, TierCounters
@@ -146,7 +146,24 @@ def dump_pool(pool: Pool) -> dict[str, Any]:
         "finished_ids": pool.finished_ids(),
         "evicted_pages": _pack(pool.evicted_pages.hashes(), "Q"),
         "tiers": dump_tiers(pool.tiers) if pool.tiers is not None else None,
+        # Pins of this pool's pulls on their sources (cache_service/peer_pulls.py), by the tokens
+        # of the pinned prefix (restore_pulls: once every pool is back).
+        "pulls": {"next": pool.pulls.next_pull_id,
+                  "pending": [[pull_id, source.pool_id, _pack(path_tokens(node)), node.namespace, pages]
+                              for pull_id, source, node, pages in pool.pulls.pinned()]},
     }
+
+
+def restore_pulls(pool: Pool, data: dict[str, Any] | None, pools: dict[str, Pool]) -> None:
+    """Pin again what `pool`'s pulls pinned when the snapshot was taken (`dump_pool`'s "pulls"; None:
+    a snapshot of an older version, which had none); IntegrityError when a source lacks the pages."""
+    if not data:
+        return
+    pool.pulls.next_pull_id = max(pool.pulls.next_pull_id, int(data["next"]))
+    for pull_id, source_id, tokens, namespace, pages in data["pending"]:
+        source = pools.get(source_id)
+        if source is not None:  # a source that did not restore took its pins with it
+            pool.pulls.restore(source, int(pull_id), _unpack(tokens), namespace, int(pages))
 
 
 def restore_pool(data: dict[str, Any], events: EventLog | None) -> Pool:

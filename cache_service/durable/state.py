@@ -11,6 +11,8 @@ logical, the allocator's free list ordered, epochs are recorded):
 - `EVICT` / `CLEAR`: the admin calls;
 - `ROUTED` / `ROUTED_EXPIRED`: a Route decision a pool remembers (with the prefix its reservation
   pinned) and routed requests ending by time, because a pin changes what an eviction may take;
+- `PULL_PINNED` / `PULL_EXPIRED`: a peer pull's pin on its source (cache_service/peer_pulls.py) and
+  one ended by time, because a pin changes what an eviction may take too;
 - `TRACK`: namespaces whose events are counted from then on (the numbers of namespace-limited
   WatchEvents streams, cache_service/events.py), so replay numbers their events as they were.
 
@@ -46,11 +48,12 @@ import zlib
 from typing import Any
 
 from cache_service.durable.journal import Journal, read_records
-from cache_service.durable.replay import STEP_HEADER, Kind, Replayer, path_tokens, step_digest, tier_record
-from cache_service.durable.snapshot import FORMAT_VERSION, dump_pool, restore_pool
+from cache_service.durable.replay import STEP_HEADER, Kind, Replayer, step_digest, tier_record
+from cache_service.durable.snapshot import FORMAT_VERSION, dump_pool, restore_pool, restore_pulls
 from cache_service.errors import IntegrityError
 from cache_service.pool import Pool
 from cache_service.pool_registry import PoolRegistry
+from cache_service.radix_tree import path_tokens
 from cache_service.routed import RoutedRequest
 from cache_service.schema import DurableStats, StepResult
 from common.private_files import make_private_dir, open_private
@@ -78,9 +81,6 @@ class DurableState:
                  fsync_seconds: float = DEFAULT_FSYNC_SECONDS) -> None:
         self.state_dir = state_dir
         self.registry = registry
-        # Peer pulls pin pages on their source, which changes what it may evict, and pins are not
-        # journaled: a durable cache manager brokers none (cache_service/peer_pulls.py).
-        registry.peer_pulls = False
         self.snapshot_bytes = snapshot_bytes
         self.fsync_seconds = fsync_seconds
         self.generation = 0
@@ -109,6 +109,8 @@ class DurableState:
             raise RuntimeError(f"state dir {self.state_dir} is in use by another cache manager") from err
         registry = self.registry
         registry.journal = None  # replay records nothing
+        # Replay brokers no pulls: the journal's pins (PULL_PINNED) are applied as they were.
+        brokering, registry.peer_pulls = registry.peer_pulls, False
         snapshot = self._read_snapshot()
         if snapshot is not None:
             self._load_snapshot(snapshot)
@@ -145,6 +147,7 @@ class DurableState:
         self.stats.num_restored_cached_blocks = sum(p.attach.num_restored_cached_blocks for p in now_ok)
         self.snapshot()
         registry.journal = self
+        registry.peer_pulls = brokering
         self.stats.recovery_seconds = time.perf_counter() - started
         log.info("state dir %s: restored %d pools (%d cached blocks, %d running requests) from %d records in %.3fs",
                  self.state_dir, len(now_ok), self.stats.num_restored_cached_blocks,
@@ -193,6 +196,16 @@ class DurableState:
             except IntegrityError as err:
                 log.error("snapshot of pool %s does not restore (%s): dropped", data.get("pool_id"), err)
                 self.stats.num_dropped_pools += 1
+        for data in snapshot["pools"]:  # pins of pulls name another pool: once every pool is back
+            pool = registry.pools.get(data["pool_id"])
+            if pool is None:
+                continue
+            try:
+                restore_pulls(pool, data.get("pulls"), registry.pools)
+            except IntegrityError as err:
+                log.error("pulls of pool %s do not restore (%s): pool dropped", pool.pool_id, err)
+                registry.retire(pool.pool_id, "not restorable")
+                self.stats.num_dropped_pools += 1
         registry.note_epoch(int(snapshot["last_epoch"]))
 
     def _dropped(self, pool_id: str, why: str) -> None:
@@ -217,11 +230,19 @@ class DurableState:
                 and (self._snapshotter is None or not self._snapshotter.is_alive())):
             self.snapshot(background=True)
 
-    def step(self, request: cache_pb2.StepRequest | bytes, result: StepResult) -> None:
+    def step(self, request: cache_pb2.StepRequest | bytes, result: StepResult, pool: Pool | None = None) -> None:
         """Record an applied Step (before its reply is sent): the request's bytes as they arrived
-        (or the message, serialized here) and the digest of its result."""
+        (or the message, serialized here) and the digest of its result; then the pins of the pulls
+        it ordered (`pool`: the pool it was applied to), which replay applies after the Step, as
+        the Step itself brokers none there."""
         raw = request if isinstance(request, bytes) else request.SerializeToString()
         self._append(Kind.STEP, STEP_HEADER.pack(step_digest(result)), raw)
+        pulls = [p.pull_id for a in result.admits for p in a.pulls]
+        if pulls and pool is not None:
+            for pull_id, source, node, pages in pool.pulls.pinned(pulls):
+                self._append(Kind.PULL_PINNED, json.dumps({
+                    "pool_id": source.pool_id, "puller": pool.pool_id, "pull_id": pull_id,
+                    "tokens": path_tokens(node), "namespace": node.namespace, "num_pages": pages}).encode())
 
     def registered(self, pool: Pool, reattached: bool) -> None:
         """A registration or re-attach, with the epoch it was given."""
@@ -258,6 +279,10 @@ class DurableState:
             "namespace": entry.namespace,
             "pin_expires_at": entry.pin_expires_at,
         }).encode())
+
+    def pull_expired(self, puller_id: str, pull_id: int) -> None:
+        """A pull's pin ended by time (its puller never reported it)."""
+        self._append(Kind.PULL_EXPIRED, json.dumps({"pool_id": puller_id, "pull_id": pull_id}).encode())
 
     def routed_expired(self, pool_id: str, now: float) -> None:
         """Routed requests or reservations of pool `pool_id` ended at time `now`."""

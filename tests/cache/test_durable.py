@@ -117,7 +117,7 @@ class Driver:
                 self.running[worker].pop(item.request_id, None)
             return
         if self.durable is not None:
-            self.durable.step(request, result)
+            self.durable.step(request, result, pool)
             self._recorded()
         self.on_result(worker, result)
         for admit in result.admits:

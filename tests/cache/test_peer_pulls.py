@@ -215,7 +215,7 @@ def test_registration_refuses_half_an_endpoint_or_a_bad_key() -> None:
     assert registry.pools == {}
 
 
-def test_a_durable_registry_brokers_no_pulls() -> None:
+def test_peer_pulls_off_brokers_none() -> None:
     registry, _, (a, b) = fleet()
     registry.peer_pulls = False
     tokens = prompt(12)

@@ -1,5 +1,5 @@
-"""Peer KV pulls through real processes (docs/kv-pulls.md): a cache manager and two replicas of the
-tiny model with --kv-pulls on, every call authenticated. A prompt computed on one replica is pulled,
+"""Peer KV pulls through real processes (docs/kv-pulls.md): a durable cache manager and two replicas
+of the tiny model with --kv-pulls on, every call authenticated. A prompt computed on one replica is pulled,
 not recomputed, by the other, with bit-identical output; the pins end; KvTransfer refuses callers
 without the replica role and tickets that do not verify, name other pages or ran out; a pull from
 a SIGKILLed source falls back to computing, with the same output and nothing leaked."""
@@ -46,8 +46,9 @@ def pull_fleet(tmp_path_factory) -> Iterator[PullFleet]:
     tokens.write_text(f"{REPLICA_TOKEN} replica\n{CLIENT_TOKEN} client\n{ADMIN_TOKEN}\n")
     replica_token = root / "replica-token"
     replica_token.write_text(REPLICA_TOKEN + "\n")
+    # Durable: pins are journaled after the Step that made them (cache_service/durable/).
     cache = start_cache(["--auth-token-file", str(tokens), "--pull-pin-seconds", str(PIN_SECONDS),
-                         "--lease-seconds", "4"])
+                         "--lease-seconds", "4", "--state-dir", str(root / "state")])
     launched = [launch_model(cache.addr, *replica_args(model, w, tokens, replica_token)) for w in ("pull-a", "pull-b")]
     started: list[Running] = []
     try:
@@ -205,6 +206,9 @@ def test_a_pull_from_a_killed_source_falls_back_to_computing(pull_fleet: PullFle
     tokens_b, logprobs_b, usage_b = generate(pull_fleet.b.addr, p)
     assert (tokens_b, logprobs_b) == (tokens_c, logprobs_c)
     assert usage_b.cached_peer_tokens == 0 and usage_b.cached_prompt_tokens == 0
-    stats_b = pool_stats(pull_fleet)["pull-b"]
+    deadline = time.monotonic() + 10
+    while (stats_b := pool_stats(pull_fleet)["pull-b"]).num_running_requests:  # its finish: the next Step
+        assert time.monotonic() < deadline, stats_b
+        time.sleep(0.05)
     assert stats_b.pulls.num_failed_pages >= (len(p) - 1) // BS
-    assert stats_b.num_running_requests == 0
+    assert stats_b.num_private_blocks == 0 and stats_b.pulls.num_pinned_pages == 0

@@ -120,7 +120,7 @@ def peer_pull(pull: PeerPull) -> cache_pb2.PeerPull:
     """The PeerPull message, its ticket signed with the source's key (kv_transfer.proto PullTicket)."""
     ticket = kv_transfer_pb2.PullTicket(
         worker_id=pull.source_worker_id, incarnation=pull.source_incarnation, puller_worker_id=pull.puller_worker_id,
-        pull_id=pull.pull_id, src_tier=cache_pb2.TIER_DEVICE, src=pull.src, namespace=pull.namespace,
+        pull_id=pull.pull_id, src_tier=pull.src_tier, src=pull.src, namespace=pull.namespace,
         page_hashes=pull.page_hashes, expires_at=pull.expires_at).SerializeToString()
     return cache_pb2.PeerPull(pull_id=pull.pull_id, source_worker_id=pull.source_worker_id,
                               source_addr=pull.source_addr, ticket=ticket,

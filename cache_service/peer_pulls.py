@@ -1,11 +1,11 @@
 """Peer pulls (docs/kv-pulls.md): pages another replica of the model holds, pulled instead of computed.
 
 When a pool admits a prompt and another live pool of the same model and page size (the *source*)
-holds more of it in its device blocks than the admitting pool has (its device hit and lower-tier
-loads together), the admission pulls the pages in between: `AdmitResult.pulls` names the
-source's blocks in a ticket the cache manager signs with the source replica's own key
-(`RegisterPoolRequest.kv_transfer_key`), and the source's path through them is pinned (a lock ref
-on its tree node) until the puller's next Step reports the pull, or the pin's time runs out (a
+holds more of it, in its device blocks or its host tier, than the admitting pool has (its device
+hit and lower-tier loads together), the admission pulls the pages in between: `AdmitResult.pulls` names the
+source's blocks (or host slots) in a ticket the cache manager signs with the source replica's own
+key (`RegisterPoolRequest.kv_transfer_key`), and the source's path through them is pinned (a lock
+ref on the node of its device tree, or host tier tree) until the puller's next Step reports the pull, or the pin's time runs out (a
 puller that died or stalled). Only pools registered with a kv_transfer_addr pull or are pulled from.
 
 A pull happens only where it is cheaper than computing: the puller measures a pulled token's cost
@@ -29,6 +29,8 @@ from cache_service.attach import AttachState
 from cache_service.errors import IntegrityError, InvalidArgument
 from cache_service.radix_tree import RadixTree, TreeNode, path_hashes
 from cache_service.schema import CopyOutcome, PeerPull, PullStats, ReplicaLoad
+from cache_service.tiers.lower_tier import TIER_DEVICE, TIER_HOST
+from cache_service.tiers.pool_tiers import PoolTiers
 from common.token_bytes import TOKEN_BYTES
 
 DEFAULT_PEER_LOAD_COST = 0.1  # a pulled token / a computed one until the puller measured it
@@ -48,6 +50,7 @@ class Pool(Protocol):
     block_size: int
     num_blocks: int
     tree: RadixTree
+    tiers: PoolTiers | None
     attach: AttachState
     load: ReplicaLoad
     pulls: PeerPulls
@@ -73,6 +76,7 @@ class PullPin:
     """A source's pages pinned for one pull (a lock ref on `node`, its path's last node)."""
 
     source: Pool
+    tier: int  # TIER_DEVICE or TIER_HOST: the tree `node` is in
     node: TreeNode
     num_pages: int
     expires_at: float  # the registry's clock
@@ -85,7 +89,30 @@ class PullPin:
         source = self.source
         source.pulls.pinned_pages -= self.num_pages
         if self.node.in_tree:
-            source.tree.dec_lock_ref(self.node)
+            source_tree(source, self.tier).dec_lock_ref(self.node)
+
+
+def source_tree(source: Pool, tier: int) -> RadixTree:
+    """The tree of `source`'s `tier` (its device pool's, or its host tier's)."""
+    if tier == TIER_DEVICE:
+        return source.tree
+    host = source.tiers.host if source.tiers is not None else None
+    if tier != TIER_HOST or host is None:
+        raise IntegrityError(f"pool {source.pool_id!r} has no tier {tier} to pull from")
+    return host.tree
+
+
+def _held(source: Pool, key: bytes, namespace: str) -> tuple[int, int]:
+    """(pages, tier): the longest prefix of `key` that `source` holds, device blocks or host tier
+    (the device on a tie: nothing to copy out of host memory first on a GPU)."""
+    bs = source.block_size
+    best = (source.tree.peek_key(key, namespace) // bs, TIER_DEVICE)
+    host = source.tiers.host if source.tiers is not None else None
+    if host is not None:
+        pages = host.tree.peek_key(key, namespace) // bs
+        if pages > best[0]:
+            best = (pages, TIER_HOST)
+    return best
 
 
 @dataclass(slots=True)
@@ -145,25 +172,26 @@ class PeerPulls:
             return None
         bs = pool.block_size
         best: Pool | None = None
-        best_pages = covered
+        best_pages, best_tier = covered, TIER_DEVICE
         for source in self.sources():
             if source is pool or not source.pulls.enabled or source.block_size != bs or source.attach.awaiting_reattach:
                 continue
-            pages = source.tree.peek_key(key[: max_pages * bs * TOKEN_BYTES], namespace) // bs
+            pages, tier = _held(source, key[: max_pages * bs * TOKEN_BYTES], namespace)
             room = int(MAX_PINNED_SHARE * source.num_blocks) - source.pulls.pinned_pages
             if pages > best_pages and pages - covered <= room:
-                best, best_pages = source, pages
+                best, best_pages, best_tier = source, pages, tier
         if best is None:
             return None
-        match = best.tree.match_prefix(key[: best_pages * bs * TOKEN_BYTES], namespace)
+        tree = source_tree(best, best_tier)
+        match = tree.match_prefix(key[: best_pages * bs * TOKEN_BYTES], namespace)
         node, n = match.last_node, best_pages - covered
         assert node is not None and len(match.block_ids) == best_pages
-        best.tree.inc_lock_ref(node)
+        tree.inc_lock_ref(node)
         source_pulls = best.pulls
         source_pulls.pinned_pages += n
         source_pulls.counters.num_served_pulls += 1
         now = self.clock()
-        pin = PullPin(best, node, n, now + self.pin_seconds)
+        pin = PullPin(best, best_tier, node, n, now + self.pin_seconds)
         pull_id = self.next_pull_id
         self.next_pull_id += 1
         self.pending[pull_id] = _PendingPull(pin, n)
@@ -171,7 +199,7 @@ class PeerPulls:
         self.counters.num_pulled_pages += n
         endpoint = source_pulls.endpoint
         assert endpoint is not None
-        pull = PeerPull(pull_id, best.worker_id, endpoint.addr, best.attach.incarnation, endpoint.key,
+        pull = PeerPull(pull_id, best.worker_id, endpoint.addr, best.attach.incarnation, endpoint.key, best_tier,
                         list(match.block_ids[covered:]), list(dst[covered:best_pages]), namespace,
                         path_hashes(node, n), self.pin_seconds,
                         self.wall_clock() + self.pin_seconds - TICKET_MARGIN_SECONDS, pool.worker_id)
@@ -215,23 +243,25 @@ class PeerPulls:
             pending.pin.source.pulls.counters.num_expired_pins += 1
         pending.pin.release()
 
-    def restore(self, source: Pool, pull_id: int, tokens: Sequence[int], namespace: str, num_pages: int) -> None:
+    def restore(self, source: Pool, pull_id: int, tier: int, tokens: Sequence[int], namespace: str,
+                num_pages: int) -> None:
         """Pin again what a pull pinned (a journal record or a snapshot), its pin lasting `pin_seconds`
         from now; IntegrityError when the source does not hold those pages."""
-        match = source.tree.match_prefix(tokens, namespace)
+        tree = source_tree(source, tier)
+        match = tree.match_prefix(tokens, namespace)
         if match.last_node is None or match.num_tokens != len(tokens) or len(match.block_ids) < num_pages:
             raise IntegrityError(f"pull {pull_id}: the source {source.pool_id!r} does not hold the pinned pages")
-        source.tree.inc_lock_ref(match.last_node)
+        tree.inc_lock_ref(match.last_node)
         source.pulls.pinned_pages += num_pages
-        pin = PullPin(source, match.last_node, num_pages, self.clock() + self.pin_seconds)
+        pin = PullPin(source, tier, match.last_node, num_pages, self.clock() + self.pin_seconds)
         self.pending[pull_id] = _PendingPull(pin, num_pages)
         self.next_pull_id = max(self.next_pull_id, pull_id + 1)
 
-    def pinned(self, pull_ids: Iterable[int] | None = None) -> list[tuple[int, Pool, TreeNode, int]]:
-        """(pull id, source, pinned node, pages) of the pulls waiting for a report (all, or those of
-        `pull_ids`): what a snapshot keeps, and what the journal records after a Step."""
+    def pinned(self, pull_ids: Iterable[int] | None = None) -> list[tuple[int, Pool, int, TreeNode, int]]:
+        """(pull id, source, tier, pinned node, pages) of the pulls waiting for a report (all, or
+        those of `pull_ids`): what a snapshot keeps, and what the journal records after a Step."""
         ids = self.pending if pull_ids is None else [i for i in pull_ids if i in self.pending]
-        return [(i, p.pin.source, p.pin.node, p.num_pages) for i in ids
+        return [(i, p.pin.source, p.pin.tier, p.pin.node, p.num_pages) for i in ids
                 if (p := self.pending[i]).pin.active]
 
     def drop(self) -> None:

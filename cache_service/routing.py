@@ -45,6 +45,7 @@ from cache_service.errors import InvalidArgument
 from cache_service.page_hash import page_hashes
 from cache_service.peer_pulls import peer_load_cost
 from cache_service.pool import Pool
+from cache_service.radix_tree import RadixTree
 from cache_service.routed import DEFAULT_ROUTED_TTL_SECONDS, RoutedRequest
 from cache_service.schema import ReplicaLoad
 from cache_service.tiers.lower_tier import TIER_DISK, TIER_HOST
@@ -166,15 +167,23 @@ def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
             key = keys[bs] = encoded[: max_cached * bs * TOKEN_BYTES]
         return len(query.token_ids), max_cached, key
 
-    device_pages: dict[str, int] = {}
-    for pool in candidates:
-        _, _, key = cacheable(pool.block_size)
-        device_pages[pool.pool_id] = (pool.tree.peek_key(key, query.namespace) // pool.block_size if query.token_ids
-                                      else pool.tree.peek_hashes(query.page_hashes, query.namespace))
-    # Pools that pull from each other (kv_transfer_addr): the two that hold the most of the prompt,
-    # so each candidate's best other source is found without a second pass over the pools.
-    sources = sorted(((device_pages[p.pool_id], p.block_size, p) for p in candidates
-                      if p.pulls.enabled and p.pulls.brokered), key=lambda item: -item[0])[:2]
+    def held(tree: RadixTree, bs: int) -> int:
+        """Pages of the prompt `tree` holds (read-only)."""
+        if query.token_ids:
+            return tree.peek_key(cacheable(bs)[2], query.namespace) // bs
+        return tree.peek_hashes(query.page_hashes, query.namespace)
+
+    device_pages = {pool.pool_id: held(pool.tree, pool.block_size) for pool in candidates}
+    # Pools that pull from each other (kv_transfer_addr): the two that hold the most of the prompt
+    # (device blocks or host tier), so each candidate's best other source is found without a
+    # second pass over the pools.
+    sources = []
+    for p in candidates:
+        if p.pulls.enabled and p.pulls.brokered:
+            host = p.tiers.host if p.tiers is not None else None
+            pages = max(device_pages[p.pool_id], held(host.tree, p.block_size) if host is not None else 0)
+            sources.append((pages, p.block_size, p))
+    sources = sorted(sources, key=lambda item: -item[0])[:2]
     # (score, -free, pool_id, pool, matched tokens, promised tokens, prefill tokens, evictable,
     #  host tokens, disk tokens, peer tokens, peer worker id)
     scored: list[tuple[float, int, str, Pool, int, int, int, int, int, int, int, str]] = []

@@ -121,7 +121,8 @@ class PeerPull(NamedTuple):
     source_addr: str
     source_incarnation: str
     source_key: bytes
-    src: list[int]  # the source's blocks
+    src_tier: int  # TIER_DEVICE or TIER_HOST
+    src: list[int]  # the source's blocks (or host slots)
     dst: list[int]  # the puller's
     namespace: str
     page_hashes: list[int]

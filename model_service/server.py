@@ -249,8 +249,10 @@ async def serve(config: ModelServiceConfig) -> int:
     add_servicer(server, servicer, model_pb2.DESCRIPTOR.services_by_name["ModelService"], id_error)
     if config.kv_pulls:
         cache = engine.cache
+        host = engine.tiers.host if engine.tiers is not None else None
         add_servicer(server, transfer.KvTransferServicer(engine.runner.kv_cache, cache.kv_transfer_key,
-                                                         lambda: (cache.worker_id, cache.incarnation), engine.metrics),
+                                                         lambda: (cache.worker_id, cache.incarnation), engine.metrics,
+                                                         host=host),
                      kv_transfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"])
     health_servicer = add_health_and_reflection(server, SERVICE_NAME)
 

@@ -123,7 +123,7 @@ class Replayer:
             if source is None or puller is None or dropped & {r["pool_id"], r["puller"]}:
                 return
             try:
-                puller.pulls.restore(source, r["pull_id"], r["tokens"], r["namespace"], r["num_pages"])
+                puller.pulls.restore(source, r["pull_id"], r["tier"], r["tokens"], r["namespace"], r["num_pages"])
             except IntegrityError as err:
                 self._drop(source.pool_id, dropped, f"a pull's pin did not replay: {err}")
             return

@@ -149,8 +149,8 @@ def dump_pool(pool: Pool) -> dict[str, Any]:
         # Pins of this pool's pulls on their sources (cache_service/peer_pulls.py), by the tokens
         # of the pinned prefix (restore_pulls: once every pool is back).
         "pulls": {"next": pool.pulls.next_pull_id,
-                  "pending": [[pull_id, source.pool_id, _pack(path_tokens(node)), node.namespace, pages]
-                              for pull_id, source, node, pages in pool.pulls.pinned()]},
+                  "pending": [[pull_id, source.pool_id, tier, _pack(path_tokens(node)), node.namespace, pages]
+                              for pull_id, source, tier, node, pages in pool.pulls.pinned()]},
     }
 
 
@@ -160,10 +160,10 @@ def restore_pulls(pool: Pool, data: dict[str, Any] | None, pools: dict[str, Pool
     if not data:
         return
     pool.pulls.next_pull_id = max(pool.pulls.next_pull_id, int(data["next"]))
-    for pull_id, source_id, tokens, namespace, pages in data["pending"]:
+    for pull_id, source_id, tier, tokens, namespace, pages in data["pending"]:
         source = pools.get(source_id)
         if source is not None:  # a source that did not restore took its pins with it
-            pool.pulls.restore(source, int(pull_id), _unpack(tokens), namespace, int(pages))
+            pool.pulls.restore(source, int(pull_id), int(tier), _unpack(tokens), namespace, int(pages))
 
 
 def restore_pool(data: dict[str, Any], events: EventLog | None) -> Pool:

@@ -239,9 +239,9 @@ class DurableState:
         self._append(Kind.STEP, STEP_HEADER.pack(step_digest(result)), raw)
         pulls = [p.pull_id for a in result.admits for p in a.pulls]
         if pulls and pool is not None:
-            for pull_id, source, node, pages in pool.pulls.pinned(pulls):
+            for pull_id, source, tier, node, pages in pool.pulls.pinned(pulls):
                 self._append(Kind.PULL_PINNED, json.dumps({
-                    "pool_id": source.pool_id, "puller": pool.pool_id, "pull_id": pull_id,
+                    "pool_id": source.pool_id, "puller": pool.pool_id, "pull_id": pull_id, "tier": tier,
                     "tokens": path_tokens(node), "namespace": node.namespace, "num_pages": pages}).encode())
 
     def registered(self, pool: Pool, reattached: bool) -> None:

@@ -13,6 +13,7 @@ import zlib
 import torch
 
 from model_service.kv_cache import KVCache
+from model_service.tiers.host_tier import HostTier
 
 MAX_MESSAGE_BYTES = 1 << 20  # per PageData: well under gRPC's default 4 MiB receive limit
 
@@ -30,8 +31,16 @@ def group_pages(kv: KVCache) -> int:
 
 def read_layer(kv: KVCache, layer: int, blocks: torch.Tensor) -> tuple[bytes, int]:
     """(K then V of `blocks` in `layer` as bytes, their CRC-32)."""
-    k = kv.k[layer].index_select(0, blocks)
-    v = kv.v[layer].index_select(0, blocks)
+    return _pack(kv.k[layer].index_select(0, blocks), kv.v[layer].index_select(0, blocks))
+
+
+def read_host_layer(host: HostTier, layer: int, slots: torch.Tensor) -> tuple[bytes, int]:
+    """`read_layer` of host-tier slots (each slot is [num_layers, 2, ...]: K and V of every layer)."""
+    pages = host.data.index_select(0, slots)[:, layer]
+    return _pack(pages[:, 0], pages[:, 1])
+
+
+def _pack(k: torch.Tensor, v: torch.Tensor) -> tuple[bytes, int]:
     data = torch.cat((k.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))).cpu().numpy().tobytes()
     return data, zlib.crc32(data)
 

@@ -27,8 +27,9 @@ from google.protobuf.message import DecodeError
 
 from common.auth import one_role
 from model_service.kv_cache import KVCache
-from model_service.kv_pulls.page_data import group_pages, read_layer
+from model_service.kv_pulls.page_data import group_pages, read_host_layer, read_layer
 from model_service.metrics import ModelMetrics
+from model_service.tiers.host_tier import HostTier
 from protos import cache_pb2, kv_transfer_pb2
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class TicketError(Exception):
 
 
 def verify_ticket(raw: bytes, mac: bytes, key: bytes, worker_id: str, incarnation: str,
-                  num_blocks: int, now: float) -> kv_transfer_pb2.PullTicket:
+                  num_blocks: int, num_host_slots: int, now: float) -> kv_transfer_pb2.PullTicket:
     """The ticket, or TicketError saying why it is refused."""
     if not hmac.compare_digest(hmac.new(key, raw, hashlib.sha256).digest(), mac):
         raise TicketError("the pull ticket's signature does not verify for this replica")
@@ -55,20 +56,23 @@ def verify_ticket(raw: bytes, mac: bytes, key: bytes, worker_id: str, incarnatio
         raise TicketError("the pull ticket is for another replica or an earlier run of this one")
     if ticket.expires_at <= now:
         raise TicketError("the pull ticket has run out")
-    if ticket.src_tier != cache_pb2.TIER_DEVICE:
-        raise TicketError("only pages of the KV pool are served")
-    if not ticket.src or len(ticket.src) > num_blocks or max(ticket.src) >= num_blocks:
-        raise TicketError("the pull ticket names blocks outside this pool")
+    limit = {cache_pb2.TIER_DEVICE: num_blocks, cache_pb2.TIER_HOST: num_host_slots}.get(ticket.src_tier, 0)
+    if not limit:
+        raise TicketError("the pull ticket names a tier this replica does not serve from")
+    if not ticket.src or len(ticket.src) > limit or max(ticket.src) >= limit:
+        raise TicketError("the pull ticket names pages outside this replica's tier")
     return ticket
 
 
 class KvTransferServicer:
-    """Serves ReadPages from `kv` (the engine's KV pool)."""
+    """Serves ReadPages from `kv` (the engine's KV pool) and `host` (its host tier, if any)."""
 
     def __init__(self, kv: KVCache, key: bytes, identity: Callable[[], tuple[str, str]],
-                 metrics: ModelMetrics | None = None, clock: Callable[[], float] = time.time) -> None:
+                 metrics: ModelMetrics | None = None, clock: Callable[[], float] = time.time,
+                 host: HostTier | None = None) -> None:
         """`identity`: (worker id, incarnation) of the pool as registered now."""
         self.kv = kv
+        self.host = host
         self.key = key
         self.identity = identity
         self.metrics = metrics
@@ -81,7 +85,8 @@ class KvTransferServicer:
         worker_id, incarnation = self.identity()
         try:
             ticket = verify_ticket(request.ticket, request.ticket_mac, self.key, worker_id, incarnation,
-                                   self.kv.num_blocks, self.clock())
+                                   self.kv.num_blocks, self.host.num_slots if self.host is not None else 0,
+                                   self.clock())
         except TicketError as e:
             log.warning("KvTransfer refused a pull (%s; peer %s)", e, context.peer())
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
@@ -89,12 +94,22 @@ class KvTransferServicer:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"this replica serves at most {MAX_CONCURRENT_READS} pulls at once")
         async with self._reads:
-            src = torch.tensor(list(ticket.src), dtype=torch.int64, device=self.kv.k[0].device)
+            if ticket.src_tier == cache_pb2.TIER_HOST:
+                host = self.host
+                src = torch.tensor(list(ticket.src), dtype=torch.int64)
+
+                def read(layer: int, pages: torch.Tensor) -> tuple[bytes, int]:
+                    return read_host_layer(host, layer, pages)
+            else:
+                src = torch.tensor(list(ticket.src), dtype=torch.int64, device=self.kv.k[0].device)
+
+                def read(layer: int, pages: torch.Tensor) -> tuple[bytes, int]:
+                    return read_layer(self.kv, layer, pages)
             sent = 0
             for first in range(0, len(src), self._group):
                 blocks = src[first:first + self._group]
                 for layer in range(len(self.kv.k)):
-                    data, crc = await asyncio.to_thread(read_layer, self.kv, layer, blocks)
+                    data, crc = await asyncio.to_thread(read, layer, blocks)
                     if ticket.expires_at <= self.clock():  # read after the pin may have ended: not sent
                         await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the pull ticket ran out mid-pull")
                     sent += len(data)

@@ -15,7 +15,8 @@ from cache_service.peer_pulls import DEFAULT_PIN_SECONDS, MAX_PINNED_SHARE
 from cache_service.pool import Pool
 from cache_service.pool_registry import PoolRegistry
 from cache_service.routing import RouteQuery
-from cache_service.schema import Admit, CopyOutcome, Finish, ReplicaLoad, StepInput, StepResult
+from cache_service.schema import Admit, CopyOutcome, Finish, ReplicaLoad, StepInput, StepResult, TierSpec
+from cache_service.tiers.lower_tier import TIER_DEVICE, TIER_HOST
 from protos import cache_pb2, kv_transfer_pb2
 
 BS = 4
@@ -30,7 +31,8 @@ class Clock:
         return self.now
 
 
-def fleet(pulls: tuple[bool, ...] = (True, True), num_blocks: int = 32) -> tuple[PoolRegistry, Clock, list[Pool]]:
+def fleet(pulls: tuple[bool, ...] = (True, True), num_blocks: int = 32,
+          host_slots: int = 0) -> tuple[PoolRegistry, Clock, list[Pool]]:
     clock = Clock()
     registry = PoolRegistry(lease_seconds=60, clock=clock)
     pools = []
@@ -38,7 +40,8 @@ def fleet(pulls: tuple[bool, ...] = (True, True), num_blocks: int = 32) -> tuple
         name = "ab"[i] if i < 2 else f"p{i}"
         addr, key = (f"127.0.0.1:{7000 + i}", bytes([65 + i]) * 32) if on else ("", b"")
         pools.append(registry.register_replica(name, num_blocks, BS, "fp", 100_000, f"127.0.0.1:{6000 + i}",
-                                               f"inc-{name}", kv_transfer_addr=addr, kv_transfer_key=key).pool)
+                                               f"inc-{name}", kv_transfer_addr=addr, kv_transfer_key=key,
+                                               tiers=TierSpec(num_host_slots=host_slots)).pool)
     return registry, clock, pools
 
 
@@ -238,3 +241,31 @@ def test_route_prices_a_peer_hit_at_the_pull_cost_and_names_the_source() -> None
     # Another namespace sees nothing of it.
     other = registry.route(RouteQuery(token_ids=tuple(tokens), namespace="t", model_fingerprint="fp")).candidates
     assert all(c.matched_peer_tokens == 0 and c.pull_from_worker_id == "" for c in other)
+
+
+def test_pages_the_source_holds_in_its_host_tier_are_pulled_from_there() -> None:
+    _, _, (a, b) = fleet(host_slots=16)
+    tokens = prompt(14)
+    cache(a, "x", tokens)
+    assert a.evict(32) == 4  # its pages go down to the host tier ...
+    copies = a.step(StepInput()).offloads
+    a.step(StepInput(copy_outcomes=[CopyOutcome(c.copy_id, len(c.src)) for c in copies]))  # ... and arrive
+    assert a.tree.total_size == 0 and a.tiers.host.tree.total_size == 4
+    (adm,) = step(b, [Admit("y", tokens)]).admits
+    (pull,) = adm.pulls
+    assert pull.src_tier == TIER_HOST and pull.src == a.tiers.host.tree.peek_prefix(tokens[:16]).block_ids
+    assert a.tiers.host.tree.protected_size == 4  # pinned in the host tier: its slots are not reused
+    ticket = kv_transfer_pb2.PullTicket.FromString(convert.peer_pull(pull).ticket)
+    assert ticket.src_tier == cache_pb2.TIER_HOST
+    step(b, pulls=done([pull]))
+    assert a.tiers.host.tree.protected_size == 0 and a.pulls.pinned_pages == 0
+    a.check_integrity()
+
+
+def test_a_device_source_is_preferred_when_it_holds_as_much() -> None:
+    _, _, (a, b) = fleet(host_slots=16)
+    tokens = prompt(15)
+    cache(a, "x", tokens)
+    (adm,) = step(b, [Admit("y", tokens)]).admits
+    assert adm.pulls[0].src_tier == TIER_DEVICE
+    step(b, pulls=done(adm.pulls))

@@ -35,7 +35,8 @@ class PullFleet:
 
 def replica_args(fleet_model: Path, worker: str, tokens: Path, replica_token: Path) -> list[str]:
     return ["--model", str(fleet_model), "--worker-id", worker, "--num-threads", "1", "--num-blocks", "256",
-            "--kv-pulls", "on", "--auth-token-file", str(tokens), "--cache-token-file", str(replica_token)]
+            "--kv-pulls", "on", "--auth-token-file", str(tokens), "--cache-token-file", str(replica_token),
+            "--host-cache-gib", "0.01"]
 
 
 @pytest.fixture(scope="module")
@@ -212,3 +213,35 @@ def test_a_pull_from_a_killed_source_falls_back_to_computing(pull_fleet: PullFle
         time.sleep(0.05)
     assert stats_b.pulls.num_failed_pages >= (len(p) - 1) // BS
     assert stats_b.num_private_blocks == 0 and stats_b.pulls.num_pinned_pages == 0
+
+
+def test_pages_the_source_keeps_in_its_host_tier_are_pulled_from_there(pull_fleet: PullFleet) -> None:
+    p = prompt(4)
+    generate(pull_fleet.a.addr, p)
+    tokens_a, logprobs_a, usage_a = generate(pull_fleet.a.addr, p)  # the reference: a's own hit
+    cacheable = (len(p) - 1) // BS * BS
+    assert usage_a.cached_device_tokens == cacheable
+    with grpc.insecure_channel(pull_fleet.cache.addr) as channel:
+        epoch = pool_stats(pull_fleet)["pull-a"].epoch
+        cache_pb2_grpc.CacheManagerStub(channel).Evict(
+            cache_pb2.EvictRequest(pool_id="pull-a", epoch=epoch, num_blocks=256), metadata=client_md(ADMIN_TOKEN))
+    deadline = time.monotonic() + 20
+    while pool_stats(pull_fleet)["pull-a"].host_tier.num_cached_pages < cacheable // BS:
+        generate(pull_fleet.a.addr, prompt(99, 20), max_tokens=1)  # a's Steps carry the copies down
+        assert time.monotonic() < deadline, pool_stats(pull_fleet)["pull-a"]
+    with grpc.insecure_channel(pull_fleet.cache.addr) as channel:
+        (match,) = cache_pb2_grpc.CacheManagerStub(channel).Match(
+            cache_pb2.MatchRequest(pool_id="pull-a", token_ids=p), metadata=client_md(ADMIN_TOKEN)).matches
+    assert (match.matched_tokens, match.matched_host_tokens) == (0, cacheable)  # only a's host tier holds p
+    # A fresh puller: one that has pulled before may have measured pulls of the tiny model (whose
+    # prefill is nearly free) as dearer than computing, and then rightly pulls no more.
+    puller = start_model(pull_fleet.cache.addr, *replica_args(pull_fleet.model, "pull-d", pull_fleet.token_file,
+                                                             pull_fleet.replica_token_file))
+    try:
+        tokens_d, logprobs_d, usage_d = generate(puller.addr, p)
+    finally:
+        puller.process.stop(10.0)
+    assert usage_d.cached_peer_tokens == cacheable
+    assert (tokens_d, logprobs_d) == (tokens_a, logprobs_a)
+    stats = wait_unpinned(pull_fleet, "pull-a")
+    assert stats.host_tier.num_cached_pages >= cacheable // BS

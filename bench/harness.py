@@ -88,8 +88,9 @@ class Prompts:
     def __init__(self, seed: int) -> None:
         self._rng = np.random.default_rng(seed)
 
-    def ids(self, n: int) -> list[int]:
-        return self._rng.integers(*TOKEN_RANGE, n).tolist()
+    def ids(self, n: int, low: int = TOKEN_RANGE[0]) -> list[int]:
+        """n ids in [low, TOKEN_RANGE's end)."""
+        return self._rng.integers(low, TOKEN_RANGE[1], n).tolist()
 
     def lengths(self, count: int, low: int, high: int) -> list[int]:
         return self._rng.integers(low, high + 1, count).tolist()
@@ -351,6 +352,16 @@ def stream_stats(start: float, results: Sequence[Streamed]) -> Json:
         "completion_tokens": sum(len(r.times) for r in results),
         "preemptions": sum(r.usage.num_preemptions for r in results),
     }
+
+
+def stream_record(s: Streamed) -> Json:
+    """One request's TTFT (from the client's send, and Usage.time_to_first_token as the replica
+    measured it), its prompt's cached tokens by where they came from, and its output tokens."""
+    u = s.usage
+    return {"ttft_s": s.ttft, "server_ttft_s": u.time_to_first_token, "prompt_tokens": u.prompt_tokens,
+            "cached_tokens": u.cached_prompt_tokens, "cached_device_tokens": u.cached_device_tokens,
+            "cached_host_tokens": u.cached_host_tokens, "cached_disk_tokens": u.cached_disk_tokens,
+            "cached_peer_tokens": u.cached_peer_tokens, "token_ids": s.token_ids}
 
 
 def time_split(start: float, end: float, results: Sequence[Streamed]) -> Json:

@@ -1,7 +1,7 @@
 """radixkv benchmark suite: `python -m bench` (`make bench`; `make bench-quick` for a smoke run).
 
 Spawns the real services itself (cache_service + model_service as child processes; for the fleet
-workload two replicas and the router too) and runs every workload against its baselines in the
+and pulls workloads two replicas and the router too) and runs every workload against its baselines in the
 same run, on the same weights (the bundled SmolLM2-135M) and dtype, with the same greedy decoding:
 transformers' static-batch generate() and its continuous batching in this process, vLLM's CPU
 backend in a subprocess when .venv-vllm has it (`make bench-peers`). The sides take turns, never
@@ -237,6 +237,20 @@ def summary_table(r: Json) -> str:
             f"{_f(r.get('tiered_all_miss_host_wt_loss_pct'), '+.1f')}% / disk "
             f"{_f(r.get('tiered_all_miss_disk_loss_pct'), '+.1f')}%"
             f" (<= 3%); greedy identical {_f(100 * (r.get('tiered_greedy_identical') or 0), '.0f')}%", ".2f")
+    if "pulls_forced_ttft" in r:
+        add("peer pulls: 1040-token prompt cached on A, sent to B: TTFT pulled / cold", r["pulls_forced_ttft"], None,
+            f"target <= 0.2x; cold {_f(r.get('pulls_forced_cold_ttft_s'), '.3f')} s, pulled "
+            f"{_f(r.get('pulls_forced_pulled_ttft_s'), '.3f')} s; B's tokens = A's "
+            f"{'yes' if r.get('pulls_forced_identical') else 'NO'}; cached_peer_tokens {r.get('pulls_forced_peer_tokens')}",
+            ".2f")
+    if "pulls_hot_prefix_tok_s_ratio" in r:
+        add("peer pulls: hot prefix through the kv router, tok/s on / off", r["pulls_hot_prefix_tok_s_ratio"], None,
+            f"target >= 1.5x; {_f(r.get('pulls_hot_prefix_on_tok_s'), '.1f')} vs "
+            f"{_f(r.get('pulls_hot_prefix_off_tok_s'), '.1f')} tok/s; TTFT p90 on / off "
+            f"{_f(r.get('pulls_hot_prefix_ttft_p90_ratio'), '.2f')}x (<= 0.5x); requests A / B on "
+            f"{r.get('pulls_hot_prefix_on_requests_a')} / {r.get('pulls_hot_prefix_on_requests_b')}, off "
+            f"{r.get('pulls_hot_prefix_off_requests_a')} / {r.get('pulls_hot_prefix_off_requests_b')}; "
+            f"cached_peer_tokens {r.get('pulls_hot_prefix_on_cached_peer_tokens')}", ".2f")
     if "structured_tok_s" in r:
         add("structured: JSON schema tok/s (vs unconstrained)", r["structured_tok_s"], None,
             f"unconstrained {_f(r.get('structured_free_tok_s'), '.1f')} tok/s: {_f(r.get('structured_vs_free'), '.2f')}x "

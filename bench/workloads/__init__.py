@@ -10,6 +10,7 @@ from bench.workloads.latency import LATENCY
 from bench.workloads.multiturn import MULTITURN
 from bench.workloads.no_share import NO_SHARE
 from bench.workloads.parallel_sampling import PARALLEL_SAMPLING
+from bench.workloads.pulls import PULLS
 from bench.workloads.serve import SERVE
 from bench.workloads.shared_prefix import SHARED_PREFIX, SHARED_PREFIX_LARGE
 from bench.workloads.structured import STRUCTURED
@@ -17,6 +18,6 @@ from bench.workloads.tiered import TIERED
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     SHARED_PREFIX, SHARED_PREFIX_LARGE, MULTITURN, NO_SHARE, CONCURRENCY, LATENCY, CACHE_LINK, CACHE, JOURNAL, STEP, FLEET, TIERED,
-    STRUCTURED, PARALLEL_SAMPLING, SERVE)}
+    PULLS, STRUCTURED, PARALLEL_SAMPLING, SERVE)}
 
 __all__ = ["WORKLOADS", "Context", "Workload"]

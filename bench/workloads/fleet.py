@@ -27,6 +27,8 @@ import collections
 import importlib
 import statistics
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import grpc
 
@@ -70,10 +72,12 @@ def sizes(ctx: Context) -> Json:
 
 
 class Fleet:
-    """Cache manager + replicas (started once) and a router per policy."""
+    """Cache manager + replicas (started once) and a router per policy. `cache_args` /
+    `replica_args`: further flags of the cache manager / of every replica (the pulls workload's)."""
 
-    def __init__(self, ctx: Context, cfg: Json) -> None:
+    def __init__(self, ctx: Context, cfg: Json, cache_args: Sequence[str] = (), replica_args: Sequence[str] = ()) -> None:
         self.ctx, self.cfg = ctx, cfg
+        self.cache_args, self.replica_args = list(cache_args), list(replica_args)
         self.log: collections.deque[str] = collections.deque(maxlen=300)
         self.cache: ServiceProcess | None = None
         self.replicas: list[ServiceProcess] = []
@@ -85,16 +89,16 @@ class Fleet:
         return [p.pid for p in (self.cache, *self.replicas, self.router) if p is not None and p.running()]
 
     def start(self) -> None:
-        self.cache = ServiceProcess("cache_service", ["--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING"],
-                                    self.log.append, cwd=str(REPO))
+        self.cache = ServiceProcess("cache_service", ["--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING",
+                                                      *self.cache_args], self.log.append, cwd=str(REPO))
         self.cache_addr = self.cache.wait_listening(60.0)
         self.cache.wait_serving(60.0)
         for i in range(self.cfg["replicas"]):
             self.replicas.append(ServiceProcess("model_service", [
                 "--host", "127.0.0.1", "--port", "0", "--cache-addr", self.cache_addr, "--worker-id", f"fleet-{i}",
                 "--num-threads", "1", "--num-blocks", str(self.cfg["num_blocks"]), "--block-size", str(BLOCK_SIZE),
-                "--dtype", self.ctx.dtype, "--device", "cpu", "--attention", "torch", "--log-level", "WARNING"],
-                self.log.append, cwd=str(REPO)))
+                "--dtype", self.ctx.dtype, "--device", "cpu", "--attention", "torch", "--log-level", "WARNING",
+                *self.replica_args], self.log.append, cwd=str(REPO)))
         for replica in self.replicas:
             self.replica_addrs.append(replica.wait_listening(START_TIMEOUT_S, watch=[self.cache]))
             replica.wait_serving(START_TIMEOUT_S, watch=[self.cache])
@@ -121,8 +125,25 @@ class Fleet:
                 p.stop(10.0)
         self.replicas, self.cache = [], None
 
+    @contextmanager
+    def running(self) -> Iterator[Fleet]:
+        """Started (its processes counted as the workload's by the load monitor) and stopped on the
+        way out; an error raised inside carries the fleet's output."""
+        self.ctx.extra_pids.clear()
+        try:
+            with self.ctx.progress.run("starting cache manager + replicas", 0):
+                self.start()
+            self.ctx.extra_pids.update(self.pids())
+            yield self
+        except Exception as error:
+            error.add_note("--- fleet output ---\n" + "\n".join(self.log))
+            raise
+        finally:
+            self.stop()
+            self.ctx.extra_pids.clear()
 
-def _warm_up(ctx: Context, fleet: Fleet, cfg: Json) -> None:
+
+def warm_up(ctx: Context, fleet: Fleet, cfg: Json) -> None:
     """One group of the workload's shape on each replica directly, then empty pools: the first
     policy measured must not be the one that pays each replica's first long prefill and batch
     (allocator growth, first-call kernel setup), which are tens of percent of a run's TTFT."""
@@ -142,15 +163,24 @@ def _policy_run(ctx: Context, fleet: Fleet, policy: str, prompts: list[list[int]
             stream_sync(model_pb2_grpc.ModelServiceStub(channel), ctx.prompts.ids(16), 2)
         clear_pools(fleet.cache_addr)
         arrivals = [i * cfg["gap_s"] for i in range(len(prompts))]
-        with ctx.progress.run(f"fleet {policy}", len(prompts) * cfg["new_tokens"]) as tick:
-            start = time.perf_counter()
-            wall, results = stream_concurrent(addr, prompts, cfg["new_tokens"], arrivals_s=arrivals, on_tokens=tick)
+        return routed_run(ctx, addr, prompts, cfg["new_tokens"], arrivals, f"fleet {policy}")
     finally:
         fleet.stop_router()
+
+
+def routed_run(ctx: Context, addr: str, prompts: list[list[int]], new_tokens: int, arrivals: Sequence[float],
+               label: str) -> Json:
+    """Request i sent to `addr` (a router) `arrivals[i]` seconds after the start: stream_stats, the
+    throughput (completion tokens / wall), requests per replica (Usage.served_by), prompt tokens
+    that missed because another replica held them, and those pulled from another replica."""
+    with ctx.progress.run(label, len(prompts) * new_tokens) as tick:
+        start = time.perf_counter()
+        wall, results = stream_concurrent(addr, prompts, new_tokens, arrivals_s=arrivals, on_tokens=tick)
     out = stream_stats(start, results)
     served = collections.Counter(r.usage.served_by or "?" for r in results)
     out.update(wall_s=wall, tok_s=out["completion_tokens"] / wall, requests_per_replica=dict(served),
                miss_other_replica_tokens=sum(r.usage.miss_other_replica_tokens for r in results),
+               cached_peer_tokens=sum(r.usage.cached_peer_tokens for r in results),
                ttft_samples_s=[r.ttft for r in results])
     return out
 
@@ -227,25 +257,14 @@ def run(ctx: Context, deadline: float) -> Json:
     order = ctx.prompts.permutation(len(prompts))
     prompts = [prompts[i] for i in order]
     ideal = g * (n - 1) * (cfg["prefix"] // BLOCK_SIZE) * BLOCK_SIZE / sum(len(p) for p in prompts)
-    fleet = Fleet(ctx, cfg)
-    ctx.extra_pids.clear()
     detail: Json = {"config": {**cfg, "requests": len(prompts), "order": "shuffled (seeded)",
                                "replica_threads": 1}, "ideal_hit_rate": ideal, "policies": {}}
-    try:
-        with ctx.progress.run("starting cache manager + replicas", 0):
-            fleet.start()
-        ctx.extra_pids.update(fleet.pids())
+    with Fleet(ctx, cfg).running() as fleet:
         with ctx.progress.run("warming up the replicas", 0):
-            _warm_up(ctx, fleet, cfg)
+            warm_up(ctx, fleet, cfg)
         for policy, _ in POLICIES:
             detail["policies"][policy] = _policy_run(ctx, fleet, policy, prompts, cfg)
         detail["router_overhead"] = _router_overhead(ctx, fleet, cfg["overhead_reps"], deadline)
-    except Exception as error:
-        error.add_note("--- fleet output ---\n" + "\n".join(fleet.log))
-        raise
-    finally:
-        fleet.stop()
-        ctx.extra_pids.clear()
     return detail
 
 

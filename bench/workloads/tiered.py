@@ -67,6 +67,7 @@ from bench.harness import (
     rotate,
     stream_async,
     stream_concurrent,
+    stream_record,
     stream_sync,
     summary,
     table,
@@ -351,14 +352,6 @@ def multiturn(ctx: Context, replicas: dict[str, Replica], cfg: Json, firsts: Seq
 # ---------------------------------------------------------------------- 2./3. single-prompt TTFT
 
 
-def _record(s: Streamed) -> Json:
-    u = s.usage
-    return {"ttft_s": s.ttft, "server_ttft_s": u.time_to_first_token, "prompt_tokens": u.prompt_tokens,
-            "cached_tokens": u.cached_prompt_tokens, "cached_device_tokens": u.cached_device_tokens,
-            "cached_host_tokens": u.cached_host_tokens, "cached_disk_tokens": u.cached_disk_tokens,
-            "token_ids": s.token_ids}
-
-
 def ttft(ctx: Context, replicas: dict[str, Replica], cfg: Json, deadline: float) -> tuple[Json, list[Json]]:
     """Returns (detail, [(prompt, miss answer)] for the transformers check)."""
     n, A = cfg["prompt"], cfg["ttft_answer"]
@@ -371,21 +364,21 @@ def ttft(ctx: Context, replicas: dict[str, Replica], cfg: Json, deadline: float)
         with ctx.progress.run(f"TTFT miss / device / host hit, rep {rep + 1}", 0):
             host = replicas["host"]
             prompt = ctx.prompts.ids(n)
-            out["miss"] = _record(host.generate(prompt, A))
+            out["miss"] = stream_record(host.generate(prompt, A))
             time.sleep(0.1)  # the finish reaches the cache manager with the replica's next Step
-            out["device_hit"] = _record(host.generate(prompt, A))
+            out["device_hit"] = stream_record(host.generate(prompt, A))
             out["host_push_down"] = host.push_down()
-            out["host_hit"] = _record(host.generate(prompt, A))
+            out["host_hit"] = stream_record(host.generate(prompt, A))
             if rep == 0:  # the transformers check: one prompt per replica is enough
                 checks.append({"prompt": prompt, "answer": out["miss"]["token_ids"]})
         if "disk" in replicas:
             with ctx.progress.run(f"TTFT miss / disk hit, rep {rep + 1}", 0):
                 disk = replicas["disk"]
                 prompt = ctx.prompts.ids(n)
-                out["disk_miss"] = _record(disk.generate(prompt, A))
+                out["disk_miss"] = stream_record(disk.generate(prompt, A))
                 time.sleep(0.1)
                 out["disk_push_down"] = disk.push_down()
-                out["disk_hit"] = _record(disk.generate(prompt, A))
+                out["disk_hit"] = stream_record(disk.generate(prompt, A))
                 if rep == 0:
                     checks.append({"prompt": prompt, "answer": out["disk_miss"]["token_ids"]})
         reps.append(out)
@@ -425,8 +418,8 @@ def restart(ctx: Context, disk: Replica, cfg: Json) -> tuple[Json, Json]:
         after_start = disk.tier_stats()
         disk.generate(ctx.prompts.ids(BLOCK_SIZE // 2), 2)  # warm-up: first-request costs of a fresh process
         again = disk.generate(prompt, A)
-    out = {"miss": _record(miss), "push_down": pushed, "tier_stats_before_stop": before,
-           "tier_stats_after_restart": after_start, "restart_s": started, "repeat": _record(again),
+    out = {"miss": stream_record(miss), "push_down": pushed, "tier_stats_before_stop": before,
+           "tier_stats_after_restart": after_start, "restart_s": started, "repeat": stream_record(again),
            "repeat_vs_miss": again.ttft / miss.ttft, "cached_disk_tokens": again.usage.cached_disk_tokens,
            "repeat_identical_to_miss": again.token_ids == miss.token_ids}
     return out, {"prompt": prompt, "answer": miss.token_ids}

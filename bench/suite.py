@@ -251,6 +251,9 @@ def summary_table(r: Json) -> str:
             f"{r.get('pulls_hot_prefix_on_requests_a')} / {r.get('pulls_hot_prefix_on_requests_b')}, off "
             f"{r.get('pulls_hot_prefix_off_requests_a')} / {r.get('pulls_hot_prefix_off_requests_b')}; "
             f"cached_peer_tokens {r.get('pulls_hot_prefix_on_cached_peer_tokens')}", ".2f")
+    if "pulls_fleet_tok_s_ratio" in r:
+        add("peer pulls: fleet workload through the kv router, tok/s on / off", r["pulls_fleet_tok_s_ratio"], None,
+            "target: no worse (within noise); median of the turns", ".2f")
     if "structured_tok_s" in r:
         add("structured: JSON schema tok/s (vs unconstrained)", r["structured_tok_s"], None,
             f"unconstrained {_f(r.get('structured_free_tok_s'), '.1f')} tok/s: {_f(r.get('structured_vs_free'), '.2f')}x "

@@ -153,7 +153,7 @@ class PeerPulls:
     pending: dict[int, _PendingPull] = field(default_factory=dict)
     pinned_pages: int = 0  # this pool's pages pinned by other pools' pulls
     sources: Callable[[], Iterable[Pool]] = _no_sources  # live pools of the same model
-    brokered: bool = True  # False: this cache manager brokers no pulls (durable)
+    brokered: bool = True  # False: no pulls brokered (--peer-pulls off, or a journal replaying)
     pin_seconds: float = DEFAULT_PIN_SECONDS
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time

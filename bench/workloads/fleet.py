@@ -155,7 +155,8 @@ def warm_up(ctx: Context, fleet: Fleet, cfg: Json) -> None:
     clear_pools(fleet.cache_addr)
 
 
-def _policy_run(ctx: Context, fleet: Fleet, policy: str, prompts: list[list[int]], cfg: Json) -> Json:
+def policy_run(ctx: Context, fleet: Fleet, policy: str, prompts: list[list[int]], cfg: Json) -> Json:
+    """The prompts through a fresh router of `policy`, the pools cleared first."""
     clear_pools(fleet.cache_addr)
     addr = fleet.start_router(policy)
     try:
@@ -247,15 +248,20 @@ def _router_overhead(ctx: Context, fleet: Fleet, reps: int, deadline: float) -> 
             "overhead_ttft_ms": 1e3 * (statistics.median(routed_ttft) - statistics.median(direct_ttft))}
 
 
+def group_prompts(ctx: Context, cfg: Json) -> list[list[int]]:
+    """`groups` prefixes x `per_group` questions each, shuffled (seeded)."""
+    prompts = []
+    for _ in range(cfg["groups"]):
+        prefix = ctx.prompts.ids(cfg["prefix"])
+        prompts += [prefix + ctx.prompts.ids(cfg["question"]) for _ in range(cfg["per_group"])]
+    order = ctx.prompts.permutation(len(prompts))
+    return [prompts[i] for i in order]
+
+
 def run(ctx: Context, deadline: float) -> Json:
     cfg = sizes(ctx)
     g, n = cfg["groups"], cfg["per_group"]
-    prompts = []
-    for _ in range(g):
-        prefix = ctx.prompts.ids(cfg["prefix"])
-        prompts += [prefix + ctx.prompts.ids(cfg["question"]) for _ in range(n)]
-    order = ctx.prompts.permutation(len(prompts))
-    prompts = [prompts[i] for i in order]
+    prompts = group_prompts(ctx, cfg)
     ideal = g * (n - 1) * (cfg["prefix"] // BLOCK_SIZE) * BLOCK_SIZE / sum(len(p) for p in prompts)
     detail: Json = {"config": {**cfg, "requests": len(prompts), "order": "shuffled (seeded)",
                                "replica_threads": 1}, "ideal_hit_rate": ideal, "policies": {}}
@@ -263,7 +269,7 @@ def run(ctx: Context, deadline: float) -> Json:
         with ctx.progress.run("warming up the replicas", 0):
             warm_up(ctx, fleet, cfg)
         for policy, _ in POLICIES:
-            detail["policies"][policy] = _policy_run(ctx, fleet, policy, prompts, cfg)
+            detail["policies"][policy] = policy_run(ctx, fleet, policy, prompts, cfg)
         detail["router_overhead"] = _router_overhead(ctx, fleet, cfg["overhead_reps"], deadline)
     return detail
 

@@ -2,11 +2,12 @@
 
 When a pool admits a prompt and another live pool of the same model and page size (the *source*)
 holds more of it, in its device blocks or its host tier, than the admitting pool has (its device
-hit and lower-tier loads together), the admission pulls the pages in between: `AdmitResult.pulls` names the
-source's blocks (or host slots) in a ticket the cache manager signs with the source replica's own
-key (`RegisterPoolRequest.kv_transfer_key`), and the source's path through them is pinned (a lock
-ref on the node of its device tree, or host tier tree) until the puller's next Step reports the pull, or the pin's time runs out (a
-puller that died or stalled). Only pools registered with a kv_transfer_addr pull or are pulled from.
+hit and lower-tier loads together), the admission pulls the pages in between: `AdmitResult.pulls`
+names the source's blocks (or host slots) in a ticket the cache manager signs with the source
+replica's own key (`RegisterPoolRequest.kv_transfer_key`), and the source's path through them is
+pinned (a lock ref on the node of its device tree, or host tier tree) until a later Step of the
+puller reports the pull (the puller pulls while it runs other requests), the puller re-registers,
+or the pin's time runs out (a puller that died or stalled). Only pools registered with a kv_transfer_addr pull or are pulled from.
 
 A pull happens only where it is cheaper than computing: the puller measures a pulled token's cost
 as a share of a computed one (`ReplicaLoad.peer_load_cost`; DEFAULT_PEER_LOAD_COST until it has),
@@ -28,6 +29,7 @@ from typing import NamedTuple, Protocol
 from cache_service.attach import AttachState
 from cache_service.errors import IntegrityError, InvalidArgument
 from cache_service.radix_tree import RadixTree, TreeNode, path_hashes
+from cache_service.routed import path_pages
 from cache_service.schema import CopyOutcome, PeerPull, PullStats, ReplicaLoad
 from cache_service.tiers.lower_tier import TIER_DEVICE, TIER_HOST
 from cache_service.tiers.pool_tiers import PoolTiers
@@ -85,11 +87,17 @@ class PullPin:
     def release(self) -> None:
         if not self.active:
             return
+        holds = self.holds
         self.active = False
         source = self.source
         source.pulls.pinned_pages -= self.num_pages
-        if self.node.in_tree:
+        if holds:
             source_tree(source, self.tier).dec_lock_ref(self.node)
+
+    @property
+    def holds(self) -> bool:
+        """Whether it still pins anything (a retired source's tree went with it)."""
+        return self.active and not self.source.pulls.retired and self.node.in_tree
 
 
 def source_tree(source: Pool, tier: int) -> RadixTree:
@@ -152,6 +160,7 @@ class PeerPulls:
     next_pull_id: int = 1
     pending: dict[int, _PendingPull] = field(default_factory=dict)
     pinned_pages: int = 0  # this pool's pages pinned by other pools' pulls
+    retired: bool = False  # this pool is gone (its pins with its tree)
     sources: Callable[[], Iterable[Pool]] = _no_sources  # live pools of the same model
     brokered: bool = True  # False: no pulls brokered (--peer-pulls off, or a journal replaying)
     pin_seconds: float = DEFAULT_PIN_SECONDS
@@ -217,18 +226,17 @@ class PeerPulls:
                                       f"{pending.num_pages} pages")
 
     def apply_outcomes(self, outcomes: Sequence[CopyOutcome]) -> None:
-        """The last reply's pulls end: their pins are released, reported or not (a pull not
-        reported counts as failed whole); outcomes of other pulls change nothing."""
-        if not self.pending:
-            return
-        done = {o.copy_id: o.num_pages_copied for o in outcomes}
-        for pull_id, pending in self.pending.items():
-            pending.pin.release()
-            self.counters.num_failed_pages += pending.num_pages - done.get(pull_id, 0)
-        self.pending = {}
+        """Reported pulls end: their pins are released, their missing pages counted failed. A pull
+        not reported yet keeps its pin (its puller is still reading) until a later Step reports it
+        or the pin expires; outcomes of unknown (ended) pulls change nothing."""
+        for o in outcomes:
+            pending = self.pending.pop(o.copy_id, None)
+            if pending is not None:
+                pending.pin.release()
+                self.counters.num_failed_pages += pending.num_pages - o.num_pages_copied
 
     def expire(self, now: float) -> None:
-        """End the pins of pulls whose puller did not report them in time."""
+        """End the pins of pulls whose puller did not report them in time (counted failed whole)."""
         for pull_id in [i for i, p in self.pending.items() if p.pin.expires_at <= now]:
             if self.journal is not None:
                 self.journal.pull_expired(self.pool_id, pull_id)
@@ -241,15 +249,19 @@ class PeerPulls:
             return
         if pending.pin.active:
             pending.pin.source.pulls.counters.num_expired_pins += 1
+        self.counters.num_failed_pages += pending.num_pages
         pending.pin.release()
 
     def restore(self, source: Pool, pull_id: int, tier: int, tokens: Sequence[int], namespace: str,
-                num_pages: int) -> None:
-        """Pin again what a pull pinned (a journal record or a snapshot), its pin lasting `pin_seconds`
-        from now; IntegrityError when the source does not hold those pages."""
+                num_pages: int, replayed: bool = True) -> None:
+        """Pin again what a pull pinned, its pin lasting `pin_seconds` from now: `replayed` (a journal
+        record) matches the pages as the pull did (touching their access times, splitting where it
+        split); else (a snapshot, taken after both) finds the node as it is. IntegrityError when the
+        source does not hold those pages."""
         tree = source_tree(source, tier)
-        match = tree.match_prefix(tokens, namespace)
-        if match.last_node is None or match.num_tokens != len(tokens) or len(match.block_ids) < num_pages:
+        match = tree.match_prefix(tokens, namespace) if replayed else tree.peek_prefix(tokens, namespace)
+        if (match.last_node is None or match.num_tokens != len(tokens) or len(match.block_ids) < num_pages
+                or path_pages(match.last_node) * tree.page_size != len(tokens)):
             raise IntegrityError(f"pull {pull_id}: the source {source.pool_id!r} does not hold the pinned pages")
         tree.inc_lock_ref(match.last_node)
         source.pulls.pinned_pages += num_pages
@@ -261,8 +273,7 @@ class PeerPulls:
         """(pull id, source, tier, pinned node, pages) of the pulls waiting for a report (all, or
         those of `pull_ids`): what a snapshot keeps, and what the journal records after a Step."""
         ids = self.pending if pull_ids is None else [i for i in pull_ids if i in self.pending]
-        return [(i, p.pin.source, p.pin.tier, p.pin.node, p.num_pages) for i in ids
-                if (p := self.pending[i]).pin.active]
+        return [(i, p.pin.source, p.pin.tier, p.pin.node, p.num_pages) for i in ids if (p := self.pending[i]).pin.holds]
 
     def drop(self) -> None:
         """Release every pin this pool's pulls hold (it retires, or its replica re-registered)."""

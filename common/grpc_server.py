@@ -86,7 +86,8 @@ def servicer_handler(servicer: object, service, check=None) -> grpc.GenericRpcHa
     requests arrive as raw bytes and are parsed in the handler: bytes that are not the request
     message (invalid UTF-8 in a string, corrupt varint, garbage), or that `check(message)`
     names a reason against (e.g. common.limits.id_error), end with INVALID_ARGUMENT instead of
-    grpc's UNKNOWN plus a logged traceback. Method names and kinds are those of the descriptor,
+    grpc's UNKNOWN plus a logged traceback. A servicer may return (or yield) a response already
+    serialized, as bytes. Method names and kinds are those of the descriptor,
     so interceptors (common/auth.py) see the usual '/pkg.Service/Method'."""
     handlers = {}
     for method in service.methods:
@@ -94,15 +95,25 @@ def servicer_handler(servicer: object, service, check=None) -> grpc.GenericRpcHa
         response_class = message_factory.GetMessageClass(method.output_type)
         behavior = getattr(servicer, method.name)
         parse = _parser(request_class, check)
+        serialize = _serializer(response_class)
         if method.server_streaming:
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                _streaming(behavior, parse), request_deserializer=None,
-                response_serializer=response_class.SerializeToString)
+                _streaming(behavior, parse), request_deserializer=None, response_serializer=serialize)
         else:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _unary(behavior, parse), request_deserializer=None,
-                response_serializer=response_class.SerializeToString)
+                _unary(behavior, parse), request_deserializer=None, response_serializer=serialize)
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
+
+
+def _serializer(message_class):
+    """Serializes a response message; bytes a servicer serialized itself (a large payload written
+    without protobuf's copy: model_service/kv_pulls/page_data.py) pass as they are."""
+    serialize = message_class.SerializeToString
+
+    def to_bytes(message) -> bytes:
+        return message if type(message) is bytes else serialize(message)
+
+    return to_bytes
 
 
 # The raw bytes of the unary request being handled (each call runs in a task of its own, so

@@ -127,6 +127,9 @@ class Engine:
         if tiers is not None:  # disk writes finish on their own thread: their outcomes go in a later Step
             scheduler.finished_copy_outcomes = tiers.finished_outcomes
             tiers.on_write_done = lambda: self._inbox.put(("wake",))
+        # Pulls run on the puller's threads while the engine runs other requests (Request.pull).
+        self._pulling: list[Request] = []
+        scheduler.before_release = self._settle_pull
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler
@@ -169,6 +172,8 @@ class Engine:
         self._thread.join(timeout)
         if self.tiers is not None and not self._thread.is_alive():
             self.tiers.close()  # the disk tier's file flushed (its pages survive a restart)
+        if self.puller is not None and not self._thread.is_alive():
+            self.puller.close()
         self.guided.close()
 
     def submit(self, request: Request, sink: OutputSink) -> None:
@@ -238,10 +243,21 @@ class Engine:
         return self.cache.registered and bool(self.scheduler.running)
 
     def _has_work(self) -> bool:
-        return (self.scheduler.has_work() or (self._pipeline is not None and self._pipeline.in_flight)
+        """Something to do now: a step to run or a reply to collect (requests that only wait for
+        their pulls are not: a finished pull wakes the loop)."""
+        scheduler = self.scheduler
+        if self._pulling and all(r.pull is not None for r in scheduler.running) and not (
+                scheduler.waiting or scheduler.pending_finishes or scheduler.pending_releases
+                or scheduler.pending_pull_outcomes or scheduler.pending_copy_outcomes
+                or (self._pipeline is not None and self._pipeline.in_flight)
+                or any(r.pull is not None and r.pull.done() for r in self._pulling)):
+            return False
+        return (scheduler.has_work() or (self._pipeline is not None and self._pipeline.in_flight)
                 or (self.tiers is not None and self.tiers.has_finished()))
 
     def _step(self) -> None:
+        if self._pulling:
+            self._collect_pulls()
         if self._pipeline is not None:
             try:
                 self._pipeline.step(self._apply_reply, self._execute)
@@ -264,7 +280,7 @@ class Engine:
 
     def _apply_reply(self, plan: CachePlan, reply: CacheReply) -> None:
         if reply.offloads or any(a.loads or a.pulls for a in reply.admits):
-            reply = self._run_copies(reply)
+            reply = self._run_copies(plan, reply)
         preemptions_before = self.scheduler.num_preemptions
         self.scheduler.apply_reply(plan, reply)
         copy_prompt_tails([r for r, a in zip(plan.admits, reply.admits, strict=False)
@@ -275,7 +291,7 @@ class Engine:
         for request, admit in zip(plan.admits, reply.admits, strict=False):
             # First admissions of prompts only (the pool's hit rate): not preempted ones, not forks.
             if admit.admitted and request.num_preemptions == 0 and request.index == 0:
-                cached = admit.cached_tokens + admit.loaded_host_tokens + admit.loaded_disk_tokens + admit.loaded_peer_tokens
+                cached = admit.cached_tokens + admit.loaded_host_tokens + admit.loaded_disk_tokens
                 self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
                 self.metrics.cached_prompt_tokens.inc(cached)
                 self._prompt_tokens += len(request.prompt_token_ids)
@@ -284,16 +300,16 @@ class Engine:
                     self.metrics.tier_cached_tokens.labels("host").inc(admit.loaded_host_tokens)
                 if admit.loaded_disk_tokens:
                     self.metrics.tier_cached_tokens.labels("disk").inc(admit.loaded_disk_tokens)
-                if admit.loaded_peer_tokens:
-                    self.metrics.pull_cached_tokens.inc(admit.loaded_peer_tokens)
         self.metrics.waiting.set(len(self.scheduler.waiting))
         self.metrics.running.set(len(self.scheduler.running))
         self._sync_counts()
 
-    def _run_copies(self, reply: CacheReply) -> CacheReply:
-        """Performs the reply's tier copies (offloads, then each admission's loads) and its pulls
-        from other replicas before anything writes a block it handed out; their outcomes go with
-        the next Step. Copies this replica cannot make are reported failed (nothing loaded)."""
+    def _run_copies(self, plan: CachePlan, reply: CacheReply) -> CacheReply:
+        """Performs the reply's tier copies (offloads, then each admission's loads) before anything
+        writes a block it handed out, and starts its pulls from other replicas (they run while
+        other requests do: the request waits for them, `_collect_pulls`); the copies' outcomes go
+        with the next Step, a pull's with the one after it ends. Copies this replica cannot make
+        are reported failed (nothing loaded)."""
         tiers, puller = self.tiers, self.puller
         outcomes = self.scheduler.pending_copy_outcomes
         if tiers is not None:
@@ -311,13 +327,41 @@ class Engine:
                 whole = all(o.num_pages_copied == len(c.src) for o, c in zip(done, admit.loads, strict=True))
             if admit.pulls:
                 if puller is not None and whole:  # pulled pages follow the loaded ones: only after all of them
-                    done, pulled = puller.run(admit.pulls)
+                    pulling = puller.start(admit.pulls)
+                    pulling.add_done_callback(lambda _: self._inbox.put(("wake",)))
+                    admit = admit._replace(pulling=pulling)
                 else:
-                    done, pulled = [cache_pb2.CopyOutcome(copy_id=p.pull_id) for p in admit.pulls], 0
-                self.scheduler.pending_pull_outcomes.extend(done)
-                admit = admit._replace(loaded_peer_tokens=pulled)
+                    self.scheduler.pending_pull_outcomes.extend(
+                        cache_pb2.CopyOutcome(copy_id=p.pull_id) for p in admit.pulls)
             admits.append(admit)
+        self._pulling.extend(r for r, a in zip(plan.admits, admits, strict=False) if a.pulling is not None)
         return reply._replace(admits=admits)
+
+    def _collect_pulls(self) -> None:
+        """Requests whose pull ended: their pulled pages count as computed from now on."""
+        for request in [r for r in self._pulling if r.pull is not None and r.pull.done()]:
+            self._pull_done(request)
+
+    def _settle_pull(self, request: Request) -> None:
+        """Waits for the pull still writing into `request`'s blocks (they are about to be given back)."""
+        if request.pull is not None:
+            self._pull_done(request)
+
+    def _pull_done(self, request: Request) -> None:
+        future, request.pull = request.pull, None
+        self._pulling.remove(request)
+        outcomes, pulled = future.result()  # PeerPuller.run never raises: a failure is 0 pages
+        self.scheduler.pending_pull_outcomes.extend(outcomes)
+        if not pulled or request.is_finished:
+            return
+        request.num_computed_tokens += pulled
+        if request.num_preemptions == 0 and request.index == 0 and request.cached_prompt_tokens is not None:
+            request.cached_prompt_tokens += pulled  # a first admission's hit, as _apply_reply counts them
+            host, disk, _ = request.cached_tier_tokens
+            request.cached_tier_tokens = (host, disk, pulled)
+            self.metrics.cached_prompt_tokens.inc(pulled)
+            self.metrics.pull_cached_tokens.inc(pulled)
+            self._cached_prompt_tokens += pulled
 
     def _execute(self, batch: ScheduledBatch) -> None:
         self._flush_outputs()  # the last step's: streamed while this forward runs
@@ -543,6 +587,10 @@ class Engine:
                     why, len(self.scheduler.running))
         self.metrics.cache_reconnects.inc()
         self.cache.pool_id = ""  # re-register before any further Step
+        # Pulls end first: their sources' pages stay pinned until this pool re-registers.
+        for request in list(self._pulling):
+            if request.pull is not None:
+                self._pull_done(request)
         # Copies the cache manager may not have seen reported: it stops waiting for them at the
         # re-registration (a kept pool drops its pending copies; a new pool never had them).
         self.scheduler.pending_copy_outcomes.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -73,6 +74,9 @@ class Request:
     cached_prompt_tokens: int | None = None  # cache hit at first admission (None: never admitted)
     cached_tier_tokens: tuple[int, int, int] = (0, 0, 0)  # of those, loaded from the host / disk tier, pulled
     miss: MissBreakdown | None = None  # why the rest missed, at first admission
+    # Pages being pulled into its blocks from another replica (model_service/kv_pulls/): a future
+    # of (outcomes, tokens pulled); it is not scheduled until they arrived, nor its blocks released.
+    pull: Future | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None
@@ -171,4 +175,5 @@ class Request:
         self.block_table = []
         self.num_computed_tokens = 0
         self.num_shared_tokens = 0
+        self.pull = None  # settled before (Scheduler.before_release)
         self.status = RequestStatus.WAITING

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -76,9 +77,10 @@ class AdmitReply(NamedTuple):
     loads: Sequence[object] = ()
     loaded_host_tokens: int = 0
     loaded_disk_tokens: int = 0
-    # Then pages to pull from another replica (cache.proto PeerPull), and the tokens of them pulled.
+    # Then pages to pull from another replica (cache.proto PeerPull), and the pull under way (a
+    # future of (outcomes, tokens pulled), set by the engine: Request.pull from then on).
     pulls: Sequence[object] = ()
-    loaded_peer_tokens: int = 0
+    pulling: Future | None = None
 
 
 class ExtendReply(NamedTuple):
@@ -166,6 +168,9 @@ class Scheduler:
         self.pending_pull_outcomes: list[object] = []
         # (urgent) -> outcomes finished since; not urgent: may keep them for a Step made anyway.
         self.finished_copy_outcomes: Callable[[bool], list[object]] = lambda urgent: []
+        # Called before a running request's blocks are given back (finish, preemption, reset): the
+        # engine waits there for a pull still writing into them (Request.pull).
+        self.before_release: Callable[[Request], None] = lambda request: None
         self._pause_admission = False
         self._lookahead_paused = False  # a lookahead ask failed: ask for need only until space returns
         self._held_back_long = False  # the last batch left a long prefill out for short ones
@@ -187,6 +192,7 @@ class Scheduler:
         if request.is_finished:
             return
         if request.status is RequestStatus.RUNNING:
+            self.before_release(request)
             self.running.remove(request)
             self.pending_finishes.append(request)
         elif request.status is RequestStatus.WAITING:
@@ -240,6 +246,7 @@ class Scheduler:
     def reset(self) -> None:
         """The cache pool was lost: every running request goes back to waiting to be recomputed."""
         for request in reversed(self.running):
+            self.before_release(request)
             self.requeue(request)
         self.running.clear()
         self.pending_finishes.clear()
@@ -366,12 +373,13 @@ class Scheduler:
             if not adm.admitted:
                 self._admission_refused = not request.is_finished
                 break
-            # Pages copied in from a lower tier, then pulled from another replica.
-            loaded = adm.loaded_host_tokens + adm.loaded_disk_tokens + adm.loaded_peer_tokens
+            loaded = adm.loaded_host_tokens + adm.loaded_disk_tokens  # pages copied in from a lower tier
             if request.is_finished:  # cancelled or aborted while its admission was in flight
                 request.block_table = list(adm.block_table)
                 request.num_computed_tokens = adm.cached_tokens + loaded
                 request.num_admitted_tokens = request.num_tokens
+                request.pull = adm.pulling
+                self.before_release(request)
                 self.pending_finishes.append(request)
                 continue
             self.waiting.remove(request)
@@ -382,8 +390,9 @@ class Scheduler:
             request.num_admitted_tokens = request.num_tokens
             if request.cached_prompt_tokens is None:
                 request.cached_prompt_tokens = adm.cached_tokens + loaded
-                request.cached_tier_tokens = (adm.loaded_host_tokens, adm.loaded_disk_tokens, adm.loaded_peer_tokens)
+                request.cached_tier_tokens = (adm.loaded_host_tokens, adm.loaded_disk_tokens, 0)
                 request.miss = adm.miss
+            request.pull = adm.pulling  # its pulled pages count once they arrived (Engine._pull_done)
             self.running.append(request)
 
     def on_executed(self, batch: ScheduledBatch) -> None:
@@ -459,6 +468,8 @@ class Scheduler:
         decodes: list[Request] = []
         prefills: list[Request] = []
         for request in self.running:
+            if request.pull is not None:
+                continue  # its pages are still arriving
             (decodes if request.num_uncomputed_tokens <= 1 else prefills).append(request)
         room = (budget - len(decodes)) // 2
         shorts: list[Request] = []
@@ -502,7 +513,9 @@ class Scheduler:
         """Releases the newest running request (its computed pages stay cached); returns it and
         how many blocks its release makes free or evictable at least: those of its blocks no other
         running request holds (its private ones, and tree pages only it locks)."""
-        victim = self.running.pop()
+        victim = self.running[-1]
+        self.before_release(victim)
+        self.running.pop()
         held = {block for r in self.running for block in r.block_table}
         freed = len(set(victim.block_table) - held)
         self.pending_releases.append(self._record(victim))

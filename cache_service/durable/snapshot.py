@@ -163,7 +163,7 @@ def restore_pulls(pool: Pool, data: dict[str, Any] | None, pools: dict[str, Pool
     for pull_id, source_id, tier, tokens, namespace, pages in data["pending"]:
         source = pools.get(source_id)
         if source is not None:  # a source that did not restore took its pins with it
-            pool.pulls.restore(source, int(pull_id), int(tier), _unpack(tokens), namespace, int(pages))
+            pool.pulls.restore(source, int(pull_id), int(tier), _unpack(tokens), namespace, int(pages), replayed=False)
 
 
 def restore_pool(data: dict[str, Any], events: EventLog | None) -> Pool:

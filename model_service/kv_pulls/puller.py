@@ -1,8 +1,9 @@
 """Pulls the pages a cache Step reply names (cache.proto PeerPull) from other replicas' KvTransfer.
 
-Run by the engine thread with the reply's tier copies, before the forward pass that follows the
-reply: the pulled pages land in the admitted request's own blocks, and its prompt is computed
-from the first page that did not arrive. A pull that fails (the source died, refused the ticket,
+Started by the engine thread with the reply's tier copies, run on the puller's threads while the
+engine runs the other requests: the pulled pages land in the admitted request's own blocks, which
+nothing else writes, and the request is scheduled once they arrived, its prompt computed from the
+first page that did not. The engine waits for a pull before it gives the request's blocks back. A pull that fails (the source died, refused the ticket,
 sent data that does not check) or misses its deadline costs only the time spent: its missing
 pages are computed, with the same output. The deadline is what computing the pages would take
 (measured, model_service/copy_costs.py), so a slow pull never costs much more than not pulling,
@@ -12,9 +13,10 @@ and at most half of the pin's time, so the source's pages stay pinned throughout
 from __future__ import annotations
 
 import logging
+import threading
 import time
-import zlib
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 import torch
@@ -23,12 +25,22 @@ from common.auth import ClientToken
 from common.security import open_channel
 from model_service.copy_costs import PEER, CopyCosts
 from model_service.kv_cache import KVCache
-from model_service.kv_pulls.page_data import MAX_MESSAGE_BYTES, page_layer_bytes, write_layer
+from model_service.kv_pulls.page_data import (
+    MAX_MESSAGE_BYTES,
+    BadMessage,
+    checksum,
+    decode,
+    page_layer_bytes,
+    write_layer,
+)
 from model_service.metrics import ModelMetrics
-from protos import cache_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
+from protos import cache_pb2, kv_transfer_pb2
 
 log = logging.getLogger(__name__)
 
+READ_PAGES = "/radixkv.v1.KvTransfer/ReadPages"
+
+MAX_CONCURRENT_PULLS = 2
 MIN_DEADLINE_SECONDS = 0.5
 DEADLINE_SLACK_SECONDS = 0.25  # on top of the recompute estimate: a pull has a connection to make
 
@@ -53,7 +65,13 @@ class PeerPuller:
         self.credentials = credentials
         self.token = token if token is not None else ClientToken(None)
         self.metrics = metrics
-        self._stubs: dict[str, tuple[grpc.Channel, kv_transfer_pb2_grpc.KvTransferStub]] = {}
+        self._calls: dict[str, tuple[grpc.Channel, grpc.UnaryStreamMultiCallable]] = {}
+        self._lock = threading.Lock()  # the channels: pulls run on several threads
+        self._threads = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="radixkv-pull")
+
+    def start(self, pulls: Sequence[cache_pb2.PeerPull]) -> Future[tuple[list[cache_pb2.CopyOutcome], int]]:
+        """`run(pulls)` on a puller thread."""
+        return self._threads.submit(self.run, pulls)
 
     def deadline(self, pull: cache_pb2.PeerPull) -> float:
         """Seconds the pull may take: about what computing its pages would, within half its pin."""
@@ -100,13 +118,18 @@ class PeerPuller:
                 m.peer_load_cost.set(cost)
         return done
 
-    def _stub(self, addr: str) -> kv_transfer_pb2_grpc.KvTransferStub:
-        entry = self._stubs.get(addr)
-        if entry is None:
-            channel = open_channel(addr, self.credentials,
-                                   options=[("grpc.max_receive_message_length", 4 * MAX_MESSAGE_BYTES)])
-            entry = self._stubs[addr] = (channel, kv_transfer_pb2_grpc.KvTransferStub(channel))
-        return entry[1]
+    def _read_pages(self, addr: str) -> grpc.UnaryStreamMultiCallable:
+        """KvTransfer.ReadPages on `addr`, its messages as bytes (page_data.decode reads them in place)."""
+        with self._lock:
+            entry = self._calls.get(addr)
+            if entry is None:
+                channel = open_channel(addr, self.credentials,
+                                       options=[("grpc.max_receive_message_length", 4 * MAX_MESSAGE_BYTES)])
+                call = channel.unary_stream(READ_PAGES,
+                                            request_serializer=kv_transfer_pb2.ReadPagesRequest.SerializeToString,
+                                            response_deserializer=None)
+                entry = self._calls[addr] = (channel, call)
+            return entry[1]
 
     def _read(self, pull: cache_pb2.PeerPull, timeout: float) -> tuple[int, int]:
         """(leading pages written whole, bytes received); PullFailed with the pages done in args[1]."""
@@ -118,15 +141,17 @@ class PeerPuller:
         done = received = 0
         request = kv_transfer_pb2.ReadPagesRequest(ticket=pull.ticket, ticket_mac=pull.ticket_mac)
         try:
-            for message in self._stub(pull.source_addr).ReadPages(request, timeout=timeout,
-                                                                  metadata=self.token.metadata):
-                first, count, layer, data = message.first_page, message.num_pages, message.layer, message.data
-                received += len(data)
+            for raw in self._read_pages(pull.source_addr)(request, timeout=timeout, metadata=self.token.metadata):
+                received += len(raw)
+                try:
+                    first, count, layer, digest, data = decode(raw)
+                except BadMessage as e:
+                    raise PullFailed("corrupt", f"a message that is not a PageData: {e}") from None
                 if not (count and first + count <= n and layer < num_layers
                         and len(data) == count * page_layer_bytes(kv)):
                     raise PullFailed("corrupt", f"a message for pages [{first}, {first + count}) layer {layer} "
                                                 "does not fit the pull")
-                if zlib.crc32(data) != message.crc32:
+                if checksum(data) != digest:
                     raise PullFailed("corrupt", f"pages [{first}, {first + count}) layer {layer}: checksum mismatch")
                 write_layer(kv, layer, dst[first:first + count], data)
                 layers.setdefault(first, set()).add(layer)
@@ -146,6 +171,8 @@ class PeerPuller:
         return done, received
 
     def close(self) -> None:
-        for channel, _ in self._stubs.values():
-            channel.close()
-        self._stubs.clear()
+        self._threads.shutdown(wait=True, cancel_futures=True)  # a pull ends by its deadline
+        with self._lock:
+            for channel, _ in self._calls.values():
+                channel.close()
+            self._calls.clear()

@@ -22,12 +22,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
-import torch
 from google.protobuf.message import DecodeError
 
 from common.auth import one_role
 from model_service.kv_cache import KVCache
-from model_service.kv_pulls.page_data import group_pages, read_host_layer, read_layer
+from model_service.kv_pulls.page_data import encode, group_pages, read_host_layer, read_layer
 from model_service.metrics import ModelMetrics
 from model_service.tiers.host_tier import HostTier
 from protos import cache_pb2, kv_transfer_pb2
@@ -81,7 +80,8 @@ class KvTransferServicer:
         self._group = group_pages(kv)
 
     async def ReadPages(self, request: kv_transfer_pb2.ReadPagesRequest,
-                        context: grpc.aio.ServicerContext) -> AsyncIterator[kv_transfer_pb2.PageData]:
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """Yields serialized PageData messages (page_data.encode: the payload is not copied by protobuf)."""
         worker_id, incarnation = self.identity()
         try:
             ticket = verify_ticket(request.ticket, request.ticket_mac, self.key, worker_id, incarnation,
@@ -94,27 +94,24 @@ class KvTransferServicer:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"this replica serves at most {MAX_CONCURRENT_READS} pulls at once")
         async with self._reads:
+            src = list(ticket.src)
             if ticket.src_tier == cache_pb2.TIER_HOST:
                 host = self.host
-                src = torch.tensor(list(ticket.src), dtype=torch.int64)
 
-                def read(layer: int, pages: torch.Tensor) -> tuple[bytes, int]:
-                    return read_host_layer(host, layer, pages)
+                def read(first: int, layer: int, pages: list[int]) -> bytes:
+                    return encode(first, len(pages), layer, *read_host_layer(host, layer, pages))
             else:
-                src = torch.tensor(list(ticket.src), dtype=torch.int64, device=self.kv.k[0].device)
-
-                def read(layer: int, pages: torch.Tensor) -> tuple[bytes, int]:
-                    return read_layer(self.kv, layer, pages)
+                def read(first: int, layer: int, pages: list[int]) -> bytes:
+                    return encode(first, len(pages), layer, *read_layer(self.kv, layer, pages))
             sent = 0
             for first in range(0, len(src), self._group):
                 blocks = src[first:first + self._group]
                 for layer in range(len(self.kv.k)):
-                    data, crc = await asyncio.to_thread(read, layer, blocks)
+                    message = await asyncio.to_thread(read, first, layer, blocks)
                     if ticket.expires_at <= self.clock():  # read after the pin may have ended: not sent
                         await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the pull ticket ran out mid-pull")
-                    sent += len(data)
-                    yield kv_transfer_pb2.PageData(first_page=first, num_pages=len(blocks), layer=layer, data=data,
-                                                   crc32=crc)
+                    sent += len(message)
+                    yield message
             if self.metrics is not None:
                 self.metrics.pull_served_pages.inc(len(src))
                 self.metrics.pull_served_bytes.inc(sent)

@@ -109,11 +109,29 @@ def test_a_failed_pull_releases_its_pin_and_counts_its_pages_failed() -> None:
     step(b, pulls=done(adm.pulls, pages=1))  # one page arrived
     assert a.pulls.pinned_pages == 0 and a.tree.protected_size == 0
     assert b.stats().pulls.num_failed_pages == 3
-    # A pull not reported at all in the next Step also ends (counted failed whole).
-    (adm2,) = step(b, [Admit("z", tokens)]).admits
-    assert adm2.pulls and a.pulls.pinned_pages == 4
+
+
+def test_a_pull_not_reported_yet_keeps_its_pin_until_a_later_step_reports_it() -> None:
+    _, _, (a, b) = fleet()
+    tokens = prompt(16)
+    cache(a, "x", tokens)
+    (adm,) = step(b, [Admit("y", tokens)]).admits
+    step(b)  # the puller is still reading (it pulls while it runs other requests)
     step(b)
-    assert a.pulls.pinned_pages == 0 and b.stats().pulls.num_failed_pages == 7
+    assert a.pulls.pinned_pages == 4 and a.tree.protected_size == 4
+    step(b, pulls=done(adm.pulls))
+    assert a.pulls.pinned_pages == 0 and b.stats().pulls.num_failed_pages == 0
+    step(b, pulls=done(adm.pulls))  # reported twice across Steps: the second changes nothing
+
+
+def test_a_puller_that_re_registers_ends_its_pins() -> None:
+    registry, _, (a, b) = fleet()
+    tokens = prompt(17)
+    cache(a, "x", tokens)
+    step(b, [Admit("y", tokens)])
+    registry.register_replica("b", 32, BS, "fp", 100_000, "127.0.0.1:6001", "inc-b",
+                              kv_transfer_addr="127.0.0.1:7001", kv_transfer_key=b"B" * 32)  # re-attach
+    assert a.pulls.pinned_pages == 0 and a.tree.protected_size == 0
 
 
 def test_a_pin_whose_puller_never_steps_again_expires() -> None:
@@ -128,7 +146,7 @@ def test_a_pin_whose_puller_never_steps_again_expires() -> None:
     clock.now += 0.2
     registry.expire_routed()
     assert a.pulls.pinned_pages == 0 and a.tree.protected_size == 0
-    assert a.stats().pulls.num_expired_pins == 1
+    assert a.stats().pulls.num_expired_pins == 1 and b.stats().pulls.num_failed_pages == 4
     step(b, pulls=done(adm.pulls))  # a late report changes nothing
     assert a.pulls.pinned_pages == 0
 

@@ -1,13 +1,15 @@
 """Peer KV pulls through real processes (docs/kv-pulls.md): a durable cache manager and two replicas
 of the tiny model with --kv-pulls on, every call authenticated. A prompt computed on one replica is pulled,
-not recomputed, by the other, with bit-identical output; the pins end; KvTransfer refuses callers
-without the replica role and tickets that do not verify, name other pages or ran out; a pull from
-a SIGKILLed source falls back to computing, with the same output and nothing leaked."""
+not recomputed, by the other, with bit-identical output, from its KV pool or its host tier; the
+pins end; KvTransfer refuses callers without the replica role and tickets that do not verify, name
+other pages or ran out; a source SIGKILLed mid-pull leaves the puller computing, with the same
+output and nothing leaked."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +17,8 @@ import grpc
 import pytest
 
 from protos import cache_pb2, cache_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc, model_pb2, model_pb2_grpc
+from testing.fault_proxy import FaultProxy
+from tests.router.conftest import free_port
 from tests.services import Running, launch_model, start_cache, start_model
 from tests.tiny_model import save_tiny_llama
 
@@ -195,24 +199,36 @@ def test_kv_transfer_serves_only_signed_live_tickets_to_replicas(pull_fleet: Pul
         channel.close()
 
 
-def test_a_pull_from_a_killed_source_falls_back_to_computing(pull_fleet: PullFleet) -> None:
+def test_a_source_killed_mid_pull_leaves_the_puller_computing_with_the_same_output(pull_fleet: PullFleet) -> None:
     p = prompt(3)
-    source = start_model(pull_fleet.cache.addr, *replica_args(pull_fleet.model, "pull-c", pull_fleet.token_file,
-                                                             pull_fleet.replica_token_file))
-    try:
-        tokens_c, logprobs_c, _ = generate(source.addr, p)
-    finally:
-        source.process.proc.kill()  # SIGKILL: its pool stays registered until its lease runs out
-        source.process.stop(5.0)
-    tokens_b, logprobs_b, usage_b = generate(pull_fleet.b.addr, p)
-    assert (tokens_b, logprobs_b) == (tokens_c, logprobs_c)
-    assert usage_b.cached_peer_tokens == 0 and usage_b.cached_prompt_tokens == 0
-    deadline = time.monotonic() + 10
-    while (stats_b := pool_stats(pull_fleet)["pull-b"]).num_running_requests:  # its finish: the next Step
-        assert time.monotonic() < deadline, stats_b
-        time.sleep(0.05)
-    assert stats_b.pulls.num_failed_pages >= (len(p) - 1) // BS
-    assert stats_b.num_private_blocks == 0 and stats_b.pulls.num_pinned_pages == 0
+    port = free_port()
+    # The source advertises a fault proxy in front of its port (its KvTransfer address is its serving
+    # address): each chunk it sends takes 0.3 s, so the pull is in flight when the source dies.
+    with FaultProxy(f"127.0.0.1:{port}", latency_s=0.3) as proxy:
+        source = start_model(pull_fleet.cache.addr, "--port", str(port), "--advertise-addr", proxy.addr,
+                             *replica_args(pull_fleet.model, "pull-c", pull_fleet.token_file,
+                                           pull_fleet.replica_token_file))
+        puller = start_model(pull_fleet.cache.addr, *replica_args(pull_fleet.model, "pull-e", pull_fleet.token_file,
+                                                                 pull_fleet.replica_token_file))
+        try:
+            tokens_c, logprobs_c, _ = generate(f"127.0.0.1:{port}", p)
+            with ThreadPoolExecutor(1) as pool:
+                pulled = pool.submit(generate, puller.addr, p)
+                proxy.wait_for(lambda seen: "ReadPages" in seen.methods(), 30)
+                source.process.proc.kill()  # SIGKILL mid-pull: its pool stays registered until its lease ends
+                proxy.reset_connections()
+                tokens_e, logprobs_e, usage_e = pulled.result(timeout=60)
+            assert (tokens_e, logprobs_e) == (tokens_c, logprobs_c)
+            assert usage_e.cached_peer_tokens == 0 and usage_e.cached_prompt_tokens == 0
+            deadline = time.monotonic() + 10
+            while (stats := pool_stats(pull_fleet)["pull-e"]).num_running_requests:  # its finish: the next Step
+                assert time.monotonic() < deadline, stats
+                time.sleep(0.05)
+            assert stats.pulls.num_pulls == 1 and stats.pulls.num_failed_pages == (len(p) - 1) // BS
+            assert stats.num_private_blocks == 0 and stats.pulls.num_pinned_pages == 0
+        finally:
+            source.process.stop(5.0)
+            puller.process.stop(10.0)
 
 
 def test_pages_the_source_keeps_in_its_host_tier_are_pulled_from_there(pull_fleet: PullFleet) -> None:

@@ -11,7 +11,7 @@ or the pin's time runs out (a puller that died or stalled). Only pools registere
 
 A pull happens only where it is cheaper than computing: the puller measures a pulled token's cost
 as a share of a computed one (`ReplicaLoad.peer_load_cost`; DEFAULT_PEER_LOAD_COST until it has),
-and at 1 or more pulls nothing. Pins of a source hold at most MAX_PINNED_SHARE of its blocks.
+counted at both ends of the pull (`peer_load_cost`), and at 1 or more pulls nothing. Pins of a source hold at most MAX_PINNED_SHARE of its blocks.
 
 Pins change what the source may evict, so a durable cache manager journals them (`PullJournal`:
 a pin with the pull that made it, a pin that expired) and keeps them in snapshots; its replay
@@ -36,6 +36,7 @@ from cache_service.tiers.pool_tiers import PoolTiers
 from common.token_bytes import TOKEN_BYTES
 
 DEFAULT_PEER_LOAD_COST = 0.1  # a pulled token / a computed one until the puller measured it
+PULL_ENDS = 2  # a pull keeps two replicas busy: its measured cost counts at each end
 DEFAULT_PIN_SECONDS = 10.0  # how long a source's pages stay pinned for a puller that never reports
 # A ticket runs out this long before its pin ends, so clocks a little apart between the cache
 # manager and the source replica never let the source read pages whose pin has ended.
@@ -290,8 +291,10 @@ class PeerPulls:
 
 
 def peer_load_cost(pool: Pool) -> float:
-    """What pulling a token costs `pool`'s replica as a share of computing it (measured, or the default)."""
-    return pool.load.peer_load_cost or DEFAULT_PEER_LOAD_COST
+    """What pulling a token costs the fleet as a share of computing it on `pool`'s replica: its
+    measured (or the default) cost of a pulled token, counted at both ends (the source spends as
+    long sending the pages as the puller receiving them, and a pull displaces work on both)."""
+    return PULL_ENDS * (pool.load.peer_load_cost or DEFAULT_PEER_LOAD_COST)
 
 
 def check_endpoint(addr: str, key: bytes, max_addr_len: int) -> TransferEndpoint | None:

@@ -231,6 +231,32 @@ def test_a_source_killed_mid_pull_leaves_the_puller_computing_with_the_same_outp
             puller.process.stop(10.0)
 
 
+def test_the_puller_runs_other_requests_while_a_pull_is_under_way(pull_fleet: PullFleet) -> None:
+    p = prompt(5)
+    port = free_port()
+    # Each chunk from the source takes 1 s: the pull lasts seconds, well within its deadline.
+    with FaultProxy(f"127.0.0.1:{port}", latency_s=1.0) as proxy:
+        source = start_model(pull_fleet.cache.addr, "--port", str(port), "--advertise-addr", proxy.addr,
+                             *replica_args(pull_fleet.model, "pull-f", pull_fleet.token_file,
+                                           pull_fleet.replica_token_file))
+        puller = start_model(pull_fleet.cache.addr, *replica_args(pull_fleet.model, "pull-g", pull_fleet.token_file,
+                                                                 pull_fleet.replica_token_file))
+        try:
+            tokens_f, logprobs_f, _ = generate(f"127.0.0.1:{port}", p)
+            tokens_ref, logprobs_ref, _ = generate(f"127.0.0.1:{port}", p)  # its own hit: the pulled KV's twin
+            with ThreadPoolExecutor(1) as pool:
+                pulled = pool.submit(generate, puller.addr, p)
+                proxy.wait_for(lambda seen: "ReadPages" in seen.methods(), 30)
+                other, _, usage_other = generate(puller.addr, prompt(6, 40), max_tokens=4)
+                assert len(other) == 4 and not pulled.done()  # served while the pull was under way
+                tokens_g, logprobs_g, usage_g = pulled.result(timeout=60)
+            assert usage_g.cached_peer_tokens == (len(p) - 1) // BS * BS
+            assert (tokens_g, logprobs_g) == (tokens_ref, logprobs_ref) and tokens_g == tokens_f
+        finally:
+            source.process.stop(5.0)
+            puller.process.stop(10.0)
+
+
 def test_pages_the_source_keeps_in_its_host_tier_are_pulled_from_there(pull_fleet: PullFleet) -> None:
     p = prompt(4)
     generate(pull_fleet.a.addr, p)

@@ -234,8 +234,8 @@ def test_a_source_killed_mid_pull_leaves_the_puller_computing_with_the_same_outp
 def test_the_puller_runs_other_requests_while_a_pull_is_under_way(pull_fleet: PullFleet) -> None:
     p = prompt(5)
     port = free_port()
-    # Each chunk from the source takes 1 s: the pull lasts seconds, well within its deadline.
-    with FaultProxy(f"127.0.0.1:{port}", latency_s=1.0) as proxy:
+    # Each chunk from the source takes 0.5 s: the pull lasts a second or more, within its deadline (3 s).
+    with FaultProxy(f"127.0.0.1:{port}", latency_s=0.5) as proxy:
         source = start_model(pull_fleet.cache.addr, "--port", str(port), "--advertise-addr", proxy.addr,
                              *replica_args(pull_fleet.model, "pull-f", pull_fleet.token_file,
                                            pull_fleet.replica_token_file))

@@ -131,6 +131,11 @@ class Driver:
     def on_result(self, worker: str, result: object) -> None:
         """A Step's result, after it was recorded (subclasses track more of it)."""
 
+    def adopt(self, other: Driver) -> None:
+        """Take over `other`'s view of its requests (a twin driving a restored registry)."""
+        self.running = {w: {rid: list(out) for rid, out in reqs.items()} for w, reqs in other.running.items()}
+        self.next_id = other.next_id
+
     def apply_release(self, worker: str, rid: str, outputs: list[int]) -> None:
         pool = self.registry.pools[worker]
         request = cache_pb2.StepRequest(pool_id=worker, epoch=pool.epoch)
@@ -205,20 +210,7 @@ def crash(durable: DurableState) -> None:
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), num_ops=st.integers(1, 120), tail=st.integers(0, 40))
 def test_snapshot_plus_replay_equals_live_state(tmp_path_factory, seed: int, num_ops: int, tail: int) -> None:
-    path = str(tmp_path_factory.mktemp("state"))
-    live = new_registry()
-    durable = open_durable(path, live)
-    driver = Driver(live, durable, random.Random(seed))
-    for _ in range(num_ops):
-        driver.random_op()
-    live.check_integrity()
-    for pool in live.pools.values():
-        pool.drop_routed()  # as recovery does, once its replay is done
-    expected = state(live)
-    crash(durable)
-
-    restored = new_registry()
-    durable2 = open_durable(path, restored)
+    driver, expected, restored, durable2 = run_then_restore(Driver, tmp_path_factory, seed, num_ops)
     assert state(restored) == expected
     for pool in restored.pools.values():
         assert pool.attach.restored and pool.attach.awaiting_reattach
@@ -226,16 +218,44 @@ def test_snapshot_plus_replay_equals_live_state(tmp_path_factory, seed: int, num
     for pool in restored.pools.values():
         restored.register_replica(pool.worker_id, NUM_BLOCKS, BS, "m", 3, f"{pool.worker_id}:1",
                                   incarnation=f"inc-{pool.worker_id}")
+    same_further_traffic(driver, restored, durable2, seed, tail)
+    durable2.close()
+
+
+def run_then_restore(driver_class: type[Driver], tmp_path_factory, seed: int,
+                     num_ops: int) -> tuple[Driver, dict[str, dict], PoolRegistry, DurableState]:
+    """`num_ops` random operations of a `driver_class` on a durable registry, then a crash and a
+    recovery: (the driver, the live state recovery must give, the restored registry, its state)."""
+    path = str(tmp_path_factory.mktemp("state"))
+    live = new_registry()
+    durable = open_durable(path, live)
+    driver = driver_class(live, durable, random.Random(seed))
+    for _ in range(num_ops):
+        driver.random_op()
+    live.check_integrity()
+    for pool in live.pools.values():
+        pool.drop_routed()  # as recovery does, once its replay is done
+    expected = state(live)
+    crash(durable)
+    restored = new_registry()
+    return driver, expected, restored, open_durable(path, restored)
+
+
+def same_further_traffic(driver: Driver, restored: PoolRegistry, durable: DurableState, seed: int,
+                         tail: int) -> None:
+    """`tail` more steps of the same random traffic on `driver`'s (live) registry, no longer
+    journaled, and on `restored` (its pools re-registered), through a twin of the driver:
+    the states must stay equal."""
+    live = driver.registry
     for pool in live.pools.values():
         pool.epoch = restored.pools[pool.pool_id].epoch
     restored._clock.now = live._clock.now
     rng_state = random.Random(seed + 1).getstate()
-    twin = Driver(restored, durable2, random.Random())
+    twin = type(driver)(restored, durable, random.Random())
     driver.durable = None
     for d in (driver, twin):
         d.rng.setstate(rng_state)
-    twin.running = {w: {rid: list(out) for rid, out in reqs.items()} for w, reqs in driver.running.items()}
-    twin.next_id = driver.next_id
+    twin.adopt(driver)
     for _ in range(tail):
         worker = driver.rng.choice(WORKERS)
         twin.rng.choice(WORKERS)
@@ -244,7 +264,6 @@ def test_snapshot_plus_replay_equals_live_state(tmp_path_factory, seed: int, num
             twin.step(worker)
     assert state(restored) == state(live)
     restored.check_integrity()
-    durable2.close()
 
 
 def test_torn_journal_recovers_an_earlier_consistent_state(tmp_path) -> None:

@@ -11,10 +11,20 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache_service.durable.snapshot import canonical
 from cache_service.pool_registry import PoolRegistry
 from protos import cache_pb2
-from tests.cache.test_durable import BS, NUM_BLOCKS, WORKERS, Driver, crash, new_registry, open_durable
+from tests.cache.test_durable import (
+    BS,
+    NUM_BLOCKS,
+    WORKERS,
+    Driver,
+    crash,
+    new_registry,
+    open_durable,
+    run_then_restore,
+    same_further_traffic,
+    state,
+)
 
 KEYS = {w: bytes([65 + i]) * 32 for i, w in enumerate(WORKERS)}
 
@@ -50,10 +60,6 @@ class PullDriver(Driver):
         self.num_pulls += len(pulls)
 
 
-def state(registry: PoolRegistry) -> dict[str, dict]:
-    return {pid: canonical(pool) for pid, pool in sorted(registry.pools.items())}
-
-
 def pinned(registry: PoolRegistry) -> int:
     return sum(pool.pulls.pinned_pages for pool in registry.pools.values())
 
@@ -61,21 +67,9 @@ def pinned(registry: PoolRegistry) -> int:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), num_ops=st.integers(1, 120), tail=st.integers(0, 40))
 def test_pins_survive_a_restart_exactly(tmp_path_factory, seed: int, num_ops: int, tail: int) -> None:
-    path = str(tmp_path_factory.mktemp("state"))
-    live = new_registry()
-    durable = open_durable(path, live)
-    driver = PullDriver(live, durable, random.Random(seed))
-    for _ in range(num_ops):
-        driver.random_op()
-    live.check_integrity()
-    for pool in live.pools.values():
-        pool.drop_routed()  # as recovery does, once its replay is done
-    expected = state(live)
+    driver, expected, restored, durable2 = run_then_restore(PullDriver, tmp_path_factory, seed, num_ops)
+    live = driver.registry
     pins = pinned(live)
-    crash(durable)
-
-    restored = new_registry()
-    durable2 = open_durable(path, restored)
     assert state(restored) == expected
     assert pinned(restored) == pins and restored.peer_pulls
     # Further traffic (both sides re-registered: the pullers' pins end then) gives the same states.
@@ -84,26 +78,9 @@ def test_pins_survive_a_restart_exactly(tmp_path_factory, seed: int, num_ops: in
             registry.register_replica(pool.worker_id, NUM_BLOCKS, BS, "m", 3, f"{pool.worker_id}:1",
                                       incarnation=f"inc-{pool.worker_id}", kv_transfer_addr=f"{pool.worker_id}:2",
                                       kv_transfer_key=KEYS[pool.worker_id])
-    for pool in live.pools.values():
-        pool.epoch = restored.pools[pool.pool_id].epoch
     assert pinned(live) == pinned(restored) == 0
-    restored._clock.now = live._clock.now
-    rng_state = random.Random(seed + 1).getstate()
-    twin = PullDriver(restored, durable2, random.Random())
-    driver.durable = None
-    for d in (driver, twin):
-        d.rng.setstate(rng_state)
-        d.pulls = {w: [] for w in WORKERS}
-    twin.running = {w: {rid: list(out) for rid, out in reqs.items()} for w, reqs in driver.running.items()}
-    twin.next_id = driver.next_id
-    for _ in range(tail):
-        worker = driver.rng.choice(WORKERS)
-        twin.rng.choice(WORKERS)
-        if worker in live.pools:
-            driver.step(worker)
-            twin.step(worker)
-    assert state(restored) == state(live)
-    restored.check_integrity()
+    driver.pulls = {w: [] for w in WORKERS}  # ended with the re-registrations
+    same_further_traffic(driver, restored, durable2, seed, tail)
     durable2.close()
 
 

@@ -21,7 +21,18 @@ from cache_service.pool_registry import PoolRegistry
 from cache_service.schema import DiskRun, TierSpec
 from common.token_bytes import encode_tokens
 from protos import cache_pb2
-from tests.cache.test_durable import BS, NUM_BLOCKS, WORKERS, Driver, crash, new_registry, open_durable, state
+from tests.cache.test_durable import (
+    BS,
+    NUM_BLOCKS,
+    WORKERS,
+    Driver,
+    crash,
+    new_registry,
+    open_durable,
+    run_then_restore,
+    same_further_traffic,
+    state,
+)
 
 # w0's disk announces STEMS[0]'s first two pages (BS 2) in slots 3 and 5 at every registration.
 W0_RUNS = [DiskRun("", encode_tokens([0, 1, 2, 0]), [3, 5])]
@@ -37,6 +48,10 @@ class TierDriver(Driver):
         self.copies: dict[str, list[cache_pb2.TierCopy]] = {w: [] for w in WORKERS}  # ordered, not reported
         self.num_copies = 0
         self.num_tier_ops = 0
+
+    def adopt(self, other: Driver) -> None:
+        super().adopt(other)
+        self.copies = {w: list(c) for w, c in other.copies.items()}
 
     def register(self, worker: str) -> None:
         reg = self.registry.register_replica(worker, NUM_BLOCKS, BS, "m", 3, f"{worker}:1",
@@ -78,21 +93,9 @@ def _tier_state(registry: PoolRegistry) -> dict[str, object]:
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), num_ops=st.integers(1, 150), tail=st.integers(0, 40))
 def test_snapshot_plus_replay_restores_tiers(tmp_path_factory, seed: int, num_ops: int, tail: int) -> None:
-    path = str(tmp_path_factory.mktemp("state"))
-    live = new_registry()
-    durable = open_durable(path, live)
-    driver = TierDriver(live, durable, random.Random(seed))
-    for _ in range(num_ops):
-        driver.random_op()
-    live.check_integrity()
-    for pool in live.pools.values():
-        pool.drop_routed()  # as recovery does, once its replay is done
-    expected = state(live)
+    driver, expected, restored, durable2 = run_then_restore(TierDriver, tmp_path_factory, seed, num_ops)
+    live = driver.registry
     assert all(data["tiers"] is not None for data in expected.values())
-    crash(durable)
-
-    restored = new_registry()
-    durable2 = open_durable(path, restored)
     assert _tier_state(restored) == _tier_state(live)
     assert state(restored) == expected
     # The same further traffic (copy outcomes included) gives the same states.
@@ -104,23 +107,7 @@ def test_snapshot_plus_replay_restores_tiers(tmp_path_factory, seed: int, num_op
                               incarnation=f"inc-{pool.worker_id}", tiers=SPECS[pool.worker_id]())
         pool.epoch = restored.pools[pool.pool_id].epoch
     assert state(restored) == state(live)  # both re-attached: pending copies dropped alike
-    restored._clock.now = live._clock.now
-    rng_state = random.Random(seed + 1).getstate()
-    twin = TierDriver(restored, durable2, random.Random())
-    driver.durable = None
-    for d in (driver, twin):
-        d.rng.setstate(rng_state)
-    twin.running = {w: {rid: list(out) for rid, out in reqs.items()} for w, reqs in driver.running.items()}
-    twin.copies = {w: list(c) for w, c in driver.copies.items()}
-    twin.next_id = driver.next_id
-    for _ in range(tail):
-        worker = driver.rng.choice(WORKERS)
-        twin.rng.choice(WORKERS)
-        if worker in live.pools:
-            driver.step(worker)
-            twin.step(worker)
-    assert state(restored) == state(live)
-    restored.check_integrity()
+    same_further_traffic(driver, restored, durable2, seed, tail)
     durable2.close()
 
 

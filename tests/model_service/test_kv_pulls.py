@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,62 +200,66 @@ def test_kv_transfer_serves_only_signed_live_tickets_to_replicas(pull_fleet: Pul
         channel.close()
 
 
-def test_a_source_killed_mid_pull_leaves_the_puller_computing_with_the_same_output(pull_fleet: PullFleet) -> None:
-    p = prompt(3)
+@dataclass
+class ProxiedPull:
+    source: Running
+    source_addr: str  # its own port (the proxy is what it advertises)
+    puller: Running
+    proxy: FaultProxy
+
+
+@contextmanager
+def proxied_pull(fleet: PullFleet, latency_s: float, source_name: str, puller_name: str) -> Iterator[ProxiedPull]:
+    """A fresh source replica that advertises a fault proxy in front of its port (its KvTransfer
+    address is its serving address: each chunk it sends takes `latency_s`), and a fresh puller (one
+    that has pulled before may have measured pulls of the tiny model as dearer than computing)."""
     port = free_port()
-    # The source advertises a fault proxy in front of its port (its KvTransfer address is its serving
-    # address): each chunk it sends takes 0.3 s, so the pull is in flight when the source dies.
-    with FaultProxy(f"127.0.0.1:{port}", latency_s=0.3) as proxy:
-        source = start_model(pull_fleet.cache.addr, "--port", str(port), "--advertise-addr", proxy.addr,
-                             *replica_args(pull_fleet.model, "pull-c", pull_fleet.token_file,
-                                           pull_fleet.replica_token_file))
-        puller = start_model(pull_fleet.cache.addr, *replica_args(pull_fleet.model, "pull-e", pull_fleet.token_file,
-                                                                 pull_fleet.replica_token_file))
+    with FaultProxy(f"127.0.0.1:{port}", latency_s=latency_s) as proxy:
+        source = start_model(fleet.cache.addr, "--port", str(port), "--advertise-addr", proxy.addr,
+                             *replica_args(fleet.model, source_name, fleet.token_file, fleet.replica_token_file))
+        puller = start_model(fleet.cache.addr, *replica_args(fleet.model, puller_name, fleet.token_file,
+                                                            fleet.replica_token_file))
         try:
-            tokens_c, logprobs_c, _ = generate(f"127.0.0.1:{port}", p)
-            with ThreadPoolExecutor(1) as pool:
-                pulled = pool.submit(generate, puller.addr, p)
-                proxy.wait_for(lambda seen: "ReadPages" in seen.methods(), 30)
-                source.process.proc.kill()  # SIGKILL mid-pull: its pool stays registered until its lease ends
-                proxy.reset_connections()
-                tokens_e, logprobs_e, usage_e = pulled.result(timeout=60)
-            assert (tokens_e, logprobs_e) == (tokens_c, logprobs_c)
-            assert usage_e.cached_peer_tokens == 0 and usage_e.cached_prompt_tokens == 0
-            deadline = time.monotonic() + 10
-            while (stats := pool_stats(pull_fleet)["pull-e"]).num_running_requests:  # its finish: the next Step
-                assert time.monotonic() < deadline, stats
-                time.sleep(0.05)
-            assert stats.pulls.num_pulls == 1 and stats.pulls.num_failed_pages == (len(p) - 1) // BS
-            assert stats.num_private_blocks == 0 and stats.pulls.num_pinned_pages == 0
+            yield ProxiedPull(source, f"127.0.0.1:{port}", puller, proxy)
         finally:
             source.process.stop(5.0)
             puller.process.stop(10.0)
+
+
+def test_a_source_killed_mid_pull_leaves_the_puller_computing_with_the_same_output(pull_fleet: PullFleet) -> None:
+    p = prompt(3)
+    with proxied_pull(pull_fleet, 0.3, "pull-c", "pull-e") as run:  # the pull is in flight when the source dies
+        tokens_c, logprobs_c, _ = generate(run.source_addr, p)
+        with ThreadPoolExecutor(1) as pool:
+            pulled = pool.submit(generate, run.puller.addr, p)
+            run.proxy.wait_for(lambda seen: "ReadPages" in seen.methods(), 30)
+            run.source.process.proc.kill()  # SIGKILL mid-pull: its pool stays registered until its lease ends
+            run.proxy.reset_connections()
+            tokens_e, logprobs_e, usage_e = pulled.result(timeout=60)
+        assert (tokens_e, logprobs_e) == (tokens_c, logprobs_c)
+        assert usage_e.cached_peer_tokens == 0 and usage_e.cached_prompt_tokens == 0
+        deadline = time.monotonic() + 10
+        while (stats := pool_stats(pull_fleet)["pull-e"]).num_running_requests:  # its finish: the next Step
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.05)
+        assert stats.pulls.num_pulls == 1 and stats.pulls.num_failed_pages == (len(p) - 1) // BS
+        assert stats.num_private_blocks == 0 and stats.pulls.num_pinned_pages == 0
 
 
 def test_the_puller_runs_other_requests_while_a_pull_is_under_way(pull_fleet: PullFleet) -> None:
     p = prompt(5)
-    port = free_port()
-    # Each chunk from the source takes 0.5 s: the pull lasts a second or more, within its deadline (3 s).
-    with FaultProxy(f"127.0.0.1:{port}", latency_s=0.5) as proxy:
-        source = start_model(pull_fleet.cache.addr, "--port", str(port), "--advertise-addr", proxy.addr,
-                             *replica_args(pull_fleet.model, "pull-f", pull_fleet.token_file,
-                                           pull_fleet.replica_token_file))
-        puller = start_model(pull_fleet.cache.addr, *replica_args(pull_fleet.model, "pull-g", pull_fleet.token_file,
-                                                                 pull_fleet.replica_token_file))
-        try:
-            tokens_f, logprobs_f, _ = generate(f"127.0.0.1:{port}", p)
-            tokens_ref, logprobs_ref, _ = generate(f"127.0.0.1:{port}", p)  # its own hit: the pulled KV's twin
-            with ThreadPoolExecutor(1) as pool:
-                pulled = pool.submit(generate, puller.addr, p)
-                proxy.wait_for(lambda seen: "ReadPages" in seen.methods(), 30)
-                other, _, usage_other = generate(puller.addr, prompt(6, 40), max_tokens=4)
-                assert len(other) == 4 and not pulled.done()  # served while the pull was under way
-                tokens_g, logprobs_g, usage_g = pulled.result(timeout=60)
-            assert usage_g.cached_peer_tokens == (len(p) - 1) // BS * BS
-            assert (tokens_g, logprobs_g) == (tokens_ref, logprobs_ref) and tokens_g == tokens_f
-        finally:
-            source.process.stop(5.0)
-            puller.process.stop(10.0)
+    # 0.5 s a chunk: the pull lasts a second or more, within its deadline (3 s).
+    with proxied_pull(pull_fleet, 0.5, "pull-f", "pull-g") as run:
+        tokens_f, _, _ = generate(run.source_addr, p)
+        tokens_ref, logprobs_ref, _ = generate(run.source_addr, p)  # its own hit: the pulled KV's twin
+        with ThreadPoolExecutor(1) as pool:
+            pulled = pool.submit(generate, run.puller.addr, p)
+            run.proxy.wait_for(lambda seen: "ReadPages" in seen.methods(), 30)
+            other, _, _ = generate(run.puller.addr, prompt(6, 40), max_tokens=4)
+            assert len(other) == 4 and not pulled.done()  # served while the pull was under way
+            tokens_g, logprobs_g, usage_g = pulled.result(timeout=60)
+        assert usage_g.cached_peer_tokens == (len(p) - 1) // BS * BS
+        assert (tokens_g, logprobs_g) == (tokens_ref, logprobs_ref) and tokens_g == tokens_f
 
 
 def test_pages_the_source_keeps_in_its_host_tier_are_pulled_from_there(pull_fleet: PullFleet) -> None:

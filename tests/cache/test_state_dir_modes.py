@@ -51,7 +51,12 @@ def write_some_state(server: ServerProcess) -> None:
 
 
 def modes(state_dir: Path) -> tuple[int, dict[str, int]]:
-    files = {p.name: stat.S_IMODE(p.lstat().st_mode) for p in state_dir.iterdir()}
+    files = {}
+    for path in state_dir.iterdir():
+        try:
+            files[path.name] = stat.S_IMODE(path.lstat().st_mode)
+        except FileNotFoundError:  # a background snapshot rotated the journal between the two calls
+            continue
     return stat.S_IMODE(state_dir.stat().st_mode), files
 
 

@@ -215,15 +215,16 @@ def proxied_pull(fleet: PullFleet, latency_s: float, source_name: str, puller_na
     that has pulled before may have measured pulls of the tiny model as dearer than computing)."""
     port = free_port()
     with FaultProxy(f"127.0.0.1:{port}", latency_s=latency_s) as proxy:
-        source = start_model(fleet.cache.addr, "--port", str(port), "--advertise-addr", proxy.addr,
-                             *replica_args(fleet.model, source_name, fleet.token_file, fleet.replica_token_file))
-        puller = start_model(fleet.cache.addr, *replica_args(fleet.model, puller_name, fleet.token_file,
-                                                            fleet.replica_token_file))
+        launched = [launch_model(fleet.cache.addr, "--port", str(port), "--advertise-addr", proxy.addr,
+                                 *replica_args(fleet.model, source_name, fleet.token_file, fleet.replica_token_file)),
+                    launch_model(fleet.cache.addr, *replica_args(fleet.model, puller_name, fleet.token_file,
+                                                                fleet.replica_token_file))]
         try:
+            source, puller = (launch.wait() for launch in launched)
             yield ProxiedPull(source, f"127.0.0.1:{port}", puller, proxy)
         finally:
-            source.process.stop(5.0)
-            puller.process.stop(10.0)
+            for launch in launched:
+                launch.process.stop(10.0)
 
 
 def test_a_source_killed_mid_pull_leaves_the_puller_computing_with_the_same_output(pull_fleet: PullFleet) -> None:

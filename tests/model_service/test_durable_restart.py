@@ -37,6 +37,12 @@ def _tokens(stub: model_pb2_grpc.ModelServiceStub, text: str) -> list[int]:
     return list(stub.Tokenize(model_pb2.TokenizeRequest(text=text), timeout=30).token_ids)
 
 
+def _generate_all(stub: model_pb2_grpc.ModelServiceStub, prompts: list[list[int]]) -> list[list[int]]:
+    """The greedy tokens of every prompt, all sent at once (as the crashed streams were)."""
+    streams = [start_stream(stub, p, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True) for p in prompts]
+    return [[t for m in s.result(180) for t in m.token_ids] for s in streams]
+
+
 @pytest.mark.parametrize("pipeline", ["on", "off"])
 def test_kill_9_of_the_cache_manager_mid_stream_loses_nothing(tmp_path: Path, pipeline: str) -> None:
     """With the cache Step pipelined (one in flight during each forward) and without."""
@@ -48,8 +54,7 @@ def test_kill_9_of_the_cache_manager_mid_stream_loses_nothing(tmp_path: Path, pi
             stub = model_pb2_grpc.ModelServiceStub(model_channel)
             prompts = [_tokens(stub, p) for p in PROMPTS]
             # Undisturbed run: the reference text, and it caches every prompt.
-            reference = [generate(stub, p, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids
-                         for p in prompts]
+            reference = _generate_all(stub, prompts)
             with grpc.insecure_channel(cache.addr) as channel:
                 before = wait_until_idle(cache_pb2_grpc.CacheManagerStub(channel), "durable-pool")
             assert before.num_cached_blocks > 0
@@ -65,10 +70,9 @@ def test_kill_9_of_the_cache_manager_mid_stream_loses_nothing(tmp_path: Path, pi
             time.sleep(0.5)  # the model service notices meanwhile (or at its next Step)
             cache = start_cache_on(port, "--state-dir", state_dir)
             results = [s.result(180) for s in streams]
-            undisturbed = [generate(stub, p + [13], temperature=0.0, max_tokens=MAX_TOKENS,
-                                    ignore_eos=True) for p in prompts]
+            undisturbed = _generate_all(stub, [p + [13] for p in prompts])
             for got, expected in zip(results, undisturbed, strict=True):
-                assert [t for m in got for t in m.token_ids] == expected.token_ids
+                assert [t for m in got for t in m.token_ids] == expected
                 assert got[-1].usage.num_preemptions == 0, "a request was recomputed after the restart"
             assert count_lines(model, "cache pool lost") >= 1, "the crash went unnoticed"
             assert count_lines(model, "re-attached to the kept pool") >= 1, model.output()

@@ -111,14 +111,14 @@ def source_tree(source: Pool, tier: int) -> RadixTree:
     return host.tree
 
 
-def _held(source: Pool, key: bytes, namespace: str) -> tuple[int, int]:
-    """(pages, tier): the longest prefix of `key` that `source` holds, device blocks or host tier
-    (the device on a tie: nothing to copy out of host memory first on a GPU)."""
-    bs = source.block_size
-    best = (source.tree.peek_key(key, namespace) // bs, TIER_DEVICE)
+def held_pages(source: Pool, pages_of: Callable[[RadixTree], int]) -> tuple[int, int]:
+    """(pages, tier): the most pages of a prompt `source` holds, in its device blocks or its host
+    tier (the device on a tie: nothing to copy out of host memory first on a GPU). `pages_of`: a
+    tree's leading pages of the prompt, read-only."""
+    best = (pages_of(source.tree), TIER_DEVICE)
     host = source.tiers.host if source.tiers is not None else None
     if host is not None:
-        pages = host.tree.peek_key(key, namespace) // bs
+        pages = pages_of(host.tree)
         if pages > best[0]:
             best = (pages, TIER_HOST)
     return best
@@ -181,12 +181,17 @@ class PeerPulls:
         if not (self.brokered and self.enabled) or peer_load_cost(pool) >= 1.0 or covered >= max_pages:
             return None
         bs = pool.block_size
+        prompt = key[: max_pages * bs * TOKEN_BYTES]
+
+        def pages_of(tree: RadixTree) -> int:
+            return tree.peek_key(prompt, namespace) // bs
+
         best: Pool | None = None
         best_pages, best_tier = covered, TIER_DEVICE
         for source in self.sources():
             if source is pool or not source.pulls.enabled or source.block_size != bs or source.attach.awaiting_reattach:
                 continue
-            pages, tier = _held(source, key[: max_pages * bs * TOKEN_BYTES], namespace)
+            pages, tier = held_pages(source, pages_of)
             room = int(MAX_PINNED_SHARE * source.num_blocks) - source.pulls.pinned_pages
             if pages > best_pages and pages - covered <= room:
                 best, best_pages, best_tier = source, pages, tier
@@ -277,10 +282,15 @@ class PeerPulls:
         return [(i, p.pin.source, p.pin.tier, p.pin.node, p.num_pages) for i in ids if (p := self.pending[i]).pin.holds]
 
     def drop(self) -> None:
-        """Release every pin this pool's pulls hold (it retires, or its replica re-registered)."""
+        """Release every pin this pool's pulls hold (its replica re-registered)."""
         for pending in self.pending.values():
             pending.pin.release()
         self.pending = {}
+
+    def retire(self) -> None:
+        """The pool is gone: its pulls' pins end, and pins on its pages with its tree."""
+        self.drop()
+        self.retired = True
 
     def stats(self) -> PullStats | None:
         if not self.enabled:

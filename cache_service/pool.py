@@ -497,8 +497,7 @@ class Pool:
     def retire(self) -> None:
         """Drop every request (locks and private blocks) and the whole tree (lease expiry)."""
         self._unlock(self.routing.routed.drop_all())
-        self.pulls.drop()
-        self.pulls.retired = True
+        self.pulls.retire()
         for rid in list(self.requests):
             req = self.requests.pop(rid)
             self.allocator.free(req.block_table)

@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 from cache_service.errors import InvalidArgument
 from cache_service.page_hash import page_hashes
-from cache_service.peer_pulls import peer_load_cost
+from cache_service.peer_pulls import held_pages, peer_load_cost
 from cache_service.pool import Pool
 from cache_service.radix_tree import RadixTree
 from cache_service.routed import DEFAULT_ROUTED_TTL_SECONDS, RoutedRequest
@@ -177,13 +177,8 @@ def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
     # Pools that pull from each other (kv_transfer_addr): the two that hold the most of the prompt
     # (device blocks or host tier), so each candidate's best other source is found without a
     # second pass over the pools.
-    sources = []
-    for p in candidates:
-        if p.pulls.enabled and p.pulls.brokered:
-            host = p.tiers.host if p.tiers is not None else None
-            pages = max(device_pages[p.pool_id], held(host.tree, p.block_size) if host is not None else 0)
-            sources.append((pages, p.block_size, p))
-    sources = sorted(sources, key=lambda item: -item[0])[:2]
+    sources = sorted(((held_pages(p, lambda tree, bs=p.block_size: held(tree, bs))[0], p.block_size, p)
+                      for p in candidates if p.pulls.enabled and p.pulls.brokered), key=lambda item: -item[0])[:2]
     # (score, -free, pool_id, pool, matched tokens, promised tokens, prefill tokens, evictable,
     #  host tokens, disk tokens, peer tokens, peer worker id)
     scored: list[tuple[float, int, str, Pool, int, int, int, int, int, int, int, str]] = []

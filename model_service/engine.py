@@ -48,6 +48,11 @@ from protos import cache_pb2
 log = logging.getLogger(__name__)
 
 
+def _first_admission(request: Request) -> bool:
+    """Whether its admission counts in the hit rate: a prompt's first (not a preempted one's, not a fork's)."""
+    return request.num_preemptions == 0 and request.index == 0
+
+
 class Usage(NamedTuple):
     prompt_tokens: int
     cached_prompt_tokens: int
@@ -128,7 +133,6 @@ class Engine:
             scheduler.finished_copy_outcomes = tiers.finished_outcomes
             tiers.on_write_done = lambda: self._inbox.put(("wake",))
         # Pulls run on the puller's threads while the engine runs other requests (Request.pull).
-        self._pulling: list[Request] = []
         scheduler.before_release = self._settle_pull
         self.scheduler = scheduler
         self.runner = runner
@@ -246,18 +250,18 @@ class Engine:
         """Something to do now: a step to run or a reply to collect (requests that only wait for
         their pulls are not: a finished pull wakes the loop)."""
         scheduler = self.scheduler
-        if self._pulling and all(r.pull is not None for r in scheduler.running) and not (
+        pulls = [r.pull for r in scheduler.running if r.pull is not None]
+        if pulls and len(pulls) == len(scheduler.running) and not (
                 scheduler.waiting or scheduler.pending_finishes or scheduler.pending_releases
                 or scheduler.pending_pull_outcomes or scheduler.pending_copy_outcomes
                 or (self._pipeline is not None and self._pipeline.in_flight)
-                or any(r.pull is not None and r.pull.done() for r in self._pulling)):
+                or any(pull.done() for pull in pulls)):
             return False
         return (scheduler.has_work() or (self._pipeline is not None and self._pipeline.in_flight)
                 or (self.tiers is not None and self.tiers.has_finished()))
 
     def _step(self) -> None:
-        if self._pulling:
-            self._collect_pulls()
+        self._collect_pulls()
         if self._pipeline is not None:
             try:
                 self._pipeline.step(self._apply_reply, self._execute)
@@ -289,8 +293,7 @@ class Engine:
         if reply.num_free_blocks is not None:
             self._num_free_blocks = reply.num_free_blocks
         for request, admit in zip(plan.admits, reply.admits, strict=False):
-            # First admissions of prompts only (the pool's hit rate): not preempted ones, not forks.
-            if admit.admitted and request.num_preemptions == 0 and request.index == 0:
+            if admit.admitted and _first_admission(request):
                 cached = admit.cached_tokens + admit.loaded_host_tokens + admit.loaded_disk_tokens
                 self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
                 self.metrics.cached_prompt_tokens.inc(cached)
@@ -334,12 +337,11 @@ class Engine:
                     self.scheduler.pending_pull_outcomes.extend(
                         cache_pb2.CopyOutcome(copy_id=p.pull_id) for p in admit.pulls)
             admits.append(admit)
-        self._pulling.extend(r for r, a in zip(plan.admits, admits, strict=False) if a.pulling is not None)
         return reply._replace(admits=admits)
 
     def _collect_pulls(self) -> None:
         """Requests whose pull ended: their pulled pages count as computed from now on."""
-        for request in [r for r in self._pulling if r.pull is not None and r.pull.done()]:
+        for request in [r for r in self.scheduler.running if r.pull is not None and r.pull.done()]:
             self._pull_done(request)
 
     def _settle_pull(self, request: Request) -> None:
@@ -349,13 +351,12 @@ class Engine:
 
     def _pull_done(self, request: Request) -> None:
         future, request.pull = request.pull, None
-        self._pulling.remove(request)
         outcomes, pulled = future.result()  # PeerPuller.run never raises: a failure is 0 pages
         self.scheduler.pending_pull_outcomes.extend(outcomes)
         if not pulled or request.is_finished:
             return
         request.num_computed_tokens += pulled
-        if request.num_preemptions == 0 and request.index == 0 and request.cached_prompt_tokens is not None:
+        if _first_admission(request) and request.cached_prompt_tokens is not None:
             request.cached_prompt_tokens += pulled  # a first admission's hit, as _apply_reply counts them
             host, disk, _ = request.cached_tier_tokens
             request.cached_tier_tokens = (host, disk, pulled)
@@ -588,9 +589,8 @@ class Engine:
         self.metrics.cache_reconnects.inc()
         self.cache.pool_id = ""  # re-register before any further Step
         # Pulls end first: their sources' pages stay pinned until this pool re-registers.
-        for request in list(self._pulling):
-            if request.pull is not None:
-                self._pull_done(request)
+        for request in self.scheduler.running:
+            self._settle_pull(request)
         # Copies the cache manager may not have seen reported: it stops waiting for them at the
         # re-registration (a kept pool drops its pending copies; a new pool never had them).
         self.scheduler.pending_copy_outcomes.clear()

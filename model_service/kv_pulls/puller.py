@@ -132,7 +132,7 @@ class PeerPuller:
             return entry[1]
 
     def _read(self, pull: cache_pb2.PeerPull, timeout: float) -> tuple[int, int]:
-        """(leading pages written whole, bytes received); PullFailed with the pages done in args[1]."""
+        """(leading pages written whole, bytes received); PullFailed, carrying both, when it came up short."""
         kv = self.kv
         num_layers, n = len(kv.k), len(pull.dst)
         dst = torch.tensor(list(pull.dst), dtype=torch.int64, device=kv.k[0].device)

@@ -20,6 +20,7 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -95,14 +96,12 @@ class KvTransferServicer:
                                 f"this replica serves at most {MAX_CONCURRENT_READS} pulls at once")
         async with self._reads:
             src = list(ticket.src)
-            if ticket.src_tier == cache_pb2.TIER_HOST:
-                host = self.host
+            pages_of = (partial(read_host_layer, self.host) if ticket.src_tier == cache_pb2.TIER_HOST
+                        else partial(read_layer, self.kv))
 
-                def read(first: int, layer: int, pages: list[int]) -> bytes:
-                    return encode(first, len(pages), layer, *read_host_layer(host, layer, pages))
-            else:
-                def read(first: int, layer: int, pages: list[int]) -> bytes:
-                    return encode(first, len(pages), layer, *read_layer(self.kv, layer, pages))
+            def read(first: int, layer: int, pages: list[int]) -> bytes:
+                return encode(first, len(pages), layer, *pages_of(layer, pages))
+
             sent = 0
             for first in range(0, len(src), self._group):
                 blocks = src[first:first + self._group]

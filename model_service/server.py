@@ -123,8 +123,10 @@ def _kernels_note(backend: AttentionBackend, kernels: str) -> str:
     if not isinstance(backend, TorchAttentionBackend) or backend.device.type != "cpu":
         return ""
     if backend.native:
-        return " (radixkv AVX-512 kernels" + ("; bf16 prompts on torch SDPA, timed faster here)"
-                                             if backend.bf16_prompts_on_sdpa else ")")
+        on_sdpa = [kind for kind, on in (("prompts", backend.bf16_prompts_on_sdpa),
+                                         ("chunks after a cached prefix", backend.bf16_extends_on_sdpa)) if on]
+        return " (radixkv AVX-512 kernels" + (f"; bf16 {' and '.join(on_sdpa)} on torch SDPA, timed faster here)"
+                                             if on_sdpa else ")")
     if kernels == "torch":
         return " (torch kernels: --attention-kernels torch)"
     return f" (torch kernels: native ones {native.unavailable_reason() or 'do not take this model or dtype'})"

@@ -41,7 +41,8 @@ dense attention makes, on the same contiguous layout).
 Extend: queries padded to the longest chunk, a causal mask offset by each cached prefix, K/V
 gathered block by block. A single sequence without cached prefix attends over its own new
 K/V with `is_causal=True`, exactly the call dense attention makes (in bf16 through the native
-kernel, or torch's SDPA where a timing run at start found it faster: prompt_timing.py).
+kernel, or torch's SDPA where a timing run at start found it faster: prompt_timing.py; bf16
+chunks after a cached prefix likewise, timed apart).
 
 Tokens recomputed over a cache hit (`BatchLayout.written_rows` leaves them out) keep their
 cached K/V: only the other rows are written, and only those slots invalidate kept prefix
@@ -66,7 +67,7 @@ from model_service.attention.base import AttentionBackend, BatchLayout
 from model_service.attention.indexing import segments, shared_prefix_groups
 from model_service.attention.merge_state import attention_with_lse, merge_states
 from model_service.attention.prefix_store import PREFIX_STORE_MAX_BYTES, PrefixCopy, PrefixKVStore
-from model_service.attention.prompt_timing import sdpa_faster_for_bf16_prompts
+from model_service.attention.prompt_timing import sdpa_faster_for_bf16_extends, sdpa_faster_for_bf16_prompts
 from model_service.native import prompt_attention, registry
 
 # Cascade cost model (bench/attention_bench.py measures it). Decode cost ~ K/V tokens gathered
@@ -230,6 +231,9 @@ class TorchAttentionBackend(AttentionBackend):
         # Fresh bf16 prompts: torch's SDPA where a timing run found it faster here (AMX), else native.
         self.bf16_prompts_on_sdpa = (self.native and dtype == torch.bfloat16 and device.type == "cpu"
                                      and sdpa_faster_for_bf16_prompts(num_q_heads, num_kv_heads, head_dim))
+        # bf16 chunks after a cached prefix (several new tokens): likewise, timed on their own shape.
+        self.bf16_extends_on_sdpa = (self.native and dtype == torch.bfloat16 and device.type == "cpu"
+                                     and sdpa_faster_for_bf16_extends(num_q_heads, num_kv_heads, head_dim))
         self.cascade = cascade if decode_gather == "rows" else "never"
         self.min_shared_blocks = max(1, min_shared_blocks)
         self.decode_gather = decode_gather
@@ -684,6 +688,8 @@ class TorchAttentionBackend(AttentionBackend):
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """SDPA for one block-gathered group. q: [group_tokens, Hq, D]; returns [group_tokens, Hq, D]."""
         n, max_q = g.num_seqs, g.max_query_len
+        extend_on_sdpa = (self.bf16_extends_on_sdpa and max_q > 1 and g.block_ids is not None
+                          and q.dtype == torch.bfloat16)
         if g.block_ids is None:
             keys = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
             values = v.transpose(0, 1).unsqueeze(0)
@@ -696,7 +702,7 @@ class TorchAttentionBackend(AttentionBackend):
             v_buf = self._v_scratch[:numel].view(shape)
             torch.index_select(k_cache, 0, g.block_ids, out=k_buf)
             torch.index_select(v_cache, 0, g.block_ids, out=v_buf)
-            if g.pad_rows is not None and not self.native:  # the native kernel reads no padding
+            if g.pad_rows is not None and (not self.native or extend_on_sdpa):  # the native kernel reads no padding
                 k_buf.view(-1, self.num_kv_heads, self.head_dim).index_fill_(0, g.pad_rows, 0.0)
                 v_buf.view(-1, self.num_kv_heads, self.head_dim).index_fill_(0, g.pad_rows, 0.0)
             keys = k_buf.view(n, span, self.num_kv_heads, self.head_dim)[:, :g.kv_len].transpose(1, 2)
@@ -712,6 +718,9 @@ class TorchAttentionBackend(AttentionBackend):
         fresh_prompt = g.block_ids is None and g.is_causal and g.attn_mask is None
         if fresh_prompt and self.bf16_prompts_on_sdpa and q.dtype == torch.bfloat16:
             out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
+                                                 enable_gqa=self._enable_gqa)
+        elif extend_on_sdpa:
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.attn_mask, scale=scale,
                                                  enable_gqa=self._enable_gqa)
         elif self._use_native(g.block_ids is None, q.dtype):
             assert g.kv_lens is not None

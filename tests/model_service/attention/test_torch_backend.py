@@ -225,40 +225,50 @@ def test_16_bit_decode_attends_query_heads_as_rows(dtype, heads, kernels):
     torch.testing.assert_close(out.double(), reference_attention(case, d ** -0.5), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("on_sdpa", [False, True])
-def test_bf16_fresh_prompts_take_the_timed_path_and_stay_the_reference(monkeypatch, on_sdpa):
-    """A fresh bf16 prompt attends through torch's SDPA where the start-up timing found it faster
-    (prompt_timing.py), else through the native kernel: either is the dense reference within bf16
-    rounding, and an extend over a cached prefix keeps the native kernel."""
+@pytest.mark.parametrize("prompts_on_sdpa", [False, True])
+@pytest.mark.parametrize("extends_on_sdpa", [False, True])
+def test_bf16_prompt_chunks_take_the_timed_paths_and_stay_the_reference(monkeypatch, prompts_on_sdpa,
+                                                                        extends_on_sdpa):
+    """A fresh bf16 prompt, and chunks after a cached prefix, attend through torch's SDPA where the
+    start-up timing found it faster for that kind (prompt_timing.py), else through the native
+    kernel: either is the dense reference within bf16 rounding, padded chunks of unequal lengths
+    and contexts included (the padding gathered for SDPA is zeroed: a stale NaN would spread)."""
     from model_service import native
     from model_service.attention import torch_backend
 
     if not native.available():
         pytest.skip(f"native kernels: library not loaded ({native.unavailable_reason()})")
-    monkeypatch.setattr(torch_backend, "sdpa_faster_for_bf16_prompts", lambda *shape: on_sdpa)
+    monkeypatch.setattr(torch_backend, "sdpa_faster_for_bf16_prompts", lambda *shape: prompts_on_sdpa)
+    monkeypatch.setattr(torch_backend, "sdpa_faster_for_bf16_extends", lambda *shape: extends_on_sdpa)
     calls = []
     real_sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention",
-                        lambda *a, **k: calls.append(k.get("is_causal")) or real_sdpa(*a, **k))
+                        lambda *a, **k: calls.append("causal" if k.get("is_causal") else "masked")
+                        or real_sdpa(*a, **k))
     hq, hkv, d = 9, 3, 64
-    for seq_lens, query_lens in (([300], [300]), ([300], [40])):  # fresh prompt; extend over 260 cached
+    # A fresh prompt; one extend over 260 cached; three over unequal prefixes (one padded call).
+    for seq_lens, query_lens in (([300], [300]), ([300], [40]), ([300, 90, 177], [40, 7, 33])):
         case = make_case(seq_lens, query_lens, block_size=16, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                         seed=5, dtype=torch.bfloat16)
+                         seed=5, dtype=torch.bfloat16, garbage=float("nan"))  # NaN in every stale slot
         backend = TorchAttentionBackend(hq, hkv, d, 16, torch.bfloat16, torch.device("cpu"))
-        assert backend.native and backend.bf16_prompts_on_sdpa == on_sdpa
+        assert backend.native and backend.bf16_prompts_on_sdpa == prompts_on_sdpa
+        assert backend.bf16_extends_on_sdpa == extends_on_sdpa
         k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
         backend.plan(case.layout)
         out = backend.forward(case.q, case.k, case.v, k_cache, v_cache, d ** -0.5)
         torch.testing.assert_close(out.double(), reference_attention(case, d ** -0.5), rtol=2e-2, atol=2e-2)
-    assert calls == ([True] if on_sdpa else [])  # the fresh prompt only, causal
+    assert calls == ["causal"] * prompts_on_sdpa + ["masked"] * (2 * extends_on_sdpa)
 
 
 def test_bf16_prompt_timing_answers_once_per_shape():
     from model_service import native
-    from model_service.attention.prompt_timing import sdpa_faster_for_bf16_prompts
+    from model_service.attention.prompt_timing import sdpa_faster_for_bf16_extends, sdpa_faster_for_bf16_prompts
 
     if not native.available():
         pytest.skip(f"native kernels: library not loaded ({native.unavailable_reason()})")
     first = sdpa_faster_for_bf16_prompts(4, 2, 32, length=64, repeats=1)
     assert isinstance(first, bool) and sdpa_faster_for_bf16_prompts(4, 2, 32, length=64, repeats=1) is first
     assert sdpa_faster_for_bf16_prompts.cache_info().hits >= 1
+    first = sdpa_faster_for_bf16_extends(4, 2, 32, shape=(2, 8, 40), repeats=1)
+    assert isinstance(first, bool) and sdpa_faster_for_bf16_extends(4, 2, 32, shape=(2, 8, 40), repeats=1) is first
+    assert sdpa_faster_for_bf16_extends.cache_info().hits >= 1

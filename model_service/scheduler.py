@@ -285,10 +285,14 @@ class Scheduler:
         # What `ahead` does to each of its requests: tokens computed, and one sampled (or not).
         runs = {} if ahead is None else {id(r): (len(c.token_ids), c.needs_logits) for r, c in zip(*ahead, strict=True)}
         lookahead = 0 if ahead is None or self._lookahead_paused else self.config.lookahead_blocks * bs
+        long_prefill = 0  # the most tokens a running prompt computes in the step planned
         for request in self.running:
             computes, samples = runs.get(id(request), (0, False))
             need = request.num_tokens + samples
-            budget -= need - request.num_computed_tokens - computes
+            left = need - request.num_computed_tokens - computes
+            budget -= left
+            if request.pull is None:
+                long_prefill = max(long_prefill, min(left, self.config.max_batch_tokens))
             want = need
             if lookahead:  # never beyond what the request can still generate
                 want = max(need, min(need + lookahead, len(request.prompt_token_ids) + request.max_tokens))
@@ -306,7 +310,7 @@ class Scheduler:
         if self._pause_admission:
             self._pause_admission = False
         else:
-            self._plan_admissions(plan, budget)
+            self._plan_admissions(plan, budget, long_prefill)
         # Finished disk writes ride with a Step made anyway; one of their own only when idle (or late).
         plan.copy_outcomes.extend(self.finished_copy_outcomes(not plan.is_empty or not self.running))
         queues, admitted = self.load(), len(plan.admits)
@@ -314,11 +318,17 @@ class Scheduler:
                                     num_running_requests=queues.num_running_requests + admitted)
         return plan
 
-    def _plan_admissions(self, plan: CachePlan, budget: int) -> None:
+    def _plan_admissions(self, plan: CachePlan, budget: int, long_prefill: int) -> None:
+        """Admits waiting requests in arrival order within the step's token budget (a hit charged
+        its miss only). A long prompt that `build_batch` would not run in this step (one long prompt
+        at a time: another already takes half the budget) is not admitted yet: it would hold its
+        blocks idle and take the budget from the requests behind it, say the followers of a prefix
+        group whose leader just committed, which it lets by; it stays first in line."""
         # A new request may reuse the id of one whose finish is in this step; the cache manager
         # takes an id once per step, so it waits for the next one (and so does everyone after it).
         leaving = {r.request_id for r in plan.finishes} | {r.request_id for r in plan.releases}
         bs = self.config.block_size
+        big, half = self.config.max_batch_tokens // 4, self.config.max_batch_tokens // 2
         slots = self.config.max_num_seqs - len(self.running)
         prefilling = PrefillIndex(bs, self.config.defer_shared_prefix_tokens or 0)
         in_tree = PrefillIndex(bs, bs, cached=True)
@@ -332,16 +342,21 @@ class Scheduler:
                 break
             if prefilling.shares_uncached_prefix(request):
                 continue  # admitted after the other request's commit, as a cache hit
-            plan.admits.append(request)
             expected_hit = in_tree.expected_hit(request)
             if ready_source(request, plan) is not None:  # a forked choice: its prompt KV is copied
                 expected_hit = request.num_tokens - 1
+            miss = request.num_tokens - expected_hit
+            if miss > big and long_prefill >= half:
+                continue  # would wait a step for the long one's turn (build_batch)
+            plan.admits.append(request)
             prefilling.add(request, expected_hit)
             # A hit computes only its miss: charging the whole prompt would admit a prefix group's
             # followers a few per step, each behind a full prompt's worth of budget. The pages of
             # running requests are locked in the tree, so the expected hit is a sure one.
-            budget -= request.num_tokens - expected_hit
+            budget -= miss
             slots -= 1
+            if miss > big:
+                long_prefill = max(long_prefill, min(miss, budget + miss))
 
     def apply_cache_reply(self, plan: CachePlan, reply: CacheReply) -> ScheduledBatch:
         """Applies the reply to `plan` and returns the batch to execute (synchronous mode)."""

@@ -419,10 +419,11 @@ def test_load_counts_tokens_left_to_prefill(scheduler):
         request.prompt_token_ids = [1000 * (i + 1) + t for t in range(n)]  # nothing shared
         scheduler.add(request)
     plan = scheduler.plan_cache_step()
-    assert plan.load == (1, 230, 2)  # as if the planned admissions succeed; nothing computed yet
+    # r1, long as r0 is, waits for r0's step to end; r2 goes by. As if the admissions succeed.
+    assert [r.request_id for r in plan.admits] == ["r0", "r2"] and plan.load == (1, 230, 2)
     batch = scheduler.apply_cache_reply(plan, admit_all(plan))
-    scheduler.on_executed(batch)  # r0 whole; r1 (long too) waits for the next step, r2 to be admitted
-    assert scheduler.load() == (1, 30 + 100, 2)
+    scheduler.on_executed(batch)  # r0 and r2 whole; r1 to be admitted
+    assert scheduler.load() == (1, 100, 2)
 
 
 def test_miss_breakdown_is_kept_from_the_first_admission_only(scheduler):
@@ -626,3 +627,35 @@ def test_shortest_prefills_first_never_take_more_than_half_the_budget():
     scheduler.on_executed(batch)
     batch = scheduler.build_batch()  # nothing sampled: only r0 has tokens left, held no longer
     assert [(r.request_id, len(c.token_ids)) for r, c in zip(*batch, strict=True)] == [("r0", 200)]
+
+
+def test_a_long_prompt_that_would_wait_a_step_lets_a_leaders_followers_by():
+    """With one long prompt taking its step, the next long one is not admitted into it (it would
+    hold its blocks idle and the budget from those behind it): the followers of a leader whose
+    pages are committed now join this step as hits, and the long one is admitted first after."""
+    scheduler = Scheduler(SchedulerConfig(block_size=16, max_batch_tokens=512, max_num_seqs=8))
+
+    def distinct(rid: str, n: int, base: int) -> Request:
+        request = make_request(rid, n)
+        request.prompt_token_ids = [base + t for t in range(n)]
+        return request
+
+    leader = distinct("A", 320, 1000)
+    scheduler.add(leader)
+    plan = scheduler.plan_cache_step()
+    scheduler.on_executed(scheduler.apply_cache_reply(plan, admit_all(plan)))
+    leader.output_token_ids.append(7)
+    follower = distinct("A-follower", 336, 1000)  # A's 320 tokens, then 16 of its own
+    follower.prompt_token_ids[320:] = range(90000, 90016)
+    for request in (distinct("C", 300, 5000), distinct("D", 300, 9000), follower):
+        scheduler.add(request)
+    plan = scheduler.plan_cache_step()
+    assert [c.request.request_id for c in plan.commits] == ["A"]
+    assert [r.request_id for r in plan.admits] == ["C", "A-follower"]
+    reply = admit_all(plan)
+    reply = reply._replace(admits=[reply.admits[0], reply.admits[1]._replace(cached_tokens=320)])
+    batch = scheduler.apply_cache_reply(plan, reply)
+    assert [(r.request_id, len(c.token_ids)) for r, c in zip(*batch, strict=True)] == [
+        ("A", 1), ("A-follower", 16), ("C", 300)]
+    scheduler.on_executed(batch)
+    assert [r.request_id for r in scheduler.plan_cache_step().admits] == ["D"]

@@ -69,6 +69,7 @@ def sdpa_faster_for_bf16_extends(num_q_heads: int, num_kv_heads: int, head_dim: 
     kernel on bf16 chunks after a cached prefix of this head shape here (`shape`: sequences, new
     tokens of each, cached tokens before them; timed once per process and shape)."""
     num_seqs, new, cached = shape
+    r = num_q_heads // num_kv_heads
     gen = torch.Generator().manual_seed(0)
     q = _random((num_seqs, num_q_heads, new, head_dim), gen)
     k, v = (_random((num_seqs, num_kv_heads, cached + new, head_dim), gen) for _ in range(2))
@@ -76,8 +77,8 @@ def sdpa_faster_for_bf16_extends(num_q_heads: int, num_kv_heads: int, head_dim: 
     lengths, offsets = torch.full((num_seqs,), cached + new), torch.full((num_seqs,), cached)
     allowed = torch.arange(cached + new)[None, :] <= cached + torch.arange(new)[:, None]  # [new, context]
     mask = torch.zeros(allowed.shape, dtype=torch.bfloat16).masked_fill(~allowed, float("-inf"))
-    mask = mask.expand(num_seqs, 1, new, cached + new)
+    mask = mask.repeat(r, 1).expand(num_seqs, 1, r * new, cached + new)  # as the backend folds GQA
+    folded = q.reshape(num_seqs, num_kv_heads, r * new, head_dim)
     return _sdpa_faster(f"extend ({num_seqs} x {new} tokens after {cached} cached)",
                         lambda: native.attend(q, k, v, lengths, offsets, scale),
-                        lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                                               enable_gqa=num_q_heads != num_kv_heads), repeats)
+                        lambda: F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale), repeats)

@@ -500,6 +500,8 @@ class TorchAttentionBackend(AttentionBackend):
             q_pos = prefix[:, None] + torch.arange(max_q)[None, :]  # [n, max_q]
             last_key = torch.minimum(q_pos, slens[:, None] - 1)  # [n, max_q]
             attn_mask = self._additive(pos[None, None, :] <= last_key[:, :, None])[:, None]  # [n, 1, max_q, kv_len]
+            if self.bf16_extends_on_sdpa:  # for the query heads of a KV head folded into rows (_attend)
+                attn_mask = attn_mask.repeat(1, 1, self.num_q_heads // self.num_kv_heads, 1)  # [n, 1, r * max_q, kv_len]
         elif bool((slens != kv_len).any()):
             attn_mask = self._additive(pos[None, :] < slens[:, None])[:, None, None, :]  # [n, 1, 1, kv_len]
 
@@ -688,8 +690,7 @@ class TorchAttentionBackend(AttentionBackend):
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """SDPA for one block-gathered group. q: [group_tokens, Hq, D]; returns [group_tokens, Hq, D]."""
         n, max_q = g.num_seqs, g.max_query_len
-        extend_on_sdpa = (self.bf16_extends_on_sdpa and max_q > 1 and g.block_ids is not None
-                          and q.dtype == torch.bfloat16)
+        extend_on_sdpa = self.bf16_extends_on_sdpa and max_q > 1 and g.block_ids is not None
         if g.block_ids is None:
             keys = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
             values = v.transpose(0, 1).unsqueeze(0)
@@ -720,8 +721,12 @@ class TorchAttentionBackend(AttentionBackend):
             out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
                                                  enable_gqa=self._enable_gqa)
         elif extend_on_sdpa:
-            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.attn_mask, scale=scale,
-                                                 enable_gqa=self._enable_gqa)
+            # The r query heads of each KV head as r blocks of query rows (torch's 16-bit CPU flash
+            # kernel packs K/V per query head: GQA would pack every KV head r times over).
+            hkv, r = self.num_kv_heads, self.num_q_heads // self.num_kv_heads
+            folded = queries.reshape(n, hkv, r * max_q, self.head_dim)
+            out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=g.attn_mask, scale=scale)
+            out = out.view(n, self.num_q_heads, max_q, self.head_dim)
         elif self._use_native(g.block_ids is None, q.dtype):
             assert g.kv_lens is not None
             out, _ = native.attend(queries, keys, values, g.kv_lens, g.causal_offsets, scale)

@@ -8,9 +8,11 @@ its blocks with oneDNN's bf16 GEMMs, which run on AMX tiles where the CPU has th
 that was 2.5-3x faster than the native kernel's AVX512-BF16 dot products for fresh prompts of
 256-1056 tokens, and 2-3.5x for chunks of 16-256 tokens over 600-1300 cached (9 query and 3 KV
 heads of 64); on CPUs without AMX the native kernel is the faster one. So the backend times both
-once per kind, on the model's head shape, and takes the faster (the native kernel unless SDPA
-saves at least MIN_GAIN). Both compute float32 sums of bf16 products with one rounding of the
-probabilities to bf16; neither is transformers' exact bits in bf16.
+once per kind, on the model's head shape, in turns, and takes the faster by their best times (the
+native kernel unless SDPA saves at least MIN_GAIN): with medians of a few calls each, another
+process busy during the start-up once made the slower kernel win. Both compute float32 sums of
+bf16 products with one rounding of the probabilities to bf16; neither is transformers' exact bits
+in bf16.
 """
 
 from __future__ import annotations
@@ -23,21 +25,20 @@ import torch
 import torch.nn.functional as F
 
 from model_service import native
-from model_service.median_time import median_seconds
+from model_service.median_time import best_seconds
 
 log = logging.getLogger(__name__)
 
 LENGTH = 384  # tokens of the timed fresh prompt: a typical chunk of a prompt
 # The timed extend: sequences, new tokens of each, cached tokens before them (a few cache hits' tails).
 EXTEND = (4, 64, 512)
-REPEATS = 5
+REPEATS = 9
 MIN_GAIN = 0.05
 
 
 def _sdpa_faster(what: str, kernel: Callable[[], object], sdpa: Callable[[], object], repeats: int) -> bool:
     with torch.inference_mode():
-        kernel_s = median_seconds(kernel, repeats)
-        sdpa_s = median_seconds(sdpa, repeats)
+        kernel_s, sdpa_s = best_seconds([kernel, sdpa], repeats)
     faster = sdpa_s < (1 - MIN_GAIN) * kernel_s
     log.info("bf16 %s attention: native %.2f ms, torch SDPA %.2f ms -> %s", what, 1e3 * kernel_s, 1e3 * sdpa_s,
              "torch SDPA" if faster else "native")

@@ -262,7 +262,10 @@ def test_bf16_prompt_chunks_take_the_timed_paths_and_stay_the_reference(monkeypa
 
 def test_bf16_prompt_timing_answers_once_per_shape():
     from model_service import native
-    from model_service.attention.prompt_timing import sdpa_faster_for_bf16_extends, sdpa_faster_for_bf16_prompts
+    from model_service.attention.prompt_timing import (
+        sdpa_faster_for_bf16_extends,
+        sdpa_faster_for_bf16_prompts,
+    )
 
     if not native.available():
         pytest.skip(f"native kernels: library not loaded ({native.unavailable_reason()})")

@@ -151,6 +151,17 @@ class SchedulerConfig:
         if self.defer_shared_prefix_tokens is None:
             self.defer_shared_prefix_tokens = 4 * self.block_size
 
+    @property
+    def long_prefill_tokens(self) -> int:
+        """A prefill with more tokens than this left is long: a step runs one long prompt at a time
+        (`build_batch`), and admission holds back those that would wait for it (`_plan_admissions`)."""
+        return self.max_batch_tokens // 4
+
+    @property
+    def long_step_tokens(self) -> int:
+        """A long prompt computing this many tokens in a step takes the step's long-prompt turn."""
+        return self.max_batch_tokens // 2
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
@@ -328,7 +339,7 @@ class Scheduler:
         # takes an id once per step, so it waits for the next one (and so does everyone after it).
         leaving = {r.request_id for r in plan.finishes} | {r.request_id for r in plan.releases}
         bs = self.config.block_size
-        big, half = self.config.max_batch_tokens // 4, self.config.max_batch_tokens // 2
+        big, half = self.config.long_prefill_tokens, self.config.long_step_tokens
         slots = self.config.max_num_seqs - len(self.running)
         prefilling = PrefillIndex(bs, self.config.defer_shared_prefix_tokens or 0)
         in_tree = PrefillIndex(bs, bs, cached=True)
@@ -425,7 +436,7 @@ class Scheduler:
         """The requests and token chunks to run now, within the token budget and the blocks held."""
         bs = self.config.block_size
         budget = self.config.max_batch_tokens
-        half, big = budget // 2, budget // 4
+        half, big = self.config.long_step_tokens, self.config.long_prefill_tokens
         requests: list[Request] = []
         chunks: list[SequenceChunk] = []
         decodes, shorts, longs = self._run_order(budget)

@@ -7,11 +7,13 @@ names the source's blocks (or host slots) in a ticket the cache manager signs wi
 replica's own key (`RegisterPoolRequest.kv_transfer_key`), and the source's path through them is
 pinned (a lock ref on the node of its device tree, or host tier tree) until a later Step of the
 puller reports the pull (the puller pulls while it runs other requests), the puller re-registers,
-or the pin's time runs out (a puller that died or stalled). Only pools registered with a kv_transfer_addr pull or are pulled from.
+or the pin's time runs out (a puller that died or stalled). Only pools registered with a
+kv_transfer_addr pull or are pulled from.
 
 A pull happens only where it is cheaper than computing: the puller measures a pulled token's cost
 as a share of a computed one (`ReplicaLoad.peer_load_cost`; DEFAULT_PEER_LOAD_COST until it has),
-counted at both ends of the pull (`peer_load_cost`), and at 1 or more pulls nothing. Pins of a source hold at most MAX_PINNED_SHARE of its blocks.
+counted at both ends of the pull (`peer_load_cost`), and at 1 or more pulls nothing. Pins of a
+source hold at most MAX_PINNED_SHARE of its blocks.
 
 Pins change what the source may evict, so a durable cache manager journals them (`PullJournal`:
 a pin with the pull that made it, a pin that expired) and keeps them in snapshots; its replay

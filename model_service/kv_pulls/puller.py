@@ -3,11 +3,12 @@
 Started by the engine thread with the reply's tier copies, run on the puller's threads while the
 engine runs the other requests: the pulled pages land in the admitted request's own blocks, which
 nothing else writes, and the request is scheduled once they arrived, its prompt computed from the
-first page that did not. The engine waits for a pull before it gives the request's blocks back. A pull that fails (the source died, refused the ticket,
-sent data that does not check) or misses its deadline costs only the time spent: its missing
-pages are computed, with the same output. The deadline is what computing the pages would take
-(measured, model_service/copy_costs.py), so a slow pull never costs much more than not pulling,
-and at most half of the pin's time, so the source's pages stay pinned throughout.
+first page that did not. The engine waits for a pull before it gives the request's blocks back.
+A pull that fails (the source died, refused the ticket, sent data that does not check) or misses
+its deadline costs only the time spent: its missing pages are computed, with the same output.
+The deadline is what computing the pages would take (measured, model_service/copy_costs.py), so a
+slow pull never costs much more than not pulling, and at most half of the pin's time, so the
+source's pages stay pinned throughout.
 """
 
 from __future__ import annotations

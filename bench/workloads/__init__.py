@@ -5,6 +5,7 @@ from bench.workloads.cache_link import CACHE_LINK
 from bench.workloads.components import CACHE, STEP
 from bench.workloads.concurrency import CONCURRENCY
 from bench.workloads.fleet import FLEET
+from bench.workloads.fleet_scale import FLEET_SCALE
 from bench.workloads.journal import JOURNAL
 from bench.workloads.latency import LATENCY
 from bench.workloads.multiturn import MULTITURN
@@ -17,7 +18,7 @@ from bench.workloads.structured import STRUCTURED
 from bench.workloads.tiered import TIERED
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
-    SHARED_PREFIX, SHARED_PREFIX_LARGE, MULTITURN, NO_SHARE, CONCURRENCY, LATENCY, CACHE_LINK, CACHE, JOURNAL, STEP, FLEET, TIERED,
-    PULLS, STRUCTURED, PARALLEL_SAMPLING, SERVE)}
+    SHARED_PREFIX, SHARED_PREFIX_LARGE, MULTITURN, NO_SHARE, CONCURRENCY, LATENCY, CACHE_LINK, CACHE, JOURNAL, STEP, FLEET,
+    FLEET_SCALE, TIERED, PULLS, STRUCTURED, PARALLEL_SAMPLING, SERVE)}
 
 __all__ = ["WORKLOADS", "Context", "Workload"]

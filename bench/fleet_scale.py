@@ -1,0 +1,411 @@
+"""One cache-manager process under a simulated fleet of GPU-class replicas (issue 32).
+
+`python -m bench.fleet_scale` (a few minutes). The cache manager runs alone on CPU 0; the load
+generator, a separate process on CPU 1, plays N replicas (and their router's Route calls) the way
+the model service and the router talk to the cache manager:
+
+- every replica plans a scheduler step every `step_ms` (GPU-class: 20 ms) and sends one batched
+  Step for it: up to `batch` running requests decoding one token per step (an Extend whenever a
+  request crosses into a new block, with `lookahead` tokens of lookahead), up to
+  `admits_per_step` new prompts (packed, 1-2k tokens, ~70% of them a prefix shared fleet-wide),
+  a Commit of each prompt the step after its admission (its prefill is done), and a Finish with
+  the output tokens when a request has produced its 200-500 tokens;
+- before a replica admits a prompt, the router asks Route for it (token ids, request id,
+  reserve_ms and max_candidates as the router's defaults);
+- pools are sized so that they fill: in the measured window every new block is an eviction.
+
+A step that waits past its slot for the reply delays the replica's next one (its GPU idles):
+"GPU time lost" is that delay over the window. Latencies are those the client sees. The knee is
+the largest fleet whose Step p99 stays under `P99_TARGET_MS` with every asked Step served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import grpc
+import numpy as np
+
+from bench.cache_bench import start_server
+from protos import cache_pb2 as pb
+from protos import cache_pb2_grpc
+
+P99_TARGET_MS = 10.0
+VOCAB = 49152
+FINGERPRINT = "fleet-scale-sim"
+
+
+@dataclass(slots=True)
+class SimConfig:
+    """What one simulated replica does (defaults: issue 32's GPU-class replica)."""
+
+    step_ms: float = 20.0
+    batch: int = 64
+    block_size: int = 16
+    lookahead: int = 2
+    admits_per_step: int = 4
+    prompt_tokens: tuple[int, int] = (1024, 2048)
+    shared_fraction: float = 0.7  # of each prompt: a prefix of one of `num_docs` shared documents
+    num_docs: int = 32
+    output_tokens: tuple[int, int] = (200, 500)
+    num_blocks: int = 10240
+    route: bool = True
+    reserve_ms: int = 2000  # as the router asks (router/core.py CoreConfig)
+    route_candidates: int = 8
+
+
+@dataclass(slots=True)
+class SimRequest:
+    rid: str
+    packed: bytes  # the prompt, 4 bytes per token
+    prompt: np.ndarray
+    num_outputs: int
+    outputs: list[int]
+    num_blocks: int = 0
+    generated: int = 0
+    committed: bool = False
+    resumed: bool = False
+
+
+@dataclass(slots=True)
+class LevelStats:
+    replicas: int
+    seconds: float
+    steps_asked: float = 0.0
+    steps_served: int = 0
+    step_ms: list[float] = field(default_factory=list)
+    route_ms: list[float] = field(default_factory=list)
+    stalled_s: float = 0.0
+    admitted: int = 0
+    no_space: int = 0
+    preempted: int = 0
+    errors: int = 0
+
+
+class Workload:
+    """Prompts shared fleet-wide: `num_docs` documents, each prompt a prefix of one plus its own tail."""
+
+    def __init__(self, cfg: SimConfig, seed: int) -> None:
+        self.cfg = cfg
+        self.rng = np.random.default_rng(seed)
+        self.docs = [self.rng.integers(0, VOCAB, cfg.prompt_tokens[1], dtype=np.uint32) for _ in range(cfg.num_docs)]
+        self.serial = 0
+
+    def request(self, prefix: str, first: bool = False) -> SimRequest:
+        """A new prompt. `first`: one of a replica's first batch, with an output length drawn from
+        [1, max], so the fleet starts near its steady mix of young and old requests."""
+        cfg, rng = self.cfg, self.rng
+        n = int(rng.integers(cfg.prompt_tokens[0], cfg.prompt_tokens[1] + 1))
+        shared = int(n * cfg.shared_fraction)
+        doc = self.docs[int(rng.integers(cfg.num_docs))]
+        prompt = np.concatenate([doc[:shared], rng.integers(0, VOCAB, n - shared, dtype=np.uint32)])
+        outs = int(rng.integers(1 if first else cfg.output_tokens[0], cfg.output_tokens[1] + 1))
+        self.serial += 1
+        return SimRequest(f"{prefix}-{self.serial}", prompt.astype("<u4").tobytes(), prompt, outs,
+                          rng.integers(0, VOCAB, outs, dtype=np.uint32).tolist())
+
+
+class Replica:
+    """One simulated model replica: its running requests and the Step it sends each step."""
+
+    def __init__(self, name: str, cfg: SimConfig, work: Workload, stub, stats: LevelStats) -> None:
+        self.name, self.cfg, self.work, self.stub, self.stats = name, cfg, work, stub, stats
+        self.pool_id, self.epoch = "", 0
+        self.running: dict[str, SimRequest] = {}
+        self.waiting: list[SimRequest] = []
+        self.prefilled: list[SimRequest] = []  # admitted last step: commit now, decode from now
+        self.measuring = False
+        self.num_requests = 0
+
+    async def register(self) -> None:
+        reply = await self.stub.RegisterPool(pb.RegisterPoolRequest(
+            worker_id=self.name, num_blocks=self.cfg.num_blocks, block_size=self.cfg.block_size,
+            model_fingerprint=FINGERPRINT, vocab_size=VOCAB, serving_addr=f"{self.name}:50052"), timeout=30)
+        self.pool_id, self.epoch = reply.pool_id, reply.epoch
+
+    async def fill(self) -> None:
+        """Fill the pool's cache before the clock starts (prompts admitted and finished at once,
+        untimed) until under a tenth of its blocks are free: from then on new blocks are evictions."""
+        cfg = self.cfg
+        while True:
+            batch = [self.work.request(self.name) for _ in range(8)]
+            step = pb.StepRequest(pool_id=self.pool_id, epoch=self.epoch)
+            for req in batch:
+                step.admits.add(request_id=req.rid, packed_token_ids=req.packed)
+            reply = await self.stub.Step(step, timeout=30)
+            done = pb.StepRequest(pool_id=self.pool_id, epoch=self.epoch)
+            for req, result in zip(batch, reply.admits, strict=True):
+                if result.status == pb.ADMIT_STATUS_ADMITTED:
+                    done.finishes.add(request_id=req.rid, num_computed_tokens=len(req.prompt))
+            reply = await self.stub.Step(done, timeout=30)
+            if reply.num_free_blocks < cfg.num_blocks // 10:
+                return
+
+    async def _route(self, req: SimRequest) -> None:
+        t0 = time.perf_counter()
+        try:
+            await self.stub.Route(pb.RouteRequest(
+                token_ids=req.prompt.tolist(), model_fingerprint=FINGERPRINT, request_id=req.rid,
+                reserve_ms=self.cfg.reserve_ms, max_candidates=self.cfg.route_candidates), timeout=10)
+        except grpc.aio.AioRpcError:
+            self.stats.errors += self.measuring
+            return
+        if self.measuring:
+            self.stats.route_ms.append(1e3 * (time.perf_counter() - t0))
+
+    def _plan(self) -> tuple[pb.StepRequest, list[SimRequest]]:
+        """The next step's Step: commits of last step's prompts, decode (extends, finishes), admits."""
+        cfg, bs = self.cfg, self.cfg.block_size
+        step = pb.StepRequest(pool_id=self.pool_id, epoch=self.epoch)
+        for req in self.prefilled:
+            step.commits.add(request_id=req.rid, num_computed_tokens=len(req.prompt))
+            req.committed = True
+        self.prefilled = []
+        finished = []
+        for req in list(self.running.values()):
+            if not req.committed:
+                continue
+            req.generated += 1
+            total = len(req.prompt) + req.generated
+            if req.generated >= req.num_outputs:
+                step.finishes.add(request_id=req.rid, output_token_ids=req.outputs[:req.generated],
+                                  num_computed_tokens=total - 1)
+                finished.append(req)
+            elif total + cfg.lookahead > req.num_blocks * bs:
+                step.extends.add(request_id=req.rid, num_tokens=total + 1, num_lookahead_tokens=cfg.lookahead)
+        for req in finished:
+            del self.running[req.rid]
+        room = min(cfg.admits_per_step, cfg.batch - len(self.running))
+        while len(self.waiting) < room:
+            self.waiting.append(self.work.request(self.name, first=self.num_requests < cfg.batch))
+            self.num_requests += 1
+        admits = self.waiting[:room]
+        for req in admits:
+            step.admits.add(request_id=req.rid, packed_token_ids=req.packed, num_lookahead_tokens=cfg.lookahead,
+                            resumed=req.resumed)
+        load = step.load
+        load.num_running_requests = len(self.running)
+        load.num_waiting_requests = len(self.waiting)
+        return step, admits
+
+    def _apply(self, reply: pb.StepResponse, admits: list[SimRequest]) -> list[pb.Finish]:
+        """Take the reply in; returns the releases of requests it could not extend (preempted)."""
+        by_id = {req.rid: req for req in admits}
+        for result in reply.admits:
+            req = by_id[result.request_id]
+            if result.status != pb.ADMIT_STATUS_ADMITTED:
+                self.stats.no_space += self.measuring
+                continue
+            self.waiting.remove(req)
+            req.num_blocks = len(result.block_table)
+            self.running[req.rid] = req
+            self.prefilled.append(req)
+            self.stats.admitted += self.measuring
+        releases = []
+        for result in reply.extends:
+            req = self.running[result.request_id]
+            if result.ok:
+                req.num_blocks += len(result.new_block_ids)
+                continue
+            del self.running[req.rid]
+            releases.append(pb.Finish(request_id=req.rid, output_token_ids=req.outputs[:req.generated],
+                                      num_computed_tokens=len(req.prompt) + req.generated - 1))
+            req.generated, req.committed, req.resumed, req.num_blocks = 0, False, True, 0
+            self.waiting.insert(0, req)
+            self.stats.preempted += self.measuring
+        return releases
+
+    async def run(self, start: float, end: float) -> None:
+        period = self.cfg.step_ms / 1e3
+        slot = start
+        releases: list[pb.Finish] = []
+        while True:
+            now = time.perf_counter()
+            if now >= end:
+                return
+            if slot > now:
+                await asyncio.sleep(slot - now)
+            step, admits = self._plan()
+            step.releases.extend(releases)
+            if self.cfg.route:
+                for req in admits:
+                    if not req.resumed:
+                        await self._route(req)
+            t0 = time.perf_counter()
+            try:
+                reply = await self.stub.Step(step, timeout=30)
+            except grpc.aio.AioRpcError as err:
+                self.stats.errors += 1
+                if err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                    raise
+                continue
+            done = time.perf_counter()
+            releases = self._apply(reply, admits)
+            if self.measuring:
+                self.stats.step_ms.append(1e3 * (done - t0))
+                self.stats.steps_served += 1
+            slot += period
+            if done > slot:  # the reply came after the step's slot: the GPU waited for it
+                if self.measuring:
+                    self.stats.stalled_s += done - slot
+                slot = done
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def drive(address: str, replicas: int, warmup_s: float, measure_s: float, cfg: SimConfig, server_pid: int,
+                seed: int = 0) -> dict:
+    """The load generator's side of one fleet size: register, warm up (pools fill), measure."""
+    stats = LevelStats(replicas, measure_s)
+    work = Workload(cfg, seed)
+    channels = [grpc.aio.insecure_channel(address) for _ in range(max(1, (replicas + 7) // 8))]
+    try:
+        fleet = [Replica(f"sim-{i}", cfg, work, cache_pb2_grpc.CacheManagerStub(channels[i % len(channels)]), stats)
+                 for i in range(replicas)]
+        for replica in fleet:
+            await replica.register()
+        await asyncio.gather(*(replica.fill() for replica in fleet))
+        gc.collect()
+        gc.freeze()  # the generator's own collections stay out of its latency numbers
+        start = time.perf_counter() + 0.05
+        period = cfg.step_ms / 1e3
+        end = start + warmup_s + measure_s
+        tasks = [asyncio.create_task(r.run(start + period * i / replicas, end)) for i, r in enumerate(fleet)]
+        await asyncio.sleep(max(0.0, start + warmup_s - time.perf_counter()))
+        for replica in fleet:
+            replica.measuring = True
+        cpu0, own0, t0 = cpu_seconds(server_pid), time.process_time(), time.perf_counter()
+        await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+        cpu1, own1 = cpu_seconds(server_pid), time.process_time()
+    finally:
+        for channel in channels:
+            await channel.close()
+    steps = stats.step_ms
+    return {
+        "replicas": replicas, "measured_s": round(wall, 2),
+        "steps_asked_per_s": round(replicas * 1e3 / cfg.step_ms, 1),
+        "steps_served_per_s": round(stats.steps_served / wall, 1),
+        "step_p50_ms": round(pct(steps, 0.5), 3), "step_p99_ms": round(pct(steps, 0.99), 3),
+        "step_p999_ms": round(pct(steps, 0.999), 3), "step_max_ms": round(max(steps, default=float("nan")), 3),
+        "route_p50_ms": round(pct(stats.route_ms, 0.5), 3), "route_p99_ms": round(pct(stats.route_ms, 0.99), 3),
+        "routes_per_s": round(len(stats.route_ms) / wall, 1),
+        "gpu_time_lost": round(stats.stalled_s / (replicas * wall), 4),
+        "server_cpu": round((cpu1 - cpu0) / wall, 3), "generator_cpu": round((own1 - own0) / wall, 3),
+        "admitted_per_s": round(stats.admitted / wall, 1), "no_space": stats.no_space, "preempted": stats.preempted,
+        "errors": stats.errors,
+    }
+
+
+def run_level(replicas: int, warmup_s: float, measure_s: float, cfg: SimConfig, server_args: Sequence[str] = ()) -> dict:
+    """A fresh cache manager pinned to CPU 0, the load generator (a child process) on CPU 1."""
+    proc, port = start_server("cache_service", "--log-level", "WARNING", "--lease-seconds", "60",
+                              "--max-pools", "4096", "--max-cache-memory-mib", "65536", *server_args)
+    cpus = sorted(os.sched_getaffinity(0))
+    server_cpu, generator_cpu = (cpus[0], cpus[1]) if len(cpus) > 1 else (cpus[0], cpus[0])
+    try:
+        os.sched_setaffinity(proc.pid, {server_cpu})
+        child = subprocess.run(
+            [sys.executable, "-m", "bench.fleet_scale", "--child", f"127.0.0.1:{port}", "--replicas", str(replicas),
+             "--warmup", str(warmup_s), "--seconds", str(measure_s), "--server-pid", str(proc.pid),
+             "--config", json.dumps(asdict(cfg))],
+            capture_output=True, text=True, timeout=warmup_s + measure_s + 120,
+            preexec_fn=lambda: os.sched_setaffinity(0, {generator_cpu}))
+        if child.returncode != 0:
+            raise RuntimeError(f"load generator failed: {child.stderr[-2000:]}")
+        return json.loads(child.stdout.strip().splitlines()[-1])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def knee(rows: list[dict]) -> int:
+    """The largest fleet (of those run, in order) with Step p99 under target and every Step served."""
+    best = 0
+    for row in rows:
+        if row["step_p99_ms"] < P99_TARGET_MS and row["steps_served_per_s"] >= 0.98 * row["steps_asked_per_s"]:
+            best = max(best, row["replicas"])
+    return best
+
+
+COLUMNS = [("replicas", "replicas", ""), ("steps_asked_per_s", "Steps/s asked", ",.0f"),
+           ("steps_served_per_s", "served", ",.0f"), ("step_p50_ms", "p50 ms", ".2f"),
+           ("step_p99_ms", "p99 ms", ".2f"), ("step_p999_ms", "p99.9 ms", ".2f"), ("route_p99_ms", "Route p99", ".2f"),
+           ("gpu_time_lost", "GPU lost", ".1%"), ("server_cpu", "server CPU", ".0%"),
+           ("generator_cpu", "generator CPU", ".0%")]
+
+
+def run(quick: bool, echo: Callable[[str], object] = print, sizes: Sequence[int] | None = None) -> dict:
+    """Fleet sizes in turn, each against a fresh cache manager; tables go to `echo`."""
+    from bench.cache_bench import table
+
+    cfg = SimConfig()
+    sizes = list(sizes or ((8, 16, 32) if quick else (8, 12, 16, 24, 32, 48, 64)))
+    warmup, seconds = (4.0, 6.0) if quick else (8.0, 15.0)
+    echo(f"== fleet scale: one cache manager on one CPU, replicas of {cfg.batch} requests stepping every "
+         f"{cfg.step_ms:.0f} ms, Route per new prompt (CPU: {cpu_model()})")
+    rows = []
+    for n in sizes:
+        rows.append(run_level(n, warmup, seconds, cfg))
+        echo(table(rows[-1:], COLUMNS) if len(rows) == 1 else table(rows[-1:], COLUMNS).splitlines()[-1])
+        if rows[-1]["steps_served_per_s"] < 0.8 * rows[-1]["steps_asked_per_s"]:
+            break  # far past the knee: larger fleets only take longer to say the same
+    result = {"config": asdict(cfg), "rows": rows, "knee_replicas": knee(rows), "p99_target_ms": P99_TARGET_MS}
+    echo(f"knee: {result['knee_replicas']} replicas with Step p99 < {P99_TARGET_MS:.0f} ms (target: 48)")
+    return result
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--replicas", type=int, default=8, help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=float, default=8.0, help=argparse.SUPPRESS)
+    parser.add_argument("--seconds", type=float, default=15.0, help=argparse.SUPPRESS)
+    parser.add_argument("--server-pid", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--config", default="{}", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        raw = json.loads(args.config)
+        cfg = SimConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+        row = asyncio.run(drive(args.child, args.replicas, args.warmup, args.seconds, cfg, args.server_pid))
+        print(json.dumps(row))
+        return
+    print(json.dumps(run(args.quick, sizes=args.sizes), indent=2))
+
+
+if __name__ == "__main__":
+    main()

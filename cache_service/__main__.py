@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                            "only --max-pools applies)")
     caps.add_argument("--max-cache-memory-mib", type=int, default=DEFAULT_MAX_MEMORY_BYTES >> 20, metavar="MIB",
                       help="memory all pools may make the cache manager hold, each pool charged its worst case "
-                           "(1024 + 40 x block_size bytes a block) when it registers; more: RESOURCE_EXHAUSTED "
+                           "(1152 + 40 x block_size bytes a block) when it registers; more: RESOURCE_EXHAUSTED "
                            f"(default {DEFAULT_MAX_MEMORY_BYTES >> 20}; 0: no limit)")
     caps.add_argument("--worker-san-check", choices=["on", "off"], default="on",
                       help="with --tls-client-ca: RegisterPool's worker_id must be a DNS or URI subject alternative "

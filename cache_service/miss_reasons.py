@@ -12,7 +12,7 @@ apart (`MissClassification.other_namespace_tokens`) for the operator's aggregate
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from cache_service.page_hash import iter_page_hashes
@@ -87,7 +87,7 @@ class EvictedPages:
 def classify_miss(
     tree: RadixTree,
     evicted: EvictedPages,
-    peer_trees: Iterable[RadixTree],
+    peer_pages: Callable[[str, Iterable[int]], int],
     tokens: Sequence[int],
     namespace: str,
     num_cached_pages: int,
@@ -97,7 +97,9 @@ def classify_miss(
     """Break down the len(tokens) - cached tokens a first admission must compute.
 
     `parent_hash` is the hash of the last cached page (0 when nothing is cached); `encoded`, if
-    given, is `encode_tokens(tokens)` (saves encoding the prompt again).
+    given, is `encode_tokens(tokens)` (saves encoding the prompt again). `peer_pages(namespace,
+    chain)`: the most leading pages of a page hash chain another live pool of the model holds
+    (RoutingState.peer_pages); the chain is given lazily, from the prompt's first page.
     """
     ps = tree.page_size
     uncached = len(tokens) - num_cached_pages * ps
@@ -113,7 +115,7 @@ def classify_miss(
                 break
             evicted_pages += 1
         covered += evicted_pages
-    elsewhere = max((t.peek_prefix(prefix, namespace).num_tokens // ps for t in peer_trees), default=0)
+    elsewhere = peer_pages(namespace, iter_page_hashes(0, namespace, prefix, ps))
     other_replica_pages = max(0, elsewhere - covered)
     covered += other_replica_pages
     other_namespace_pages = max(0, tree.peek_other_namespaces(prefix, namespace) // ps - covered)

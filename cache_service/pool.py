@@ -339,9 +339,8 @@ class Pool:
                 parent_hash = pulled.last_hash
                 num_loaded += pulled.num_pages
                 self.pulls.counters.peer_hit_tokens += pulled.num_pages * bs
-            peers = (t for t in self.routing.peer_trees() if t is not self.tree)
-            miss, other_namespace = classify_miss(self.tree, self.evicted_pages, peers, tokens, item.namespace,
-                                                  num_cached + num_loaded, parent_hash, key)
+            miss, other_namespace = classify_miss(self.tree, self.evicted_pages, self.routing.peer_pages, tokens,
+                                                  item.namespace, num_cached + num_loaded, parent_hash, key)
             self.miss_other_namespace_tokens += other_namespace  # operator metric only, never per request
         self._finished_ids.pop(item.request_id, None)
         self.num_private_blocks += num_fresh

@@ -30,6 +30,7 @@ from typing import NamedTuple, Protocol
 
 from cache_service.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from cache_service.events import EventLog, stored_from_node
+from cache_service.fleet_pages import FleetPages
 from cache_service.peer_pulls import DEFAULT_PIN_SECONDS, PullJournal, TransferEndpoint, check_endpoint
 from cache_service.pool import Pool
 from cache_service.registry_limits import RegistryLimits
@@ -110,6 +111,7 @@ class PoolRegistry:
         self.lease_seconds = lease_seconds
         self.events = events if events is not None else EventLog()
         self.pools: dict[str, Pool] = {}
+        self.pages = FleetPages()  # which pool holds which pages, per model (Route, miss reasons)
         self._clock = clock
         self._last_epoch = 0
         self._tombstones: OrderedDict[str, str] = OrderedDict()  # pool_id -> why it went away
@@ -282,7 +284,9 @@ class PoolRegistry:
         """Take a pool in (a new one, or one restored from a snapshot), with a fresh lease."""
         model_fingerprint = pool.model_fingerprint
         routing = pool.routing
-        routing.peer_trees = lambda: (p.tree for p in self.live_pools(model_fingerprint))
+        model = self.pages.of_pool(pool)
+        pool_id = pool.pool_id
+        routing.peer_pages = lambda namespace, hashes: model.deepest_other(pool_id, namespace, hashes, self._clock())
         pulls = pool.pulls
         pulls.sources = lambda: self.live_pools(model_fingerprint)
         pulls.brokered = self._peer_pulls
@@ -293,6 +297,7 @@ class PoolRegistry:
         pool.lease_deadline = self._clock() + self.lease_seconds
         routing.journal = self._journal
         self.pools[pool.pool_id] = pool
+        model.join(pool)
         self._last_epoch = max(self._last_epoch, pool.epoch)
 
     def get(self, pool_id: str, epoch: int) -> Pool:
@@ -337,7 +342,7 @@ class PoolRegistry:
 
     def route(self, query: RouteQuery) -> RouteResult:
         """Rank the live pools of the query's model for its prompt (see `routing.route`)."""
-        return route(self.live_pools(query.model_fingerprint), query, self._clock())
+        return route(self.pages.of_model(query.model_fingerprint), query, self._clock())
 
     def check_route_size(self, model_fingerprint: str, num_tokens: int, num_pages: int) -> None:
         """InvalidArgument when a Route prompt is larger than the largest live pool of the model
@@ -372,9 +377,11 @@ class PoolRegistry:
         pool = self.pools.pop(pool_id)
         running = len(pool.requests)
         pool.retire()
+        self.pages.leave(pool)  # after retire emptied its tree and routed prompts: no index scan
         self.remember_retired(pool_id, why)
         log.info("pool retired pool=%s epoch=%d reason=%s running_requests=%d", pool_id, pool.epoch, why, running)
 
     def check_integrity(self) -> None:
         for pool in self.pools.values():
             pool.check_integrity()
+        self.pages.check_integrity()

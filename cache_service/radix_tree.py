@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 from cache_service.errors import IntegrityError
 from cache_service.page_hash import page_hashes
+from cache_service.page_index import PageListener
 from common.token_bytes import TOKEN_BYTES, decode_tokens, encode_tokens
 
 
@@ -183,6 +184,8 @@ class RadixTree:
         # Namespace -> its cached pages' hashes, once peek_hashes is used (never one set for all:
         # see the module docstring).
         self._hash_index: dict[str, set[int]] | None = None
+        # Told of every page that joins or leaves the tree (a fleet's page index, page_index.py).
+        self._listener: PageListener | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -325,6 +328,8 @@ class RadixTree:
         node.children[first] = leaf
         if self._hash_index is not None:
             self._hash_index.setdefault(namespace, set()).update(leaf.hashes)
+        if self._listener is not None:
+            self._listener.added(namespace, leaf.hashes)
         if node.parent is None:
             self._first_pages.setdefault(first, set()).add(namespace)
         self.num_nodes += 1
@@ -338,6 +343,14 @@ class RadixTree:
         if len(blocks) < num_pages:
             raise ValueError(f"path holds fewer than {num_pages} pages")
         return blocks
+
+    def set_listener(self, listener: PageListener | None) -> None:
+        """Tell `listener` of every page cached now and of every change from now on (None: stop
+        telling; the caller forgets the old listener's pages itself)."""
+        self._listener = listener
+        if listener is not None:
+            for node in self.iter_nodes():
+                listener.added(node.namespace, node.hashes)
 
     def peek_hashes(self, hashes: Sequence[int], namespace: str) -> int:
         """Leading pages of a page hash chain (see `page_hashes`) cached in `namespace`: read-only.
@@ -362,6 +375,10 @@ class RadixTree:
         for node in self.iter_nodes():
             index.setdefault(node.namespace, set()).update(node.hashes)
         return index
+
+    def holds_first_page(self, page: bytes, namespace: str) -> bool:
+        """Whether `namespace` has a prefix starting with `page` (one encoded page) cached."""
+        return namespace in self._first_pages.get(page, ())
 
     def peek_other_namespaces(self, tokens: Sequence[int] | bytes, namespace: str) -> int:
         """Longest cached page-aligned prefix of `tokens` in any namespace but `namespace`.
@@ -484,6 +501,8 @@ class RadixTree:
             pages.difference_update(node.hashes)
             if not pages:
                 del self._hash_index[node.namespace]
+        if self._listener is not None:
+            self._listener.removed(node.namespace, node.hashes)
         self.num_nodes -= 1
         self.evictable_size -= len(node.value)
         if parent.parent is None:

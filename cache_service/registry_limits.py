@@ -5,12 +5,13 @@ allocator (8 bytes a block, at once) and, as the replica fills it, a tree node, 
 evicted-page hashes and running-request state for every block. `block_cost_bytes` is the most
 one block can make it hold, measured (tests/cache/test_registry_identity.py checks the bound):
 
-- every block cached in the tree as a node of its own (one-page prompts) with its hashes, and
-  as many evicted pages remembered: about 1,010 bytes a block plus 4 per token;
+- every block cached in the tree as a node of its own (one-page prompts) with its hashes, its
+  entry in the model's page index (fleet_pages.py; its holder mask grows with the pool count),
+  and as many evicted pages remembered: about 1,065 bytes a block plus 4 per token;
 - every block held by a running request of one page (prompt ids as Python ints, a 256-byte
   request id): about 650 bytes a block plus 40 per token.
 
-So 1,024 + 40 x block_size bytes a block, counted when the pool registers (its worst case, not
+So 1,152 + 40 x block_size bytes a block, counted when the pool registers (its worst case, not
 what it uses now: a replica fills its pool within minutes). Not counted: the per-pool memory
 of finished request ids (at most 65,536 ids, about 24 MiB with 256-byte ids), bounded by the
 pool count caps, and the WatchEvents buffer (its own `--event-buffer-mb`).
@@ -25,13 +26,13 @@ from typing import Protocol
 from cache_service.attach import AttachState
 from cache_service.errors import ResourceExhausted
 
-BLOCK_BASE_BYTES = 1024
+BLOCK_BASE_BYTES = 1152
 BLOCK_TOKEN_BYTES = 40
 
 DEFAULT_MAX_POOLS = 256
 DEFAULT_MAX_POOLS_PER_OWNER = 16
-# 4 GiB: 2.58 M blocks of 16 tokens (16 replicas of 160k blocks each); one pool of the largest
-# size RegisterPool takes (2^24 blocks) is charged 26 GiB at 16 tokens a block, 16.6 GiB at 1.
+# 4 GiB: 2.40 M blocks of 16 tokens (16 replicas of 150k blocks each); one pool of the largest
+# size RegisterPool takes (2^24 blocks) is charged 28 GiB at 16 tokens a block, 18.6 GiB at 1.
 DEFAULT_MAX_MEMORY_BYTES = 4 << 30
 
 MIB = 1 << 20

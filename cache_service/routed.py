@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from cache_service.radix_tree import RadixTree, TreeNode
+from cache_service.page_index import PageListener
+from cache_service.radix_tree import TreeNode
 
 DEFAULT_ROUTED_TTL_SECONDS = 30.0
 DEFAULT_MAX_ROUTED_ENTRIES = 8192  # routed-but-not-cached requests remembered per pool
@@ -76,6 +77,15 @@ class RoutedRequests:
         self.num_pins = 0
         self.pinned_pages = 0  # pages held by live pins (overlapping pins count each)
         self.num_pages = 0  # page hashes remembered
+        # Told when a page becomes promised here, or no longer is (a fleet's page index).
+        self._listener: PageListener | None = None
+
+    def set_listener(self, listener: PageListener | None) -> None:
+        """Tell `listener` of every promised page now and of every change from now on."""
+        self._listener = listener
+        if listener is not None:
+            for namespace, counts in self._hash_counts.items():
+                listener.added(namespace, list(counts))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -95,8 +105,14 @@ class RoutedRequests:
         self._entries[key] = entry
         if entry.page_hashes:  # a namespace's counts exist while it has a hash (see drop)
             counts = self._hash_counts.setdefault(entry.namespace, {})
+            fresh = []
             for h in entry.page_hashes:
-                counts[h] = counts.get(h, 0) + 1
+                n = counts.get(h, 0)
+                counts[h] = n + 1
+                if not n:
+                    fresh.append(h)
+            if self._listener is not None and fresh:
+                self._listener.added(entry.namespace, fresh)
         self.num_pages += len(entry.page_hashes)
         self.queued_tokens += entry.prefill_tokens
         heapq.heappush(self._deadlines, (entry.expires_at, *key))
@@ -145,12 +161,16 @@ class RoutedRequests:
             return []
         if entry.page_hashes:
             counts = self._hash_counts[namespace]
+            gone = []
             for h in entry.page_hashes:
                 left = counts[h] - 1
                 if left:
                     counts[h] = left
                 else:
                     del counts[h]
+                    gone.append(h)
+            if self._listener is not None and gone:
+                self._listener.removed(namespace, gone)
             if not counts:
                 del self._hash_counts[namespace]
         self.num_pages -= len(entry.page_hashes)
@@ -176,6 +196,10 @@ class RoutedRequests:
                 unlock.extend(self._unpin(entry))
         return unlock
 
+    def promised(self) -> dict[str, list[int]]:
+        """The promised pages' hashes per namespace (integrity checks of the page index)."""
+        return {namespace: list(counts) for namespace, counts in self._hash_counts.items()}
+
     def entries(self) -> list[RoutedRequest]:
         """Every remembered routed request, oldest first (for snapshots)."""
         return list(self._entries.values())
@@ -196,21 +220,22 @@ class RoutedRequests:
         return [pin]
 
 
-def _no_peers() -> Iterable[RadixTree]:
-    return ()
+def _no_peer_pages(namespace: str, hashes: Iterable[int]) -> int:
+    return 0
 
 
 @dataclass(slots=True)
 class RoutingState:
     """A pool's routing side (one `Pool.routing` per pool; its pool applies it to its tree).
 
-    `max_pinned_blocks`, `peer_trees` and `journal` are set by the registry (cache_service/pool_registry.py).
+    `max_pinned_blocks`, `peer_pages` and `journal` are set by the registry (cache_service/pool_registry.py).
     """
 
     routed: RoutedRequests  # routed-but-not-cached requests and their reservations (pins)
     max_pinned_blocks: int  # blocks Route reservations may pin at once (--max-pinned-fraction)
-    # The trees of the live pools of the same model (its own among them): where else a miss was cached.
-    peer_trees: Callable[[], Iterable[RadixTree]] = _no_peers
+    # (namespace, a prompt's page hash chain) -> the most leading pages of it another live pool
+    # of the same model holds on device: where else a miss was cached.
+    peer_pages: Callable[[str, Iterable[int]], int] = _no_peer_pages
     journal: RouteJournal | None = None  # records routed requests and their expiry
 
     def may_pin(self, num_pages: int) -> bool:

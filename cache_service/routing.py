@@ -19,7 +19,10 @@ A prefill token saved counts twice a queued token by default (llm-d's prefix:loa
 a request where its prefix is costs the fleet only its suffix, recomputing it elsewhere costs the
 whole prefix again, and every other request pays for that work.
 
-Each call reads one tree per candidate pool (a walk of the prompt, no scan of the tree).
+Each call walks the prompt's page hash chain once in the model's page index (fleet_pages.py):
+every pool's cached and promised pages at once, however many pools. A fleet larger than
+FULL_RANK_POOLS is ranked over the pools that hold or were promised the prompt's first page,
+those whose lower tiers hold it, and a few least loaded others (see `route`).
 
 Namespaces: every lookup is made in the query's namespace only (the tree's root of that namespace,
 its page-hash index, its routed requests), so an answer never depends on what another namespace
@@ -37,12 +40,14 @@ reservation pins only while the pool's pinned pages stay within its cap (`Pool.m
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from cache_service.errors import InvalidArgument
-from cache_service.page_hash import page_hashes
+from cache_service.fleet_pages import ModelPages
+from cache_service.page_hash import iter_page_hashes, page_hashes
 from cache_service.peer_pulls import held_pages, peer_load_cost
 from cache_service.pool import Pool
 from cache_service.radix_tree import RadixTree
@@ -53,6 +58,9 @@ from common.token_bytes import TOKEN_BYTES, encode_tokens
 
 POOL_FULL_PENALTY = 1e9
 MAX_RESERVE_MS = 60_000
+# Route ranks every live pool of a fleet this size or smaller; a larger one, those likely best.
+FULL_RANK_POOLS = 16
+LEAST_LOADED_OTHERS = 4
 # The size limit of a Route when no live pool of its model is registered (the answer is empty then).
 DEFAULT_MAX_ROUTE_TOKENS = 1 << 16
 
@@ -131,9 +139,14 @@ def check_route_size(pools: Iterable[Pool], num_tokens: int, num_pages: int) -> 
                               f"({why})")
 
 
-def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
-    """Rank `pools` (the live ones; those without a serving address are skipped)."""
-    pools = list(pools)
+def route(groups: Sequence[ModelPages], query: RouteQuery, now: float) -> RouteResult:
+    """Rank the live pools of `groups` (those without a serving address are skipped).
+
+    A fleet of at most FULL_RANK_POOLS candidates is ranked whole. A larger one is ranked over
+    the pools that hold or were promised the prompt's first page, those whose lower tiers hold
+    it, and the LEAST_LOADED_OTHERS least loaded of the rest: a pool outside those would compute
+    the whole prompt, so one of the least loaded is at least as good."""
+    pools = [p for g in groups for p in g.pools.values() if now < p.lease_deadline]
     check_route_size(pools, len(query.token_ids), len(query.page_hashes))
     if bool(query.token_ids) == bool(query.page_hashes):
         raise InvalidArgument("give either token_ids or page_hashes (exactly one of them, non-empty)")
@@ -145,11 +158,12 @@ def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
     candidates = [p for p in pools if p.serving_addr and (not query.model_fingerprint
                                                           or p.model_fingerprint == query.model_fingerprint)]
     hash_chains: dict[int, list[int]] = {}  # per block size, computed only when needed
+    recording = bool(query.request_id) and not query.dry_run
 
     def chain(block_size: int) -> list[int]:
         if block_size not in hash_chains:
             hash_chains[block_size] = (list(query.page_hashes) if query.page_hashes else
-                                       page_hashes(0, query.namespace, encoded, block_size))
+                                       page_hashes(0, query.namespace, cacheable(block_size)[2], block_size))
         return hash_chains[block_size]
 
     keys: dict[int, bytes] = {}  # per block size: the cacheable prompt prefix, sliced once
@@ -167,17 +181,34 @@ def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
             key = keys[bs] = encoded[: max_cached * bs * TOKEN_BYTES]
         return len(query.token_ids), max_cached, key
 
-    def held(tree: RadixTree, bs: int) -> int:
-        """Pages of the prompt `tree` holds (read-only)."""
+    def walk(bs: int) -> Iterable[int]:
+        """The prompt's hash chain for pools of page size `bs`: whole when it is needed anyway
+        (recording, or given), else lazily (the index walk stops at the first page no one holds)."""
+        if query.page_hashes or recording:
+            return chain(bs)
+        return iter_page_hashes(0, query.namespace, cacheable(bs)[2], bs)
+
+    # One walk of the page index per group: every pool's cached and promised leading pages.
+    device: dict[str, int] = {}
+    promised: dict[str, int] = {}
+    for group in groups:
+        held = group.held(query.namespace, walk(group.page_size))
+        device.update(held.device)
+        promised.update(held.routed)
+    if len(candidates) > FULL_RANK_POOLS:
+        candidates = _likely_best(candidates, device, promised, query, encoded, weights)
+
+    def held_by(tree: RadixTree, bs: int) -> int:
+        """Pages of the prompt `tree` (a host tier's) holds (read-only)."""
         if query.token_ids:
             return tree.peek_key(cacheable(bs)[2], query.namespace) // bs
         return tree.peek_hashes(query.page_hashes, query.namespace)
 
-    device_pages = {pool.pool_id: held(pool.tree, pool.block_size) for pool in candidates}
     # Pools that pull from each other (kv_transfer_addr): the two that hold the most of the prompt
     # (device blocks or host tier), so each candidate's best other source is found without a
     # second pass over the pools.
-    sources = sorted(((held_pages(p, lambda tree, bs=p.block_size: held(tree, bs))[0], p.block_size, p)
+    sources = sorted(((held_pages(p, lambda tree, p=p: device.get(p.pool_id, 0) if tree is p.tree
+                                  else held_by(tree, p.block_size))[0], p.block_size, p)
                       for p in candidates if p.pulls.enabled and p.pulls.brokered), key=lambda item: -item[0])[:2]
     # (score, -free, pool_id, pool, matched tokens, promised tokens, prefill tokens, evictable,
     #  host tokens, disk tokens, peer tokens, peer worker id)
@@ -188,11 +219,9 @@ def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
             pool.expire_routed(now)
         bs = pool.block_size
         num_tokens, max_cached, key = cacheable(bs)
-        matched = device_pages[pool.pool_id]
+        matched = min(device.get(pool.pool_id, 0), max_cached)
         num_pages = max(num_pages, num_tokens // bs)
-        effective = matched
-        if len(routed):
-            effective = max(matched, min(routed.promised_pages(query.namespace, chain(bs)[:max_cached]), max_cached))
+        effective = max(matched, min(promised.get(pool.pool_id, 0), max_cached)) if len(routed) else matched
         host = disk = 0
         tier_cost = 0.0
         if pool.tiers is not None:  # pages a lower tier holds are loaded, at their measured cost
@@ -227,10 +256,33 @@ def route(pools: Iterable[Pool], query: RouteQuery, now: float) -> RouteResult:
                        pull_from_worker_id=peer_id)
         for score, neg_free, _, pool, matched, promised, prefill, evictable, host, disk, peer, peer_id in scored
     ]
-    if ranked and query.request_id and not query.dry_run:
+    if ranked and recording:
         pool = scored[0][3]
         ranked[0] = _record(pool, ranked[0], query, chain(pool.block_size), now)
     return RouteResult(ranked, num_pages)
+
+
+def _likely_best(candidates: list[Pool], device: dict[str, int], promised: dict[str, int], query: RouteQuery,
+                 encoded: bytes, weights: RouteWeights) -> list[Pool]:
+    """The pools of a large fleet worth scoring for a prompt (see `route`)."""
+    chosen: list[Pool] = []
+    rest: list[Pool] = []
+    for pool in candidates:
+        pid = pool.pool_id
+        if pid in device or pid in promised or (pool.tiers is not None and pool.tiers.holds_first_page(
+                encoded[: pool.block_size * TOKEN_BYTES], query.page_hashes[:1], query.namespace)):
+            chosen.append(pool)
+        else:
+            rest.append(pool)
+    wq, wr = weights.queue_weight, weights.running_weight
+
+    def load(pool: Pool) -> tuple[float, int]:
+        free, evictable = pool.allocator.num_free_blocks, pool.tree.evictable_size
+        return (wq * (pool.load.num_waiting_tokens + pool.routing.routed.queued_tokens)
+                + wr * pool.load.num_running_requests, -(free + evictable))
+
+    chosen.extend(heapq.nsmallest(LEAST_LOADED_OTHERS, rest, key=load))
+    return chosen
 
 
 def visible_blocks(pool: Pool, all_namespaces: bool) -> tuple[int, int]:

@@ -110,6 +110,9 @@ class CoreConfig:
     reserve_ms: int = 2000
     # Deadline of each Route / Stats call; the cache manager counts as unreachable past it.
     route_timeout_s: float = 1.0
+    # The best candidates a Route answers with (RouteRequest.max_candidates): replicas after
+    # them are tried least loaded first, so a large fleet's answer stays small.
+    route_candidates: int = 8
     # After the cache manager failed, requests skip it for this long (the background check
     # brings routing back as soon as it answers again).
     cache_retry_s: float = 2.0
@@ -229,7 +232,7 @@ class RouterCore:
         if self._clock() >= self._cache_skip_until:
             request = cache_pb2.RouteRequest(
                 token_ids=token_ids, namespace=namespace, model_fingerprint=self.replicas.fingerprint,
-                reserve_ms=self.config.reserve_ms, request_id=request_id)
+                reserve_ms=self.config.reserve_ms, request_id=request_id, max_candidates=self.config.route_candidates)
             try:
                 response = await self.cache.route(request, self._timeout(deadline, self.config.route_timeout_s))
             except UpstreamError as e:

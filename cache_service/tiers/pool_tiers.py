@@ -330,6 +330,15 @@ class PoolTiers:
         """`peek` for a prompt given as its page hash chain."""
         return self._peek(lambda tier: tier.tree.peek_hashes(hashes, namespace), device_pages)
 
+    def holds_first_page(self, page: bytes, page_hash: Sequence[int], namespace: str) -> bool:
+        """Whether a tier holds a prompt's first page, given encoded (`page`) or as its hash
+        (`page_hash`: a one-hash chain) when the prompt came as a hash chain."""
+        for tier in (self.host, self.disk):
+            if tier is not None and (tier.tree.holds_first_page(page, namespace) if page else
+                                     tier.tree.peek_hashes(page_hash, namespace) > 0):
+                return True
+        return False
+
     def _peek(self, held: Callable[[LowerTier], int], device_pages: int) -> tuple[int, int]:
         covered, found = device_pages, []
         for tier in (self.host, self.disk):

@@ -1,0 +1,144 @@
+"""Which pools hold each cached page, for all pools of one model: page hash -> bit mask of holders.
+
+Route and the miss breakdown ask, for one prompt, how many of its leading pages each pool holds.
+Walking every pool's tree costs a tree walk per pool per request, so a fleet's routing work grew
+with the square of its size. Here one walk of the prompt's page hash chain answers for every
+pool at once: the holders of page i are the mask stored under the chain's i-th hash, and since a
+page's hash covers its whole prefix (page_hash.py) and every holder is prefix-closed (a tree, or
+the pages of routed prompts: whole leading runs), a holder that has page i has pages 0..i-1 too.
+The walk stops at the first page no holder has, so its cost is the prompt's deepest hit, whatever
+the number of pools.
+
+Holders: each pool's device tree and its routed-but-not-cached prompts (cache_service/routed.py),
+one bit each, recycled when a pool leaves. Pages are kept per namespace: page hashes are public
+(anyone can compute another namespace's chain), so a walk only ever sees the pages of the
+namespace it names, as each tree's own hash index does (radix_tree.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Protocol
+
+
+class PageListener(Protocol):
+    """What a holder of pages (a tree, a pool's routed prompts) tells when its page set changes."""
+
+    def added(self, namespace: str, hashes: Iterable[int]) -> None: ...
+
+    def removed(self, namespace: str, hashes: Iterable[int]) -> None: ...
+
+
+class PageHolder:
+    """One holder's bit in a PageIndex: the listener its tree (or routed prompts) calls."""
+
+    __slots__ = ("_index", "bit", "num_pages")
+
+    def __init__(self, index: PageIndex, bit: int) -> None:
+        self._index = index
+        self.bit = bit
+        self.num_pages = 0  # pages it holds: each is added once and removed once
+
+    def added(self, namespace: str, hashes: Iterable[int]) -> None:
+        pages = self._index._pages.get(namespace)
+        if pages is None:
+            pages = self._index._pages[namespace] = {}
+        bit = self.bit
+        get = pages.get
+        n = 0
+        for h in hashes:
+            pages[h] = get(h, 0) | bit
+            n += 1
+        self.num_pages += n
+
+    def removed(self, namespace: str, hashes: Iterable[int]) -> None:
+        pages = self._index._pages.get(namespace)
+        if pages is None:
+            return
+        keep = ~self.bit
+        get = pages.get
+        n = 0
+        for h in hashes:
+            mask = get(h, 0) & keep
+            if mask:
+                pages[h] = mask
+            else:
+                pages.pop(h, None)
+            n += 1
+        self.num_pages -= n
+        if not pages:
+            del self._index._pages[namespace]
+
+
+def bits_of(mask: int) -> Iterator[int]:
+    """The set bits of `mask`, each as an int with that bit alone."""
+    while mask:
+        low = mask & -mask
+        yield low
+        mask ^= low
+
+
+class PageIndex:
+    """Page hash -> holders, per namespace (see the module docstring). Not thread-safe."""
+
+    def __init__(self) -> None:
+        self._pages: dict[str, dict[int, int]] = {}
+        self._free_bits: list[int] = []
+        self._next_bit = 1
+
+    def holder(self) -> PageHolder:
+        """A new holder with a bit of its own (a released one first)."""
+        if self._free_bits:
+            bit = self._free_bits.pop()
+        else:
+            bit, self._next_bit = self._next_bit, self._next_bit << 1
+        return PageHolder(self, bit)
+
+    def release(self, holder: PageHolder) -> None:
+        """Forget a holder and give its bit back. One that still holds pages (its tree was not
+        emptied first) is taken out of every page: a scan of the whole index."""
+        if holder.num_pages:
+            self._scrub(holder.bit)
+        holder.num_pages = 0
+        self._free_bits.append(holder.bit)
+
+    def _scrub(self, bit: int) -> None:
+        keep = ~bit
+        for namespace in list(self._pages):
+            pages = self._pages[namespace]
+            for h in [h for h, mask in pages.items() if mask & bit]:
+                mask = pages[h] & keep
+                if mask:
+                    pages[h] = mask
+                else:
+                    del pages[h]
+            if not pages:
+                del self._pages[namespace]
+
+    def depths(self, namespace: str, hashes: Iterable[int], mask: int = -1) -> dict[int, int]:
+        """Leading pages of the chain `hashes` each holder in `mask` has: {holder bit: pages},
+        holders with none left out. Reads only `namespace`'s pages; stops at the first page no
+        holder has (pass the chain lazily: iter_page_hashes)."""
+        pages = self._pages.get(namespace)
+        out: dict[int, int] = {}
+        if not pages:
+            return out
+        get = pages.get
+        held = mask
+        depth = 0
+        for h in hashes:
+            deeper = get(h, 0) & held
+            ended = held & ~deeper if depth else 0
+            for bit in bits_of(ended):
+                out[bit] = depth
+            if not deeper:
+                return out
+            held = deeper
+            depth += 1
+        for bit in bits_of(held if depth else 0):
+            out[bit] = depth
+        return out
+
+    def snapshot(self) -> dict[str, dict[int, int]]:
+        """A copy of the index (integrity checks compare it with one rebuilt from the holders)."""
+        return {ns: dict(pages) for ns, pages in self._pages.items()}

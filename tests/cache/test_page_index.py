@@ -1,0 +1,157 @@
+"""The model-wide page index (page_index.py, fleet_pages.py): one walk of a prompt's hash chain
+gives every pool's cached and promised leading pages, as each pool's own tree and routed prompts
+would; Route on a large fleet ranks only the pools likely best."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cache_service import routing
+from cache_service.page_hash import iter_page_hashes, page_hashes
+from cache_service.page_index import PageIndex
+from cache_service.pool_registry import PoolRegistry
+from cache_service.routing import RouteQuery
+from cache_service.schema import Admit, Extend, Finish, ReplicaLoad, StepInput
+from common.token_bytes import encode_tokens
+from tests.cache.conftest import ManualClock
+
+BS = 4
+
+
+def test_depths_follow_each_holders_leading_run_and_stop_where_nobody_holds() -> None:
+    index = PageIndex()
+    a, b, c = index.holder(), index.holder(), index.holder()
+    chain = page_hashes(0, "", list(range(40)), BS)  # 10 pages
+    a.added("", chain[:6])
+    b.added("", chain[:2])
+    c.added("", page_hashes(0, "", [9] * 8, BS))  # another prompt
+    assert index.depths("", chain) == {a.bit: 6, b.bit: 2}
+    assert index.depths("", chain, mask=b.bit | c.bit) == {b.bit: 2}
+    assert index.depths("", iter(chain[:1])) == {a.bit: 1, b.bit: 1}
+    assert index.depths("tenant", chain) == {}  # the same hashes read in another namespace
+    a.removed("", chain[3:6])
+    assert index.depths("", chain) == {a.bit: 3, b.bit: 2}
+
+
+def test_a_released_holder_leaves_no_page_behind_and_its_bit_is_reused() -> None:
+    index = PageIndex()
+    a, b = index.holder(), index.holder()
+    chain = page_hashes(0, "ns", list(range(16)), BS)
+    a.added("ns", chain)
+    b.added("ns", chain[:1])
+    index.release(a)  # still holding pages: taken out of every page
+    assert index.depths("ns", chain) == {b.bit: 1}
+    b.removed("ns", chain[:1])
+    index.release(b)  # empty: nothing to scan
+    assert index.snapshot() == {}
+    assert {index.holder().bit, index.holder().bit} == {a.bit, b.bit}
+
+
+def _random_fleet(seed: int) -> tuple[PoolRegistry, ManualClock, list[list[int]]]:
+    """Three pools of one model under random admits, finishes, extends (evicting), Routes that
+    record, and one pool retired and registered again."""
+    rng = random.Random(seed)
+    clock = ManualClock()
+    registry = PoolRegistry(lease_seconds=30, clock=clock)
+    for name in ("a", "b", "c"):
+        registry.register(name, 24, BS, "fp", 0, f"{name}:1")
+    stems = [[rng.randrange(1000) for _ in range(12)] for _ in range(3)]
+    prompts = [rng.choice(stems)[: rng.randrange(4, 13)] + [rng.randrange(1000) for _ in range(rng.randrange(1, 9))]
+               for _ in range(30)]
+    running: dict[str, tuple[str, list[int]]] = {}
+    extended: set[str] = set()
+    for i in range(120):
+        pool = registry.pools[rng.choice(sorted(registry.pools))]
+        op = rng.random()
+        mine = [rid for rid, (p, _) in running.items() if p == pool.pool_id]
+        if op < 0.4:
+            prompt = rng.choice(prompts)
+            rid = f"r{i}"
+            if pool.step(StepInput(admits=[Admit(rid, prompt)])).admits[0].admitted:
+                running[rid] = (pool.pool_id, prompt)
+        elif op < 0.7 and mine:
+            rid = rng.choice(mine)
+            prompt = running.pop(rid)[1]
+            computed = len(prompt) + (3 if rid in extended else 0)  # decoded into the extended blocks
+            pool.step(StepInput(finishes=[Finish(rid, [7, 7, 7], computed)]))
+        elif op < 0.8 and mine:
+            rid = rng.choice(mine)
+            result = pool.step(StepInput(extends=[Extend(rid, len(running[rid][1]) + 8)])).extends[0]
+            if result.ok:
+                extended.add(rid)
+        elif op < 0.95:
+            registry.route(RouteQuery(token_ids=tuple(rng.choice(prompts)), model_fingerprint="fp",
+                                      request_id=f"q{i}", dry_run=rng.random() < 0.3))
+        else:
+            for rid in mine:
+                del running[rid]
+            registry.retire(pool.pool_id, "test")
+            registry.register(pool.pool_id, 24, BS, "fp", 0, f"{pool.pool_id}:1")
+        clock.now += 0.5
+        registry.expire_routed()
+    return registry, clock, prompts
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_index_answers_what_each_pools_tree_and_routed_prompts_say(seed: int) -> None:
+    registry, _, prompts = _random_fleet(seed)
+    registry.check_integrity()  # the index equals one rebuilt from the pools
+    (model,) = registry.pages.of_model("fp")
+    for prompt in prompts:
+        key = encode_tokens(prompt[: (len(prompt) - 1) // BS * BS])
+        chain = page_hashes(0, "", key, BS)
+        held = model.held("", iter_page_hashes(0, "", key, BS))
+        for pool in registry.pools.values():
+            assert held.device.get(pool.pool_id, 0) == pool.tree.peek_key(key) // BS
+            assert held.routed.get(pool.pool_id, 0) == pool.routing.routed.promised_pages("", chain)
+
+
+def _big_fleet(n: int) -> PoolRegistry:
+    registry = PoolRegistry(lease_seconds=30, clock=ManualClock())
+    for i in range(n):
+        pool = registry.register(f"p{i:02d}", 64, BS, "fp", 0, f"p{i}:1")
+        pool.step(StepInput(load=ReplicaLoad(0, 100 + i, 4)))  # p00 is the least loaded
+    return registry
+
+
+def test_a_large_fleet_ranks_the_holders_the_promised_and_a_few_least_loaded() -> None:
+    n = routing.FULL_RANK_POOLS + 10
+    registry = _big_fleet(n)
+    prefix = list(range(100, 132))
+    holder = registry.pools["p20"]
+    holder.step(StepInput(admits=[Admit("seed", prefix)]))
+    holder.step(StepInput(finishes=[Finish("seed", [], len(prefix))]))
+    other = list(range(500, 532))
+    promised = registry.route(RouteQuery(token_ids=tuple(other + [1]), model_fingerprint="fp",
+                                         request_id="burst-1")).candidates[0].pool_id
+    ranked = registry.route(RouteQuery(token_ids=tuple(prefix + [1]), model_fingerprint="fp", dry_run=True)).candidates
+    assert ranked[0].pool_id == "p20" and ranked[0].matched_tokens == 32
+    least = [f"p{i:02d}" for i in range(routing.LEAST_LOADED_OTHERS + 1) if f"p{i:02d}" != promised]
+    assert {c.pool_id for c in ranked} == {"p20", *least[: routing.LEAST_LOADED_OTHERS]}
+    # A burst of the new prefix finds the pool it was routed to, however loaded.
+    registry.pools[promised].step(StepInput(load=ReplicaLoad(0, 1000, 4)))
+    follow = registry.route(RouteQuery(token_ids=tuple(other + [2]), model_fingerprint="fp", dry_run=True)).candidates
+    assert promised in {c.pool_id for c in follow}
+    assert next(c for c in follow if c.pool_id == promised).routed_prefix_tokens == 32
+
+
+def test_a_large_fleet_picks_the_pool_ranking_everyone_would(monkeypatch) -> None:
+    rng = random.Random(3)
+    registry = _big_fleet(routing.FULL_RANK_POOLS + 12)
+    stems = [list(range(s * 100, s * 100 + 24)) for s in range(6)]
+    for i, pool in enumerate(registry.pools.values()):
+        for j in range(rng.randrange(3)):
+            prompt = rng.choice(stems)[: rng.randrange(4, 25)] + [i, j]
+            pool.step(StepInput(admits=[Admit(f"s{j}", prompt)]))
+            pool.step(StepInput(finishes=[Finish(f"s{j}", [], len(prompt))]))
+        pool.step(StepInput(load=ReplicaLoad(0, rng.randrange(100), rng.randrange(8))))
+    for stem in stems:
+        query = RouteQuery(token_ids=tuple(stem + [1, 2, 3]), model_fingerprint="fp", dry_run=True)
+        pruned = registry.route(query).candidates
+        monkeypatch.setattr(routing, "FULL_RANK_POOLS", 1 << 20)
+        everyone = registry.route(query).candidates
+        monkeypatch.undo()
+        assert len(everyone) == len(registry.pools) > len(pruned)
+        assert pruned[0] == everyone[0]

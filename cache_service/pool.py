@@ -180,6 +180,11 @@ class Pool:
         for item in step.finishes:
             self._finish(item, released=False)
         commits = [self._commit(item) for item in step.commits]
+        if len(step.extends) > 1:
+            # In a full pool every extend evicts: evict for all of them at once (the same LRU
+            # pages, in one tree pass, one event and one evicted-pages record per step). When
+            # they cannot all fit, nothing is evicted here and each tries on its own, in order.
+            self._make_free(sum(max(0, self._extend_need(item)) for item in step.extends))
         extends = [self._extend(item) for item in step.extends]
         admits: list[AdmitResult] = []
         full = False
@@ -355,11 +360,15 @@ class Pool:
         return AdmitResult(item.request_id, True, num_cached * bs, list(table), miss,
                            loaded.loads if loaded is not None else [], [pulled.pull] if pulled is not None else [])
 
+    def _extend_need(self, item: Extend) -> int:
+        """Blocks an extend asks for beyond those its request holds."""
+        want = min(item.num_tokens + item.num_lookahead_tokens, self.num_blocks * self.block_size)
+        return -(-want // self.block_size) - len(self.requests[item.request_id].block_table)
+
     def _extend(self, item: Extend) -> ExtendResult:
         req = self.requests[item.request_id]
         req.num_needed_tokens = max(req.num_needed_tokens, item.num_tokens)
-        want = min(item.num_tokens + item.num_lookahead_tokens, self.num_blocks * self.block_size)
-        need = -(-want // self.block_size) - len(req.block_table)
+        need = self._extend_need(item)
         if need <= 0:
             return ExtendResult(item.request_id, True, [])
         if not self._make_free(need):

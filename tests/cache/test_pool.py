@@ -333,3 +333,30 @@ def test_resumed_admissions_do_not_count_in_the_hit_rate(make_pool) -> None:
     assert again.cached_tokens == 8
     stats = pool.stats()
     assert (stats.queried_tokens, stats.hit_tokens) == (9, 0)  # only the first admission counts
+
+
+def test_the_extends_of_a_step_evict_together_the_pages_one_by_one_would(make_pool) -> None:
+    """A full pool: three extends in one step evict the three LRU pages in one pass, published as
+    one BlockRemoved; the same extends in three steps evict the same pages."""
+    def run(batched: bool) -> tuple[list[int], int]:
+        log = EventLog()
+        seen = []
+        log.subscribe(seen.append)
+        pool = make_pool(num_blocks=6, block_size=4, events=log)
+        admit(pool, "old", list(range(12)))
+        finish(pool, "old", computed=12)  # 3 cached pages, one leaf: the LRU
+        for rid in ("x", "y", "z"):
+            admit(pool, rid, [ord(rid)] * 4)  # a block each
+        assert pool.stats().num_free_blocks == 0
+        del seen[:]
+        extends = [Extend(rid, 5) for rid in ("x", "y", "z")]  # one more block each
+        steps = [extends] if batched else [[e] for e in extends]
+        for items in steps:
+            assert all(r.ok for r in pool.step(StepInput(extends=items)).extends)
+        removed = [e.payload for e in seen if isinstance(e.payload, BlockRemoved)]
+        return sorted(b for p in removed for b in p.block_ids), len(removed)
+
+    together, events_together = run(batched=True)
+    one_by_one, events_one_by_one = run(batched=False)
+    assert together == one_by_one and len(together) == 3
+    assert (events_together, events_one_by_one) == (1, 3)

@@ -189,6 +189,9 @@ class CacheMachine(RuleBasedStateMachine):
             assert got_commit.cached_tokens == req.num_cached_pages * BS
             assert got_commit.cached_block_ids == req.table[: req.num_cached_pages]
         assert len(result.extends) == len(extends)
+        if len(extends) > 1:  # the pool evicts for all of a step's extends at once, if they all fit
+            _, n = m.make_free(sum(max(0, pages(e.num_tokens) - len(m.live[e.request_id].table)) for e in extends))
+            evicted += n
         for item, got_ext in zip(extends, result.extends, strict=True):
             req = m.live[item.request_id]
             need = pages(item.num_tokens) - len(req.table)

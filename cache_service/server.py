@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import sys
 
 import grpc
 from grpc_health.v1 import health
 
+from cache_service.collector import keep_full_collections_rare
 from cache_service.durable import DEFAULT_FSYNC_SECONDS, DEFAULT_SNAPSHOT_BYTES, DurableState
 from cache_service.events import DEFAULT_BUFFER_BYTES, EventLog
 from cache_service.metrics import Metrics
@@ -66,16 +66,6 @@ async def create_server(
     await set_health(health_servicer, [SERVICE_NAME])
     port = add_port(server, address, credentials)
     return server, port
-
-
-def freeze_startup_heap() -> None:
-    """Collect, then move every object alive now to the collector's permanent generation
-    (gc.freeze): the modules, the gRPC stack and any pools rebuilt from --state-dir, tens of
-    thousands of objects that full collections would otherwise walk again and again, in the
-    middle of some Step. Frozen objects are still freed when their last reference goes; only a
-    reference cycle among them would outlive its use, and start-up leaves none that ends."""
-    gc.collect()
-    gc.freeze()
 
 
 async def expire_leases_forever(registry: PoolRegistry, interval: float) -> None:
@@ -135,12 +125,13 @@ async def serve(
     health_servicer = health.aio.HealthServicer()
     expiry: asyncio.Task | None = None
     syncer: asyncio.Task | None = None
+    collector: asyncio.Task | None = None
 
     async def starting() -> None:
-        nonlocal expiry, syncer
+        nonlocal expiry, syncer, collector
         expiry = asyncio.create_task(expire_leases_forever(registry, min(0.25, lease_seconds / 4)))
         syncer = asyncio.create_task(durable.sync_forever()) if durable is not None else None
-        freeze_startup_heap()
+        collector = asyncio.create_task(keep_full_collections_rare())
 
     async def started() -> None:
         log.info("lease_seconds=%s tls=%s auth=%s worker_san_check=%s max_pools=%d max_pools_per_principal=%d "
@@ -152,6 +143,7 @@ async def serve(
 
     async def stopping() -> None:  # no lease runs out while the server drains
         await cancel_and_wait(expiry)
+        await cancel_and_wait(collector)
 
     async def stopped() -> None:  # the journal kept syncing what the drained calls applied
         await cancel_and_wait(syncer)

@@ -9,6 +9,7 @@ from typing import Any, Unpack
 import grpc
 from google.protobuf.message import Message
 
+from common.shards import parse_shards
 from protos import cache_pb2, cache_pb2_grpc, model_pb2, model_pb2_grpc
 
 from .channel import DEFAULT_RETRY, ClientSettings, RetryPolicy, open_aio_channel
@@ -57,8 +58,8 @@ class AsyncRadixKVClient:
         )
         self._channel = open_aio_channel(self.settings, addr)
         self._model = model_pb2_grpc.ModelServiceStub(self._channel)
-        self._cache_channel: grpc.aio.Channel | None = None
-        self._cache: cache_pb2_grpc.CacheManagerStub | None = None
+        self._cache_channels: list[grpc.aio.Channel] = []
+        self._caches: list[cache_pb2_grpc.CacheManagerStub] = []  # one per cache-manager shard
 
     async def generate(
         self, prompt: str | None = None, *, timeout: float | None = None, **options: Unpack[GenerateOptions]
@@ -125,16 +126,28 @@ class AsyncRadixKVClient:
         return from_proto(Load, response)
 
     async def stats(self, pool_id: str = "", *, timeout: float | None = None) -> list[PoolStats]:
-        """The cache service's per-pool block accounting, hit rate and evictions."""
-        stub = await self._cache_stub(timeout)
-        response = await self._unary(stub.Stats, cache_pb2.StatsRequest(pool_id=pool_id), "Stats", timeout)
-        return pool_stats_list(response)
+        """The cache service's per-pool block accounting, hit rate and evictions. With several
+        cache-manager shards (`cache_addr` "host:port,host:port"), every shard's pools; a `pool_id`
+        is looked for on each (NOT_FOUND only when no shard has it)."""
+        request = cache_pb2.StatsRequest(pool_id=pool_id)
+        pools: list[PoolStats] = []
+        not_found: RadixKVError | None = None
+        for stub in await self._cache_stubs(timeout):
+            try:
+                pools.extend(pool_stats_list(await self._unary(stub.Stats, request, "Stats", timeout)))
+            except RadixKVError as error:
+                if not pool_id or error.code != grpc.StatusCode.NOT_FOUND:
+                    raise
+                not_found = error
+        if not pools and not_found is not None:
+            raise not_found
+        return pools
 
     async def close(self) -> None:
         """Closes the channels (pending calls are cancelled)."""
         await self._channel.close()
-        if self._cache_channel is not None:
-            await self._cache_channel.close()
+        for channel in self._cache_channels:
+            await channel.close()
 
     async def __aenter__(self) -> AsyncRadixKVClient:
         return self
@@ -151,12 +164,12 @@ class AsyncRadixKVClient:
         except grpc.RpcError as error:
             raise RadixKVError.from_rpc_error(error, name, timeout) from None
 
-    async def _cache_stub(self, timeout: float | None) -> cache_pb2_grpc.CacheManagerStub:
-        if self._cache is None:
-            addr = self.settings.cache_addr or (await self.model_info(timeout=timeout)).cache_addr
-            self._cache_channel = open_aio_channel(self.settings, addr)
-            self._cache = cache_pb2_grpc.CacheManagerStub(self._cache_channel)
-        return self._cache
+    async def _cache_stubs(self, timeout: float | None) -> list[cache_pb2_grpc.CacheManagerStub]:
+        if not self._caches:
+            spec = self.settings.cache_addr or (await self.model_info(timeout=timeout)).cache_addr
+            self._cache_channels = [open_aio_channel(self.settings, addr) for addr in parse_shards(spec)]
+            self._caches = [cache_pb2_grpc.CacheManagerStub(channel) for channel in self._cache_channels]
+        return self._caches
 
 
 async def _chunks(call: grpc.aio.UnaryStreamCall, timeout: float | None) -> AsyncIterator[GenerateChunk]:

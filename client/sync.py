@@ -9,6 +9,7 @@ from typing import Any, Unpack
 import grpc
 from google.protobuf.message import Message
 
+from common.shards import parse_shards
 from protos import cache_pb2, cache_pb2_grpc, model_pb2, model_pb2_grpc
 
 from .channel import DEFAULT_RETRY, ClientSettings, RetryPolicy, open_channel
@@ -73,8 +74,8 @@ class RadixKVClient:
         )
         self._channel = open_channel(self.settings, addr)
         self._model = model_pb2_grpc.ModelServiceStub(self._channel)
-        self._cache_channel: grpc.Channel | None = None
-        self._cache: cache_pb2_grpc.CacheManagerStub | None = None
+        self._cache_channels: list[grpc.Channel] = []
+        self._caches: list[cache_pb2_grpc.CacheManagerStub] = []  # one per cache-manager shard
 
     # ------------------------------------------------------------------ generation
 
@@ -145,17 +146,30 @@ class RadixKVClient:
         return from_proto(Load, response)
 
     def stats(self, pool_id: str = "", *, timeout: float | None = None) -> list[PoolStats]:
-        """The cache service's per-pool block accounting, hit rate and evictions."""
+        """The cache service's per-pool block accounting, hit rate and evictions. With several
+        cache-manager shards (`cache_addr` "host:port,host:port"), every shard's pools; a `pool_id`
+        is looked for on each (NOT_FOUND only when no shard has it)."""
         request = cache_pb2.StatsRequest(pool_id=pool_id)
-        return pool_stats_list(self._unary(self._cache_stub(timeout).Stats, request, "Stats", timeout))
+        pools: list[PoolStats] = []
+        not_found: RadixKVError | None = None
+        for stub in self._cache_stubs(timeout):
+            try:
+                pools.extend(pool_stats_list(self._unary(stub.Stats, request, "Stats", timeout)))
+            except RadixKVError as error:
+                if not pool_id or error.code != grpc.StatusCode.NOT_FOUND:
+                    raise
+                not_found = error
+        if not pools and not_found is not None:
+            raise not_found
+        return pools
 
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
         """Closes the channels (pending calls are cancelled)."""
         self._channel.close()
-        if self._cache_channel is not None:
-            self._cache_channel.close()
+        for channel in self._cache_channels:
+            channel.close()
 
     def __enter__(self) -> RadixKVClient:
         return self
@@ -172,12 +186,12 @@ class RadixKVClient:
         except grpc.RpcError as error:
             raise RadixKVError.from_rpc_error(error, name, timeout) from None
 
-    def _cache_stub(self, timeout: float | None) -> cache_pb2_grpc.CacheManagerStub:
-        if self._cache is None:
-            addr = self.settings.cache_addr or self.model_info(timeout=timeout).cache_addr
-            self._cache_channel = open_channel(self.settings, addr)
-            self._cache = cache_pb2_grpc.CacheManagerStub(self._cache_channel)
-        return self._cache
+    def _cache_stubs(self, timeout: float | None) -> list[cache_pb2_grpc.CacheManagerStub]:
+        if not self._caches:
+            spec = self.settings.cache_addr or self.model_info(timeout=timeout).cache_addr
+            self._cache_channels = [open_channel(self.settings, addr) for addr in parse_shards(spec)]
+            self._caches = [cache_pb2_grpc.CacheManagerStub(channel) for channel in self._cache_channels]
+        return self._caches
 
 
 def _chunks(call: grpc.Call, timeout: float | None) -> Iterator[GenerateChunk]:

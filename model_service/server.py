@@ -20,6 +20,7 @@ from common.limits import RequestLimits, ServerLimits, id_error
 from common.metrics_server import DEFAULT_METRICS_HOST
 from common.security import ClientTLS, ServerTLS, add_port
 from common.server_runner import ServerHooks, run_server
+from common.shards import parse_shards, shard_for
 from model_service import native
 from model_service.attention import AttentionBackend, TorchAttentionBackend, create_attention_backend
 from model_service.cache_client import CacheClient
@@ -177,7 +178,11 @@ def build_engine(config: ModelServiceConfig, worker_id: str) -> tuple[Engine, Mo
             log.info("oneDNN kernels for 1-%d rows built in %.1f s", config.max_num_seqs, time.perf_counter() - started)
     scheduler = Scheduler(SchedulerConfig(config.block_size, config.max_batch_tokens, config.max_num_seqs,
                                           config.max_waiting, lookahead_blocks=config.lookahead_blocks))
-    cache = CacheClient(config.cache_addr, worker_id, num_blocks, config.block_size, loaded.fingerprint,
+    shards = parse_shards(config.cache_addr)
+    cache_addr = shard_for(worker_id, shards)  # common/shards.py: this replica's pool lives there
+    if len(shards) > 1:
+        log.info("cache manager shard %s (of %d) owns worker %s", cache_addr, len(shards), worker_id)
+    cache = CacheClient(cache_addr, worker_id, num_blocks, config.block_size, loaded.fingerprint,
                         loaded.vocab_size, timeout=config.cache_timeout,
                         credentials=config.cache_tls.credentials() if config.cache_tls is not None else None,
                         token=config.cache_token)
@@ -196,7 +201,7 @@ def build_engine(config: ModelServiceConfig, worker_id: str) -> tuple[Engine, Mo
                                  cache_pipeline=config.cache_pipeline), scheduler, runner,
                     Sampler(), cache, metrics, tiers, puller)
     info = ServingInfo(config.block_size, num_blocks, str(dtype).removeprefix("torch."), str(device), backend.name,
-                       config.cache_addr, worker_id)
+                       cache_addr, worker_id)
     return engine, ModelServicer(engine, loaded, info, config.request_limits)
 
 

@@ -38,6 +38,9 @@ class RouterMetrics(MetricsServer):
         self.cache_manager_up = Gauge("radixkv_router_cache_manager_up",
                                       "1 while the cache manager answers, else 0 (routing falls back to load)",
                                       registry=r)
+        self.cache_shards_missing = Counter(
+            "radixkv_router_cache_shards_missing", "Cache-manager shards that failed or missed the deadline of a "
+            "Route or Stats, and so dropped out of that decision (--cache-addr with several shards)", registry=r)
         self.untrusted_addrs = Counter(
             "radixkv_router_untrusted_addrs", "serving_addrs the cache manager listed (Stats) or offered (Route) "
             "outside the router's trust (--replica, --replica-dns, --replica-allow): skipped, never called",

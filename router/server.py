@@ -29,7 +29,9 @@ from common.limits import ServerLimits, id_error
 from common.metrics_server import DEFAULT_METRICS_HOST
 from common.security import ClientTLS, ServerTLS, add_port
 from common.server_runner import ServerHooks, StartupError, cancel_and_wait, run_server
+from common.shards import parse_shards
 from protos import model_pb2
+from router.cache_shards import ShardedCache
 from router.core import CoreConfig, RouterCore
 from router.http_body import DEFAULT_MAX_BODY_BYTES
 from router.metrics import RouterMetrics
@@ -128,9 +130,9 @@ async def serve(config: RouterConfig) -> int:
     replicas = ReplicaSet(config.replicas, trust=trust)
     upstream = ReplicaClients(config.replica_tls.credentials() if config.replica_tls is not None else None,
                               config.replica_token, trust)
-    cache = CacheManagerClient(config.cache_addr,
-                               config.cache_tls.credentials() if config.cache_tls is not None else None,
-                               config.cache_token)
+    cache_credentials = config.cache_tls.credentials() if config.cache_tls is not None else None
+    cache = ShardedCache([CacheManagerClient(addr, cache_credentials, config.cache_token)
+                          for addr in parse_shards(config.cache_addr)], metrics.cache_shards_missing.inc)
     try:
         core_config = CoreConfig(policy=config.policy, reserve_ms=config.reserve_ms,
                                  route_timeout_s=config.route_timeout_s)

@@ -55,6 +55,7 @@ REPLICA_FIXTURES = frozenset({
     "replicas",            # tests/security/test_tenant_scoping.py
     "soak_services",       # tests/security/test_soak.py
     "pull_fleet",          # tests/model_service/test_kv_pulls.py
+    "sharded_fleet",       # tests/router/test_sharded_fleet.py
 })
 # Fixtures of long load runs: a test using any of them is `soak`.
 SOAK_FIXTURES = frozenset({

@@ -18,6 +18,7 @@ ROUTER_PORT ?= 50050
 HTTP_PORT ?= 8000
 MODEL ?=
 RUN_ARGS ?=
+SHARDS ?= 1
 PYTEST_ARGS ?=
 
 .PHONY: install proto native node run run-fleet test test-fast bench bench-quick bench-peers lint clean
@@ -56,11 +57,12 @@ run: install
 	$(BIN)/python -m scripts.serve --host $(HOST) --cache-port $(CACHE_PORT) --model-port $(MODEL_PORT) \
 		$(if $(MODEL),--model $(MODEL)) $(RUN_ARGS)
 
-# Cache service + two replicas (ports MODEL_PORT, MODEL_PORT+1; --num-threads 1 each) + the router
-# (gRPC ROUTER_PORT, OpenAI HTTP HTTP_PORT). RUN_ARGS go to the launcher (see scripts/serve_fleet.py).
+# Cache service (SHARDS=N: N shards, ports CACHE_PORT + 100 i) + two replicas (ports MODEL_PORT,
+# MODEL_PORT+1; --num-threads 1 each) + the router (gRPC ROUTER_PORT, OpenAI HTTP HTTP_PORT).
+# RUN_ARGS go to the launcher (see scripts/serve_fleet.py).
 run-fleet: install
-	$(BIN)/python -m scripts.serve_fleet --host $(HOST) --cache-port $(CACHE_PORT) --model-port $(MODEL_PORT) \
-		--router-port $(ROUTER_PORT) --http-port $(HTTP_PORT) $(if $(MODEL),--model $(MODEL)) $(RUN_ARGS)
+	$(BIN)/python -m scripts.serve_fleet --host $(HOST) --cache-port $(CACHE_PORT) --shards $(SHARDS) \
+		--model-port $(MODEL_PORT) --router-port $(ROUTER_PORT) --http-port $(HTTP_PORT) $(if $(MODEL),--model $(MODEL)) $(RUN_ARGS)
 
 # The full gate (.ci/run): every test, ~8 min on 2 cores.
 test: install node

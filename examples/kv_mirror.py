@@ -19,7 +19,11 @@ Events of servers without tiers carry no tier: they are about device blocks (TIE
   built from (a cache-manager restart whose new sequence numbers happen to cover the resume
   point), drop all state and resubscribe with a snapshot.
 
-    python -m examples.kv_mirror --cache-addr 127.0.0.1:50051 [--pool-id P] [--interval 5]
+A cache manager run as several shards (common/shards.py: each owns the pools of the replicas
+that hash to it) numbers its events per shard, so `ShardedKvMirror` keeps one watcher and one
+mirror per shard and answers for a pool from the shard's mirror that holds it.
+
+    python -m examples.kv_mirror --cache-addr 127.0.0.1:50051[,127.0.0.1:50151] [--pool-id P] [--interval 5]
 
 prints each pool's mirrored page count per tier every --interval seconds.
 """
@@ -263,10 +267,37 @@ class KvMirrorWatcher:
             epoch = mirror.publisher_epoch
 
 
+class ShardedKvMirror:
+    """One KvMirrorWatcher per cache-manager shard; pools are answered from the shard holding them."""
+
+    def __init__(self, cache_addrs: Sequence[str], **watcher_args) -> None:
+        self.watchers = [KvMirrorWatcher(addr, **watcher_args) for addr in cache_addrs]
+
+    def start(self) -> ShardedKvMirror:
+        for watcher in self.watchers:
+            watcher.start()
+        return self
+
+    def stop(self) -> None:
+        for watcher in self.watchers:
+            watcher.stop()
+
+    def _mirror_of(self, pool_id: str) -> KvMirror | None:
+        return next((w.mirror for w in self.watchers if pool_id in w.mirror.pools), None)
+
+    def match(self, pool_id: str, token_ids: Sequence[int], namespace: str = "", tier: int = TIER_DEVICE) -> int:
+        mirror = self._mirror_of(pool_id)
+        return mirror.match(pool_id, token_ids, namespace, tier) if mirror is not None else 0
+
+    def num_pages_by_tier(self) -> dict[str, dict[str, int]]:
+        return {pool_id: pages for w in self.watchers for pool_id, pages in w.mirror.num_pages_by_tier().items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m examples.kv_mirror",
                                      description="mirror the cache manager's pool trees from WatchEvents")
-    parser.add_argument("--cache-addr", default="127.0.0.1:50051", help="cache manager address HOST:PORT")
+    parser.add_argument("--cache-addr", default="127.0.0.1:50051",
+                        help="cache manager address HOST:PORT, or its shards' addresses comma-separated")
     parser.add_argument("--pool-id", default="", help="mirror only this pool (default: every pool)")
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between summaries")
     parser.add_argument("--cache-tls-ca", type=Path, metavar="PEM", help="CA of the cache manager's TLS cert")
@@ -276,14 +307,17 @@ def main(argv: list[str] | None = None) -> int:
     credentials = (grpc.ssl_channel_credentials(args.cache_tls_ca.read_bytes())
                    if args.cache_tls_ca else None)
     token = args.cache_token_file.read_text().strip() if args.cache_token_file else None
-    watcher = KvMirrorWatcher(args.cache_addr, pool_id=args.pool_id, credentials=credentials, token=token).start()
+    shards = [addr.strip() for addr in args.cache_addr.split(",") if addr.strip()]
+    fleet = ShardedKvMirror(shards, pool_id=args.pool_id, credentials=credentials, token=token).start()
     try:
         while True:
             time.sleep(args.interval)
-            m = watcher.mirror
-            print(f"sequence={m.last_sequence} epoch={m.publisher_epoch} pages={m.num_pages_by_tier()}", flush=True)
+            for addr, watcher in zip(shards, fleet.watchers, strict=True):
+                m = watcher.mirror
+                print(f"{addr} sequence={m.last_sequence} epoch={m.publisher_epoch} pages={m.num_pages_by_tier()}",
+                      flush=True)
     except KeyboardInterrupt:
-        watcher.stop()
+        fleet.stop()
         return 0
 
 

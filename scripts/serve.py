@@ -133,11 +133,11 @@ def run_in_foreground(console: Console, grace_seconds: float, start: Starter) ->
 
 
 def start_cache(host: str, port: int, cache_args: str, console: Console, stop: threading.Event,
-                children: list[ServiceProcess]) -> ServiceProcess:
+                children: list[ServiceProcess], prefix: str = "cache") -> ServiceProcess:
     """Starts the cache service; returns once it prints its address (not yet SERVING)."""
     console.line(f"==> starting cache_service on {host}:{port}")
     cache_argv = ["--host", host, "--port", str(port), *shlex.split(cache_args)]
-    cache = ServiceProcess("cache_service", cache_argv, console.sink("cache"))
+    cache = ServiceProcess("cache_service", cache_argv, console.sink(prefix))
     children.append(cache)
     cache.wait_listening(60.0, stop)
     return cache

@@ -1,17 +1,20 @@
-"""``make run-fleet``: a small fleet on this machine, in the foreground: the cache service, two
-(``--replicas N``) model replicas of the bundled model, and the router in front of them with its
-OpenAI-compatible HTTP API. Output is passed through with ``[cache]`` / ``[model-0]`` ... /
+"""``make run-fleet``: a small fleet on this machine, in the foreground: the cache service (or
+``--shards N`` cache-manager shards, ``make run-fleet SHARDS=2``), two (``--replicas N``) model
+replicas of the bundled model, and the router in front of them with its OpenAI-compatible HTTP
+API. Output is passed through with ``[cache]`` (``[cache-0]`` ...) / ``[model-0]`` ... /
 ``[router]`` prefixes; Ctrl-C or SIGTERM stops them all (router first, cache service last), and
 if one dies the rest are stopped and the launcher exits non-zero (as ``make run``, whose code
 this reuses: scripts/serve.py).
 
-    python -m scripts.serve_fleet [--host H] [--cache-port P] [--model-port P] [--replicas N]
+    python -m scripts.serve_fleet [--host H] [--cache-port P] [--shards N] [--model-port P] [--replicas N]
         [--router-port P] [--http-port P] [--policy kv|least-loaded|round-robin] [--model PATH]
         [--num-threads T] [--kv-pulls on|off] [--cache-args "..."] [--router-args "..."]
         [MODEL SERVICE FLAGS ...]
 
-Replica i listens on --model-port + i (all on free ports when --model-port is 0). Flags the
-launcher does not know go to every model service.
+Replica i listens on --model-port + i, shard i on --cache-port + 100 i (free ports when the first
+is 0). Every replica and the router get all shard addresses: a replica registers with the shard its
+worker id hashes to (common/shards.py), the router asks every shard. Flags the launcher does not
+know go to every model service.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     )
     parser.add_argument("--host", default="127.0.0.1", help="address every service binds (default 127.0.0.1)")
     parser.add_argument("--cache-port", type=int, default=50051, help="cache service port (0: any free port)")
+    parser.add_argument("--shards", type=int, default=1,
+                        help="cache-manager shards, each owning the pools of the replicas that hash to it "
+                             "(default 1)")
     parser.add_argument("--model-port", type=int, default=50052,
                         help="first replica's port, the next ones follow (0: any free ports)")
     parser.add_argument("--replicas", type=int, default=2, help="number of model replicas (default 2)")
@@ -64,8 +70,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     parser.add_argument("--grace-seconds", type=float, default=10.0,
                         help="seconds between SIGTERM and SIGKILL when stopping (default 10)")
     args, model_args = parser.parse_known_args(argv)
-    if args.replicas < 1:
-        parser.error("--replicas must be >= 1")
+    if args.replicas < 1 or args.shards < 1:
+        parser.error("--replicas and --shards must be >= 1")
     return args, model_args
 
 
@@ -73,10 +79,15 @@ def model_ports(args: argparse.Namespace) -> list[int]:
     return [0 if args.model_port == 0 else args.model_port + i for i in range(args.replicas)]
 
 
+def cache_ports(args: argparse.Namespace) -> list[int]:
+    """Shard i on --cache-port + 100 i: clear of the replicas' ports, which follow 50052."""
+    return [0 if args.cache_port == 0 else args.cache_port + 100 * i for i in range(args.shards)]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, model_args = parse_args(argv)
     console = Console()
-    ports = [args.cache_port, *model_ports(args), args.router_port, args.http_port]
+    ports = [*cache_ports(args), *model_ports(args), args.router_port, args.http_port]
     if not ports_free(console, args.host, ports,
                       "make run-fleet CACHE_PORT=... MODEL_PORT=... ROUTER_PORT=... HTTP_PORT=..."):
         return EXIT_FAILED
@@ -87,25 +98,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 def serve(args: argparse.Namespace, model_args: list[str], console: Console, stop: threading.Event,
           children: list[ServiceProcess]) -> None:
     host = args.host
-    cache = start_cache(host, args.cache_port, args.cache_args, console, stop, children)
-    assert cache.addr is not None
+    shards = [start_cache(host, port, args.cache_args, console, stop, children,
+                          prefix="cache" if args.shards == 1 else f"cache-{i}")
+              for i, port in enumerate(cache_ports(args))]
+    cache_addr = ",".join(str(shard.addr) for shard in shards)
     replicas = []
     for i, port in enumerate(model_ports(args)):
-        console.line(f"==> starting model_service {i} on {host}:{port} (cache service at {cache.addr})")
-        argv = ["--host", host, "--port", str(port), "--cache-addr", cache.addr, "--worker-id", f"replica-{i}",
+        console.line(f"==> starting model_service {i} on {host}:{port} (cache service at {cache_addr})")
+        argv = ["--host", host, "--port", str(port), "--cache-addr", cache_addr, "--worker-id", f"replica-{i}",
                 "--num-threads", str(args.num_threads), "--kv-pulls", args.kv_pulls]
         if args.model:
             argv += ["--model", args.model]
         replicas.append(start_model([*argv, *model_args], console, children, prefix=f"model-{i}"))
-    cache.wait_serving(60.0, stop=stop)
-    console.line(f"==> cache_service is SERVING at {cache.addr}")
+    for shard in shards:
+        shard.wait_serving(60.0, stop=stop)
+    console.line(f"==> cache_service is SERVING at {cache_addr}")
     console.line(f"==> waiting for {len(replicas)} model replicas: loading the model")
     for replica in replicas:
-        wait_model(replica, args.startup_timeout, console, stop, [cache, *replicas])
+        wait_model(replica, args.startup_timeout, console, stop, [*shards, *replicas])
     replica_addrs = [r.addr for r in replicas if r.addr is not None]
 
     console.line(f"==> starting router on {host}:{args.router_port} (HTTP on port {args.http_port})")
-    router_argv = ["--host", host, "--port", str(args.router_port), "--cache-addr", cache.addr,
+    router_argv = ["--host", host, "--port", str(args.router_port), "--cache-addr", cache_addr,
                    "--http-port", str(args.http_port), "--policy", args.policy,
                    *(flag for addr in replica_addrs for flag in ("--replica", addr)), *shlex.split(args.router_args)]
     http_urls: list[str] = []
@@ -118,10 +132,10 @@ def serve(args: argparse.Namespace, model_args: list[str], console: Console, sto
 
     router = ServiceProcess("router", router_argv, sink)
     children.append(router)
-    router.wait_serving(60.0, stop=stop, watch=[cache, *replicas])
+    router.wait_serving(60.0, stop=stop, watch=[*shards, *replicas])
     assert router.addr is not None
     http_url = http_urls[0] if http_urls else f"http://{host}:{args.http_port}/v1"
-    console.line(how_to_query(router.addr, http_url, cache.addr, replica_addrs, model_name(router.addr)))
+    console.line(how_to_query(router.addr, http_url, cache_addr, replica_addrs, model_name(router.addr)))
 
 
 def model_name(addr: str) -> str:

@@ -23,6 +23,7 @@ import yaml
 from grpc_health.v1 import health_pb2  # noqa: F401  (the HEALTHCHECK needs it in the image)
 
 from common.auth import parse_tokens
+from common.shards import parse_shards
 from protos import cache_pb2, cache_pb2_grpc
 from tests.cache.conftest import REPO
 
@@ -252,10 +253,14 @@ def test_addresses_name_real_services(variant) -> None:
     _, docs = variant
     services = by_kind(docs, "Service")
     router_dep = one(docs, "radixkv-router")
+    shards = one(docs, "radixkv-cache")
+    shard_addrs = {f"{shards['metadata']['name']}-{i}.{shards['spec']['serviceName']}:{p['port']}"
+                   for i in range(shards["spec"]["replicas"])
+                   for p in services[shards["spec"]["serviceName"]]["spec"]["ports"]}
+    assert services[shards["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"  # a DNS name per shard pod
     for dep in [*replicas(docs).values(), router_dep]:
-        args = container(dep)["args"]
-        host, port = flag(args, "--cache-addr").rsplit(":", 1)
-        assert int(port) in {p["port"] for p in services[host]["spec"]["ports"]}
+        # every shard, each by its pod's stable name (common/shards.py picks a replica's own)
+        assert set(parse_shards(flag(container(dep)["args"], "--cache-addr"))) == shard_addrs
     for replica in replicas(docs).values():
         model = container(replica)
         assert flag(model["args"], "--advertise-addr") == f"$(POD_IP):{flag(model['args'], '--port')}"
@@ -413,7 +418,8 @@ def compose() -> dict:
     return yaml.safe_load((REPO / "docker-compose.yml").read_text())
 
 
-SERVERS = ("cache", "replica-0", "replica-1", "router")
+SERVERS = ("cache-0", "cache-1", "replica-0", "replica-1", "router")
+CACHE_SHARDS = ("cache-0", "cache-1")  # one cache manager as two shards: they share its token volume
 
 
 def after(services: dict, name: str) -> set[str]:
@@ -428,15 +434,17 @@ def test_compose_structure() -> None:
     assert services["tokens"]["build"] == "."
     images = {s["image"] for s in services.values()}
     assert len(images) == 1
-    cache_port = flag(services["cache"]["command"], "--port")
+    shards = ",".join(f"{name}:{flag(services[name]['command'], '--port')}" for name in CACHE_SHARDS)
+    assert services["cache-0"] == services["cache-1"]
     for name in ("replica-0", "replica-1"):
         cmd = services[name]["command"]
         assert cmd[0] == "model_service"
         assert flag(cmd, "--advertise-addr") == f"{name}:{flag(cmd, '--port')}"
-        assert flag(cmd, "--cache-addr") == f"cache:{cache_port}"
+        assert flag(cmd, "--cache-addr") == shards
         assert flag(cmd, "--host") == "0.0.0.0"
+        assert set(CACHE_SHARDS) <= after(services, name)
     router = services["router"]["command"]
-    assert router[0] == "router" and flag(router, "--cache-addr") == f"cache:{cache_port}"
+    assert router[0] == "router" and flag(router, "--cache-addr") == shards
     assert f"{flag(router, '--http-port')}:{flag(router, '--http-port')}" in services["router"]["ports"]
     for name, svc in services.items():
         for dep, cond in svc.get("depends_on", {}).items():
@@ -461,9 +469,10 @@ def test_compose_runs_with_tokens_each_server_seeing_only_its_own() -> None:
         assert "tokens" in after(services, name), name  # starts once the tokens exist
         (mount,) = [v for v in svc["volumes"] if v.split(":")[1] == TOKEN_DIR]
         volume, _, mode = mount.split(":")
-        assert mode == "ro" and volume not in seen.values(), (name, mount)
-        seen[name] = volume
-        assert made[volume] == f"{out}/{name}", (name, made[volume])  # make_tokens' directory for it
+        owner = "cache" if name in CACHE_SHARDS else name
+        assert mode == "ro" and seen.get(volume, owner) == owner, (name, mount)
+        seen[volume] = owner
+        assert made[volume] == f"{out}/{owner}", (name, made[volume])  # make_tokens' directory for it
         assert "--auth-token-file" not in svc["command"]
         assert "--metrics-host" not in svc["command"] and "9100" not in str(svc.get("ports", []))
     replica_args = [a for i, a in enumerate(cmd) if i and cmd[i - 1] == "--replica"]

@@ -29,15 +29,19 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import grpc
 import numpy as np
 
 from bench.cache_bench import start_server
+from common.shards import shard_for
 from protos import cache_pb2 as pb
 from protos import cache_pb2_grpc
+from router.cache_shards import ShardedCache
+from router.errors import UpstreamError
+from router.upstream import CacheManagerClient
 
 P99_TARGET_MS = 10.0
 VOCAB = 49152
@@ -117,8 +121,10 @@ class Workload:
 class Replica:
     """One simulated model replica: its running requests and the Step it sends each step."""
 
-    def __init__(self, name: str, cfg: SimConfig, work: Workload, stub, stats: LevelStats) -> None:
-        self.name, self.cfg, self.work, self.stub, self.stats = name, cfg, work, stub, stats
+    def __init__(self, name: str, cfg: SimConfig, work: Workload, stub, route: Callable[[pb.RouteRequest], Awaitable],
+                 stats: LevelStats) -> None:
+        """`stub`: its shard's CacheManager stub; `route`: Route as the router asks it (every shard)."""
+        self.name, self.cfg, self.work, self.stub, self.route, self.stats = name, cfg, work, stub, route, stats
         self.pool_id, self.epoch = "", 0
         self.running: dict[str, SimRequest] = {}
         self.waiting: list[SimRequest] = []
@@ -153,10 +159,10 @@ class Replica:
     async def _route(self, req: SimRequest) -> None:
         t0 = time.perf_counter()
         try:
-            await self.stub.Route(pb.RouteRequest(
+            await self.route(pb.RouteRequest(
                 token_ids=req.prompt.tolist(), model_fingerprint=FINGERPRINT, request_id=req.rid,
-                reserve_ms=self.cfg.reserve_ms, max_candidates=self.cfg.route_candidates), timeout=10)
-        except grpc.aio.AioRpcError:
+                reserve_ms=self.cfg.reserve_ms, max_candidates=self.cfg.route_candidates))
+        except (grpc.aio.AioRpcError, UpstreamError):
             self.stats.errors += self.measuring
             return
         if self.measuring:
@@ -274,15 +280,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def drive(address: str, replicas: int, warmup_s: float, measure_s: float, cfg: SimConfig, server_pid: int,
-                seed: int = 0) -> dict:
-    """The load generator's side of one fleet size: register, warm up (pools fill), measure."""
+async def drive(addresses: list[str], replicas: int, warmup_s: float, measure_s: float, cfg: SimConfig,
+                server_pids: list[int], seed: int = 0) -> dict:
+    """The load generator's side of one fleet size: register, warm up (pools fill), measure.
+    Several addresses: cache-manager shards, each replica on its own (common/shards.py), Route
+    asked of all of them and merged as the router does (router/cache_shards.py)."""
     stats = LevelStats(replicas, measure_s)
     work = Workload(cfg, seed)
-    channels = [grpc.aio.insecure_channel(address) for _ in range(max(1, (replicas + 7) // 8))]
+    per_shard = max(1, (replicas // len(addresses) + 7) // 8)
+    channels = {addr: [grpc.aio.insecure_channel(addr) for _ in range(per_shard)] for addr in addresses}
+    router_view = ShardedCache([CacheManagerClient(addr) for addr in addresses])
     try:
-        fleet = [Replica(f"sim-{i}", cfg, work, cache_pb2_grpc.CacheManagerStub(channels[i % len(channels)]), stats)
-                 for i in range(replicas)]
+        fleet = []
+        for i in range(replicas):
+            name = f"sim-{i}"
+            shard = channels[shard_for(name, addresses)]
+            stub = cache_pb2_grpc.CacheManagerStub(shard[i % len(shard)])
+            route = ((lambda request, stub=stub: stub.Route(request, timeout=10)) if len(addresses) == 1
+                     else (lambda request: router_view.route(request, 10.0)))
+            fleet.append(Replica(name, cfg, work, stub, route, stats))
         for replica in fleet:
             await replica.register()
         await asyncio.gather(*(replica.fill() for replica in fleet))
@@ -295,16 +311,18 @@ async def drive(address: str, replicas: int, warmup_s: float, measure_s: float, 
         await asyncio.sleep(max(0.0, start + warmup_s - time.perf_counter()))
         for replica in fleet:
             replica.measuring = True
-        cpu0, own0, t0 = cpu_seconds(server_pid), time.process_time(), time.perf_counter()
+        cpu0, own0, t0 = sum(map(cpu_seconds, server_pids)), time.process_time(), time.perf_counter()
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
-        cpu1, own1 = cpu_seconds(server_pid), time.process_time()
+        cpu1, own1 = sum(map(cpu_seconds, server_pids)), time.process_time()
     finally:
-        for channel in channels:
-            await channel.close()
+        await router_view.close()
+        for shard in channels.values():
+            for channel in shard:
+                await channel.close()
     steps = stats.step_ms
     return {
-        "replicas": replicas, "measured_s": round(wall, 2),
+        "replicas": replicas, "shards": len(addresses), "measured_s": round(wall, 2),
         "steps_asked_per_s": round(replicas * 1e3 / cfg.step_ms, 1),
         "steps_served_per_s": round(stats.steps_served / wall, 1),
         "step_p50_ms": round(pct(steps, 0.5), 3), "step_p99_ms": round(pct(steps, 0.99), 3),
@@ -318,17 +336,21 @@ async def drive(address: str, replicas: int, warmup_s: float, measure_s: float, 
     }
 
 
-def run_level(replicas: int, warmup_s: float, measure_s: float, cfg: SimConfig, server_args: Sequence[str] = ()) -> dict:
-    """A fresh cache manager pinned to CPU 0, the load generator (a child process) on CPU 1."""
-    proc, port = start_server("cache_service", "--log-level", "WARNING", "--lease-seconds", "60",
-                              "--max-pools", "4096", "--max-cache-memory-mib", "65536", *server_args)
+def run_level(replicas: int, warmup_s: float, measure_s: float, cfg: SimConfig, shards: int = 1) -> dict:
+    """Fresh cache managers, each pinned to a CPU of its own, and the load generator (a child
+    process) on the next CPU: CPU 0 and 1 for one shard on a 2-core machine."""
     cpus = sorted(os.sched_getaffinity(0))
-    server_cpu, generator_cpu = (cpus[0], cpus[1]) if len(cpus) > 1 else (cpus[0], cpus[0])
+    servers = [start_server("cache_service", "--log-level", "WARNING", "--lease-seconds", "60",
+                            "--max-pools", "4096", "--max-cache-memory-mib", "65536") for _ in range(shards)]
+    generator_cpu = cpus[shards % len(cpus)]
     try:
-        os.sched_setaffinity(proc.pid, {server_cpu})
+        for i, (proc, _) in enumerate(servers):
+            os.sched_setaffinity(proc.pid, {cpus[i % len(cpus)]})
+        addresses = ",".join(f"127.0.0.1:{port}" for _, port in servers)
+        pids = ",".join(str(proc.pid) for proc, _ in servers)
         child = subprocess.run(
-            [sys.executable, "-m", "bench.fleet_scale", "--child", f"127.0.0.1:{port}", "--replicas", str(replicas),
-             "--warmup", str(warmup_s), "--seconds", str(measure_s), "--server-pid", str(proc.pid),
+            [sys.executable, "-m", "bench.fleet_scale", "--child", addresses, "--replicas", str(replicas),
+             "--warmup", str(warmup_s), "--seconds", str(measure_s), "--server-pids", pids,
              "--config", json.dumps(asdict(cfg))],
             capture_output=True, text=True, timeout=warmup_s + measure_s + 120,
             preexec_fn=lambda: os.sched_setaffinity(0, {generator_cpu}))
@@ -336,8 +358,9 @@ def run_level(replicas: int, warmup_s: float, measure_s: float, cfg: SimConfig, 
             raise RuntimeError(f"load generator failed: {child.stderr[-2000:]}")
         return json.loads(child.stdout.strip().splitlines()[-1])
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        for proc, _ in servers:
+            proc.terminate()
+            proc.wait(timeout=30)
 
 
 def knee(rows: list[dict]) -> int:
@@ -356,23 +379,44 @@ COLUMNS = [("replicas", "replicas", ""), ("steps_asked_per_s", "Steps/s asked", 
            ("generator_cpu", "generator CPU", ".0%")]
 
 
-def run(quick: bool, echo: Callable[[str], object] = print, sizes: Sequence[int] | None = None) -> dict:
-    """Fleet sizes in turn, each against a fresh cache manager; tables go to `echo`."""
+def series(sizes: Sequence[int], warmup: float, seconds: float, cfg: SimConfig, shards: int,
+           echo: Callable[[str], object]) -> list[dict]:
+    """Fleet sizes in turn, each against fresh cache managers; stops once far past the knee."""
     from bench.cache_bench import table
 
-    cfg = SimConfig()
-    sizes = list(sizes or ((8, 16, 32) if quick else (8, 12, 16, 24, 32, 48, 64)))
-    warmup, seconds = (4.0, 6.0) if quick else (8.0, 15.0)
-    echo(f"== fleet scale: one cache manager on one CPU, replicas of {cfg.batch} requests stepping every "
-         f"{cfg.step_ms:.0f} ms, Route per new prompt (CPU: {cpu_model()})")
-    rows = []
+    rows: list[dict] = []
     for n in sizes:
-        rows.append(run_level(n, warmup, seconds, cfg))
+        rows.append(run_level(n, warmup, seconds, cfg, shards))
         echo(table(rows[-1:], COLUMNS) if len(rows) == 1 else table(rows[-1:], COLUMNS).splitlines()[-1])
         if rows[-1]["steps_served_per_s"] < 0.8 * rows[-1]["steps_asked_per_s"]:
             break  # far past the knee: larger fleets only take longer to say the same
-    result = {"config": asdict(cfg), "rows": rows, "knee_replicas": knee(rows), "p99_target_ms": P99_TARGET_MS}
-    echo(f"knee: {result['knee_replicas']} replicas with Step p99 < {P99_TARGET_MS:.0f} ms (target: 48)")
+    return rows
+
+
+def run(quick: bool, echo: Callable[[str], object] = print, sizes: Sequence[int] | None = None,
+        shards: int = 1) -> dict:
+    """One shard's series; then two shards' when the machine has a CPU for each and one for the
+    load generator (the two-shard target: 1.8x one shard's knee). Tables go to `echo`."""
+    cfg = SimConfig()
+    sizes = list(sizes or ((8, 16, 32) if quick else (8, 12, 16, 24, 32, 48, 64)))
+    warmup, seconds = (4.0, 6.0) if quick else (8.0, 15.0)
+    cpus = len(os.sched_getaffinity(0))
+    echo(f"== fleet scale: {shards} cache manager shard(s), one CPU each, replicas of {cfg.batch} requests "
+         f"stepping every {cfg.step_ms:.0f} ms, Route per new prompt (CPU: {cpu_model()}, {cpus} cores)")
+    rows = series(sizes, warmup, seconds, cfg, shards, echo)
+    result: dict = {"config": asdict(cfg), "shards": shards, "rows": rows, "knee_replicas": knee(rows),
+                    "p99_target_ms": P99_TARGET_MS}
+    echo(f"knee: {result['knee_replicas']} replicas with Step p99 < {P99_TARGET_MS:.0f} ms (target: 48 on one shard)")
+    if shards == 1 and cpus >= 3:
+        echo("== two shards, a CPU each, the load generator on a third")
+        two = series([n * 2 for n in sizes], warmup, seconds, cfg, 2, echo)
+        result["two_shards"] = {"rows": two, "knee_replicas": knee(two)}
+        if result["knee_replicas"]:
+            result["two_shards"]["knee_over_one"] = knee(two) / result["knee_replicas"]
+        echo(f"two shards: knee {knee(two)} replicas (target: 1.8x one shard's)")
+    elif shards == 1:
+        result["two_shards"] = {"skipped": f"two shards and the load generator need 3 CPUs; this machine has {cpus}"}
+        echo(f"two shards: skipped ({result['two_shards']['skipped']})")
     return result
 
 
@@ -395,16 +439,19 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=8, help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=float, default=8.0, help=argparse.SUPPRESS)
     parser.add_argument("--seconds", type=float, default=15.0, help=argparse.SUPPRESS)
-    parser.add_argument("--server-pid", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--shards", type=int, default=1, help="cache-manager shards (one CPU each, and one for "
+                        "the load generator)")
+    parser.add_argument("--server-pids", default="", help=argparse.SUPPRESS)
     parser.add_argument("--config", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         raw = json.loads(args.config)
         cfg = SimConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
-        row = asyncio.run(drive(args.child, args.replicas, args.warmup, args.seconds, cfg, args.server_pid))
+        row = asyncio.run(drive(args.child.split(","), args.replicas, args.warmup, args.seconds, cfg,
+                                [int(pid) for pid in args.server_pids.split(",")]))
         print(json.dumps(row))
         return
-    print(json.dumps(run(args.quick, sizes=args.sizes), indent=2))
+    print(json.dumps(run(args.quick, sizes=args.sizes, shards=args.shards), indent=2))
 
 
 if __name__ == "__main__":

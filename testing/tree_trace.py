@@ -29,8 +29,6 @@ from common.token_bytes import TOKEN_BYTES, encode_tokens
 from testing import baseline_radix_tree
 
 VOCAB = 32000
-# SGLang 0.5.23's Rust-backed tree on this trace (issue 12, measured there, not here): req/s.
-SGLANG_REFERENCE_REQ_S = {16: 3300.0, 1: 4500.0}
 
 
 def make_trace(num_requests: int = 10_000, num_prefixes: int = 100, prefix_len: int = 512,
@@ -138,8 +136,5 @@ def run_trace(page_size: int, trace: list[tuple[int, ...]], pool_tokens: int,
             raise AssertionError(f"the trees disagree on the trace: {new} vs {other}")
     return {"page_size": page_size, "requests": len(trace), "pool_tokens": pool_tokens, "new": new,
             "new_hashed": hashed, "old": old, "new_over_old": new["req_s"] / old["req_s"],
-            "new_hashed_over_old": hashed["req_s"] / old["req_s"],
-            "sglang_reference_req_s": SGLANG_REFERENCE_REQ_S.get(page_size),
-            "new_over_sglang_reference": new["req_s"] / SGLANG_REFERENCE_REQ_S[page_size]
-            if page_size in SGLANG_REFERENCE_REQ_S else None}
+            "new_hashed_over_old": hashed["req_s"] / old["req_s"]}
 

@@ -58,7 +58,6 @@ def flat_tree_trace(rows: list[Json]) -> Json:
                 out[f"{p}{infix}_{kind}_us"] = r[f"{kind}_us"]
         out[f"{p}_over_old"] = row["new_over_old"]
         out[f"{p}_hashed_over_old"] = row["new_hashed_over_old"]
-        out[f"{p}_over_sglang_reference"] = row["new_over_sglang_reference"]
     return out
 
 

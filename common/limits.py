@@ -138,20 +138,47 @@ def request_limit_error(request: object, limits: RequestLimits) -> str | None:
     return None
 
 
-def id_error(message: pb_message.Message) -> str | None:
-    """Why a request message breaks MAX_ID_BYTES (None: it does not). Walks its set fields and
-    nested messages; only the id fields' lengths are measured."""
-    for field, value in message.ListFields():
+# Per message type: its id fields and the message fields that can lead to one, in field-number
+# order: ("id", name) or ("message", name, repeated). Types with no id anywhere below are left out.
+_IdPlan = tuple[tuple, ...]
+_ID_PLANS: dict[object, _IdPlan] = {}
+_PLANNING: _IdPlan = (("planning",),)  # a type whose plan is being made (recursive types): walked
+
+
+def _id_plan(descriptor) -> _IdPlan:
+    plan = _ID_PLANS.get(descriptor)
+    if plan is not None:
+        return plan
+    _ID_PLANS[descriptor] = _PLANNING
+    steps = []
+    for field in sorted(descriptor.fields, key=lambda f: f.number):
         if field.message_type is not None:
-            items = value if field.is_repeated else (value,)
-            if field.message_type.GetOptions().map_entry:
-                continue
-            for item in items:
+            if not field.message_type.GetOptions().map_entry and _id_plan(field.message_type):
+                steps.append(("message", field.name, field.is_repeated))
+        elif field.name in ID_FIELDS and field.type == field.TYPE_STRING and not field.is_repeated:
+            steps.append(("id", field.name))
+    plan = _ID_PLANS[descriptor] = tuple(steps)
+    return plan
+
+
+def id_error(message: pb_message.Message) -> str | None:
+    """Why a request message breaks MAX_ID_BYTES (None: it does not). Walks its id fields and the
+    nested messages that can hold one (a plan per message type, made once); only the id fields'
+    lengths are measured."""
+    for step in _id_plan(message.DESCRIPTOR):
+        if step[0] == "id":
+            value = getattr(message, step[1])
+            if len(value) * 4 > MAX_ID_BYTES:  # else even 4-byte characters fit
+                size = len(value.encode())
+                if size > MAX_ID_BYTES:
+                    return f"{step[1]} has {size} bytes; the limit is {MAX_ID_BYTES} bytes (max_id_bytes)"
+        elif step[2]:
+            for item in getattr(message, step[1]):
                 why = id_error(item)
                 if why is not None:
                     return why
-        elif field.name in ID_FIELDS and field.type == field.TYPE_STRING and not field.is_repeated:
-            size = len(value.encode())
-            if size > MAX_ID_BYTES:
-                return f"{field.name} has {size} bytes; the limit is {MAX_ID_BYTES} bytes (max_id_bytes)"
+        elif message.HasField(step[1]):
+            why = id_error(getattr(message, step[1]))
+            if why is not None:
+                return why
     return None

@@ -47,7 +47,9 @@ class PageHolder:
         get = pages.get
         n = 0
         for h in hashes:
-            pages[h] = get(h, 0) | bit
+            held = get(h)
+            # A page one pool holds stores that pool's own bit object: no new int per page.
+            pages[h] = bit if held is None else held | bit
             n += 1
         self.num_pages += n
 

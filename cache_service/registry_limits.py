@@ -6,8 +6,8 @@ evicted-page hashes and running-request state for every block. `block_cost_bytes
 one block can make it hold, measured (tests/cache/test_registry_identity.py checks the bound):
 
 - every block cached in the tree as a node of its own (one-page prompts) with its hashes, its
-  entry in the model's page index (fleet_pages.py; its holder mask grows with the pool count),
-  and as many evicted pages remembered: about 1,065 bytes a block plus 4 per token;
+  entry in the model's page index (fleet_pages.py; the same with 1 or 200 pools registered), and
+  as many evicted pages remembered: about 1,065 bytes a block plus 4 per token;
 - every block held by a running request of one page (prompt ids as Python ints, a 256-byte
   request id): about 650 bytes a block plus 40 per token.
 

@@ -188,6 +188,9 @@ def route(groups: Sequence[ModelPages], query: RouteQuery, now: float) -> RouteR
             return chain(bs)
         return iter_page_hashes(0, query.namespace, cacheable(bs)[2], bs)
 
+    for pool in candidates:  # routed prompts whose time is up promise nothing (before the walk)
+        if pool.routing.routed.next_deadline <= now:
+            pool.expire_routed(now)
     # One walk of the page index per group: every pool's cached and promised leading pages.
     device: dict[str, int] = {}
     promised: dict[str, int] = {}
@@ -215,8 +218,6 @@ def route(groups: Sequence[ModelPages], query: RouteQuery, now: float) -> RouteR
     scored: list[tuple[float, int, str, Pool, int, int, int, int, int, int, int, str]] = []
     for pool in candidates:
         routed = pool.routing.routed
-        if routed.next_deadline <= now:
-            pool.expire_routed(now)
         bs = pool.block_size
         num_tokens, max_cached, key = cacheable(bs)
         matched = min(device.get(pool.pool_id, 0), max_cached)

@@ -155,3 +155,20 @@ def test_a_large_fleet_picks_the_pool_ranking_everyone_would(monkeypatch) -> Non
         monkeypatch.undo()
         assert len(everyone) == len(registry.pools) > len(pruned)
         assert pruned[0] == everyone[0]
+
+
+def test_a_promise_whose_time_is_up_counts_for_nothing_in_the_route_that_finds_it() -> None:
+    clock = ManualClock()
+    registry = PoolRegistry(lease_seconds=300, clock=clock)
+    for name in ("a", "b"):
+        registry.register(name, 64, BS, "fp", 0, f"{name}:1")
+    registry.pools["b"].step(StepInput(load=ReplicaLoad(0, 10_000, 0)))  # every decision goes to a
+    old, new = list(range(100, 132)), list(range(500, 532))
+    for rid, prompt in (("r1", old), ("r2", new)):
+        routed = registry.route(RouteQuery(token_ids=tuple(prompt + [1]), model_fingerprint="fp", request_id=rid))
+        assert routed.candidates[0].pool_id == "a"
+        clock.now += 20
+    clock.now += 1  # r1's 30 s are up, r2's are not; nobody called expire_routed
+    again = registry.route(RouteQuery(token_ids=tuple(old + [2]), model_fingerprint="fp", dry_run=True))
+    assert {c.pool_id: c.routed_prefix_tokens for c in again.candidates}["a"] == 0
+    registry.check_integrity()

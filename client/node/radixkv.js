@@ -62,11 +62,22 @@ function connect({ modelAddr, cacheAddr, token, rootCerts, tls, clientCert, clie
   const channelOptions = { 'grpc.service_config': JSON.stringify(SERVICE_CONFIG), 'grpc.enable_retries': 1 };
   const metadata = new grpc.Metadata();
   if (token) metadata.set('authorization', `Bearer ${token}`);
+  // Several cache-manager shards: "host:port,host:port" (stats asks every one).
+  const caches = cacheAddr ? cacheAddr.split(',').map((addr) => addr.trim()) : [];
+  if (caches.some((addr) => !addr)) throw new UsageError(`empty cache manager address in ${cacheAddr}`);
+  const cacheStubs = caches.map((addr) => new v1.CacheManager(addr, creds, channelOptions));
   return {
     model: modelAddr ? new v1.ModelService(modelAddr, creds, channelOptions) : null,
-    cache: cacheAddr ? new v1.CacheManager(cacheAddr, creds, channelOptions) : null,
+    cache: cacheStubs.length ? cacheStubs[0] : null,
+    caches: cacheStubs,
     metadata,
   };
+}
+
+/** Closes every channel of a connection. */
+function close(conn) {
+  if (conn.model) conn.model.close();
+  for (const cache of conn.caches || []) cache.close();
 }
 
 function deadline(timeoutS) {
@@ -87,13 +98,30 @@ function generate(conn, request, { timeoutS, onChunk } = {}) {
   });
 }
 
-/** CacheManager.Stats: resolves with { pools: [...] }. */
-function stats(conn, poolId = '', { timeoutS } = {}) {
-  return new Promise((resolve, reject) => {
-    conn.cache.Stats({ pool_id: poolId }, conn.metadata, deadline(timeoutS), (err, res) =>
+/**
+ * CacheManager.Stats: resolves with { pools: [...] }. With several shards, every shard's pools;
+ * a poolId is looked for on each (NOT_FOUND only when no shard has it).
+ */
+async function stats(conn, poolId = '', { timeoutS } = {}) {
+  const ask = (cache) => new Promise((resolve, reject) => {
+    cache.Stats({ pool_id: poolId }, conn.metadata, deadline(timeoutS), (err, res) =>
       err ? reject(err) : resolve(res),
     );
   });
+  const answers = await Promise.allSettled((conn.caches || [conn.cache]).map(ask));
+  const pools = [];
+  let notFound = null;
+  for (const answer of answers) {
+    if (answer.status === 'fulfilled') {
+      pools.push(...answer.value.pools);
+    } else if (poolId && answer.reason.code === grpc.status.NOT_FOUND) {
+      notFound = answer.reason;
+    } else {
+      throw answer.reason;
+    }
+  }
+  if (!pools.length && notFound) throw notFound;
+  return answers.length === 1 && answers[0].status === 'fulfilled' ? answers[0].value : { pools };
 }
 
 // ------------------------------------------------------------------------------------- CLI
@@ -101,7 +129,7 @@ function stats(conn, poolId = '', { timeoutS } = {}) {
 const USAGE = `usage:
   radixkv.js generate "PROMPT" [--addr HOST:PORT] [--max-tokens N] [--temperature T] [--top-p P]
                                [--top-k K] [--seed S] [--stop STR]... [--chat] [--timeout S]
-  radixkv.js stats [--addr HOST:PORT] [--pool ID] [--timeout S]
+  radixkv.js stats [--addr HOST:PORT[,HOST:PORT...]] [--pool ID] [--timeout S]
 options for both: --token TOKEN (or $RADIXKV_TOKEN), --root-certs PEM, --tls,
                   --client-cert PEM --client-key PEM (mutual TLS)`;
 
@@ -183,7 +211,7 @@ async function main(argv) {
     const conn = connect({ cacheAddr: opts['--addr'] || '127.0.0.1:50051', ...tlsOptions });
     const response = await stats(conn, opts['--pool'] || '', { timeoutS: timeoutS || 30 });
     process.stdout.write(`${JSON.stringify(response, null, 2)}\n`);
-    conn.cache.close();
+    close(conn);
   } else {
     throw new UsageError(command ? `unknown command ${command}` : '');
   }
@@ -212,4 +240,4 @@ if (require.main === module) {
   );
 }
 
-module.exports = { loadProtos, connect, generate, stats, generateRequest, LOADER_OPTIONS, SERVICE_CONFIG };
+module.exports = { loadProtos, connect, close, generate, stats, generateRequest, LOADER_OPTIONS, SERVICE_CONFIG };

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 
+import grpc
+
 from client import RadixKVClient
+from protos import cache_pb2, cache_pb2_grpc
 from tests.client.helpers import PROMPT, REPO, free_port
-from tests.services import Running
+from tests.services import Running, start_cache
 
 SCRIPT = "client/node/radixkv.js"
 
@@ -40,3 +43,26 @@ def test_node_errors_name_the_status(node: str):
     result = run_node(node, "stats", "--addr", f"127.0.0.1:{free_port()}", "--timeout", "5")
     assert result.returncode == 1
     assert "UNAVAILABLE" in result.stderr
+
+
+def test_node_stats_spans_cache_manager_shards(node: str):
+    shards = [start_cache(), start_cache()]
+    try:
+        pool_ids = []
+        for i, shard in enumerate(shards):
+            with grpc.insecure_channel(shard.addr) as channel:
+                reply = cache_pb2_grpc.CacheManagerStub(channel).RegisterPool(cache_pb2.RegisterPoolRequest(
+                    worker_id=f"node-shard-{i}", num_blocks=8, block_size=4), timeout=10)
+                pool_ids.append(reply.pool_id)
+        addrs = ",".join(s.addr for s in shards)
+        result = run_node(node, "stats", "--addr", addrs)
+        assert result.returncode == 0, result.stderr
+        assert sorted(p["pool_id"] for p in json.loads(result.stdout)["pools"]) == sorted(pool_ids)
+        one = run_node(node, "stats", "--addr", addrs, "--pool", pool_ids[1])
+        assert one.returncode == 0, one.stderr
+        assert [p["pool_id"] for p in json.loads(one.stdout)["pools"]] == [pool_ids[1]]
+        missing = run_node(node, "stats", "--addr", addrs, "--pool", "no-such-pool")
+        assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+    finally:
+        for shard in shards:
+            shard.process.stop(5.0)

@@ -114,9 +114,6 @@ class FleetPages:
             model = self.models[key] = ModelPages(*key)
         return model
 
-    def join(self, pool: Pool) -> None:
-        self.of_pool(pool).join(pool)
-
     def leave(self, pool: Pool) -> None:
         key = (pool.model_fingerprint, pool.block_size)
         model = self.models[key]

@@ -100,22 +100,10 @@ class PageIndex:
         """Forget a holder and give its bit back. One that still holds pages (its tree was not
         emptied first) is taken out of every page: a scan of the whole index."""
         if holder.num_pages:
-            self._scrub(holder.bit)
+            for namespace, pages in list(self._pages.items()):
+                holder.removed(namespace, [h for h, mask in pages.items() if mask & holder.bit])
         holder.num_pages = 0
         self._free_bits.append(holder.bit)
-
-    def _scrub(self, bit: int) -> None:
-        keep = ~bit
-        for namespace in list(self._pages):
-            pages = self._pages[namespace]
-            for h in [h for h, mask in pages.items() if mask & bit]:
-                mask = pages[h] & keep
-                if mask:
-                    pages[h] = mask
-                else:
-                    del pages[h]
-            if not pages:
-                del self._pages[namespace]
 
     def depths(self, namespace: str, hashes: Iterable[int], mask: int = -1) -> dict[int, int]:
         """Leading pages of the chain `hashes` each holder in `mask` has: {holder bit: pages},

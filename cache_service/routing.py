@@ -168,7 +168,7 @@ def route(groups: Sequence[ModelPages], query: RouteQuery, now: float) -> RouteR
 
     keys: dict[int, bytes] = {}  # per block size: the cacheable prompt prefix, sliced once
     encoded = encode_tokens(query.token_ids) if query.token_ids else b""  # encoded once for all pools
-    wp, wq, wr = weights.prefill_weight, weights.queue_weight, weights.running_weight
+    wp = weights.prefill_weight
     num_pages = 0
 
     def cacheable(bs: int) -> tuple[int, int, bytes]:
@@ -240,9 +240,7 @@ def route(groups: Sequence[ModelPages], query: RouteQuery, now: float) -> RouteR
             tier_cost += bs * peer * peer_load_cost(pool)
         prefill = num_tokens - (effective + host + disk + peer) * bs
         free, evictable = visible_blocks(pool, query.all_namespaces)
-        load = pool.load
-        score = (wp * (prefill + tier_cost) + wq * (load.num_waiting_tokens + routed.queued_tokens)
-                 + wr * load.num_running_requests)
+        score = wp * (prefill + tier_cost) + queue_score(pool, weights)
         if -(-(num_tokens + 1) // bs) - matched > free + evictable:
             score += POOL_FULL_PENALTY
         scored.append((score, -free, pool.pool_id, pool, matched * bs, (effective - matched) * bs, prefill,
@@ -275,15 +273,17 @@ def _likely_best(candidates: list[Pool], device: dict[str, int], promised: dict[
             chosen.append(pool)
         else:
             rest.append(pool)
-    wq, wr = weights.queue_weight, weights.running_weight
-
-    def load(pool: Pool) -> tuple[float, int]:
-        free, evictable = pool.allocator.num_free_blocks, pool.tree.evictable_size
-        return (wq * (pool.load.num_waiting_tokens + pool.routing.routed.queued_tokens)
-                + wr * pool.load.num_running_requests, -(free + evictable))
-
-    chosen.extend(heapq.nsmallest(LEAST_LOADED_OTHERS, rest, key=load))
+    # Least loaded: the score's load terms, then the most room (free + evictable).
+    chosen.extend(heapq.nsmallest(LEAST_LOADED_OTHERS, rest,
+                                  key=lambda p: (queue_score(p, weights), -visible_blocks(p, False)[0])))
     return chosen
+
+
+def queue_score(pool: Pool, weights: RouteWeights) -> float:
+    """The score's load terms: what the pool has queued and running, whatever the prompt."""
+    load = pool.load
+    return (weights.queue_weight * (load.num_waiting_tokens + pool.routing.routed.queued_tokens)
+            + weights.running_weight * load.num_running_requests)
 
 
 def visible_blocks(pool: Pool, all_namespaces: bool) -> tuple[int, int]:

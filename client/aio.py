@@ -24,7 +24,7 @@ from .results import (
     TokenizeResult,
     choices_from_chunks,
     from_proto,
-    pool_stats_list,
+    shard_pool_stats,
 )
 from .sync import DEFAULT_MODEL_ADDR
 
@@ -130,18 +130,13 @@ class AsyncRadixKVClient:
         cache-manager shards (`cache_addr` "host:port,host:port"), every shard's pools; a `pool_id`
         is looked for on each (NOT_FOUND only when no shard has it)."""
         request = cache_pb2.StatsRequest(pool_id=pool_id)
-        pools: list[PoolStats] = []
-        not_found: RadixKVError | None = None
+        answers: list[cache_pb2.StatsResponse | RadixKVError] = []
         for stub in await self._cache_stubs(timeout):
             try:
-                pools.extend(pool_stats_list(await self._unary(stub.Stats, request, "Stats", timeout)))
+                answers.append(await self._unary(stub.Stats, request, "Stats", timeout))
             except RadixKVError as error:
-                if not pool_id or error.code != grpc.StatusCode.NOT_FOUND:
-                    raise
-                not_found = error
-        if not pools and not_found is not None:
-            raise not_found
-        return pools
+                answers.append(error)
+        return shard_pool_stats(answers, pool_id)
 
     async def close(self) -> None:
         """Closes the channels (pending calls are cancelled)."""

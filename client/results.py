@@ -6,9 +6,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import grpc
 from google.protobuf.message import Message
 
 from protos import cache_pb2, model_pb2
+
+from .errors import RadixKVError
 
 T = TypeVar("T")
 
@@ -321,3 +324,21 @@ def _pool_stats(message: cache_pb2.PoolStats) -> PoolStats:
 
 def pool_stats_list(response: cache_pb2.StatsResponse) -> list[PoolStats]:
     return [_pool_stats(pool) for pool in response.pools]
+
+
+def shard_pool_stats(answers: list[cache_pb2.StatsResponse | RadixKVError], pool_id: str) -> list[PoolStats]:
+    """Every cache-manager shard's pools, from each shard's Stats reply or error in shard order: an
+    error is raised, except a shard's NOT_FOUND for `pool_id` (another shard may hold it), which is
+    raised only when no shard has the pool."""
+    pools: list[PoolStats] = []
+    not_found: RadixKVError | None = None
+    for answer in answers:
+        if not isinstance(answer, RadixKVError):
+            pools.extend(pool_stats_list(answer))
+        elif pool_id and answer.code == grpc.StatusCode.NOT_FOUND:
+            not_found = answer
+        else:
+            raise answer
+    if not pools and not_found is not None:
+        raise not_found
+    return pools

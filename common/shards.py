@@ -10,6 +10,7 @@ clients that read across the fleet ask every shard (router/cache_shards.py).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 from collections.abc import Sequence
 
@@ -23,6 +24,15 @@ def parse_shards(spec: str) -> list[str]:
     if len(set(shards)) != len(shards):
         raise ValueError(f"a cache manager address is listed twice in {spec!r}")
     return shards
+
+
+def cache_addr_arg(value: str) -> str:
+    """argparse `type` of a `--cache-addr` flag: the value as given, once `parse_shards` takes it."""
+    try:
+        parse_shards(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def _weight(worker_id: str, shard: str) -> bytes:

@@ -26,7 +26,7 @@ from common.security import (
     client_tls_from_args,
     server_tls_from_args,
 )
-from common.shards import parse_shards
+from common.shards import cache_addr_arg
 from model_service.attention import KERNEL_MODES
 from model_service.linear import MODES as LINEAR_MODES
 from model_service.linear.packed import FP32_GEMMS
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m model_service", description="radixkv model service (gRPC)")
     p.add_argument("--port", type=int, default=50052, help="gRPC port (0: pick a free one)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--cache-addr", default="127.0.0.1:50051",
+    p.add_argument("--cache-addr", default="127.0.0.1:50051", type=cache_addr_arg,
                    help="cache manager address HOST:PORT, or the shards' addresses comma-separated: the pool "
                         "registers with the shard its worker id hashes to (common/shards.py)")
     p.add_argument("--advertise-addr", type=host_port, default=None, metavar="HOST:PORT",
@@ -173,10 +173,6 @@ def main(argv: list[str] | None = None) -> int:
     request_limits = request_limits_from_args(args, parser)
     cache_tls = client_tls_from_args(args, parser, "cache")
     cache_token = client_token_from_args(args, parser, "cache")
-    try:
-        parse_shards(args.cache_addr)
-    except ValueError as e:
-        parser.error(f"--cache-addr: {e}")
     if args.disk_cache_gib is not None and args.disk_cache_dir is None:
         parser.error("--disk-cache-gib needs --disk-cache-dir")
     disk_gib = 4.0 if args.disk_cache_gib is None else args.disk_cache_gib

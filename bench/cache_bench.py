@@ -22,7 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -49,7 +49,10 @@ def tokens(rng: random.Random, n: int) -> list[int]:
     return np.random.default_rng(rng.getrandbits(64)).integers(0, VOCAB, n).tolist()
 
 
-def pct(values: list[float], q: float) -> float:
+def pct(values: Sequence[float], q: float) -> float:
+    """The q-quantile (0..1) by rank, no interpolation; nan for no values."""
+    if not values:
+        return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 

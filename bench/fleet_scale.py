@@ -35,11 +35,12 @@ from dataclasses import asdict, dataclass, field
 import grpc
 import numpy as np
 
-from bench.cache_bench import start_server
+from bench.cache_bench import pct, start_server, table
 from common.shards import shard_for
 from protos import cache_pb2 as pb
 from protos import cache_pb2_grpc
 from router.cache_shards import ShardedCache
+from router.core import CoreConfig
 from router.errors import UpstreamError
 from router.upstream import CacheManagerClient
 
@@ -63,8 +64,8 @@ class SimConfig:
     output_tokens: tuple[int, int] = (200, 500)
     num_blocks: int = 10240
     route: bool = True
-    reserve_ms: int = 2000  # as the router asks (router/core.py CoreConfig)
-    route_candidates: int = 8
+    reserve_ms: int = CoreConfig().reserve_ms  # as the router asks
+    route_candidates: int = CoreConfig().route_candidates
 
 
 @dataclass(slots=True)
@@ -78,13 +79,11 @@ class SimRequest:
     generated: int = 0
     committed: bool = False
     resumed: bool = False
+    routed: bool = False  # Route was asked for it (once: a retried admission is not routed again)
 
 
 @dataclass(slots=True)
 class LevelStats:
-    replicas: int
-    seconds: float
-    steps_asked: float = 0.0
     steps_served: int = 0
     step_ms: list[float] = field(default_factory=list)
     route_ms: list[float] = field(default_factory=list)
@@ -157,6 +156,7 @@ class Replica:
                 return
 
     async def _route(self, req: SimRequest) -> None:
+        req.routed = True
         t0 = time.perf_counter()
         try:
             await self.route(pb.RouteRequest(
@@ -244,7 +244,7 @@ class Replica:
             step.releases.extend(releases)
             if self.cfg.route:
                 for req in admits:
-                    if not req.resumed:
+                    if not req.routed:
                         await self._route(req)
             t0 = time.perf_counter()
             try:
@@ -266,13 +266,6 @@ class Replica:
                 slot = done
 
 
-def pct(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process so far (/proc/<pid>/stat)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -285,7 +278,7 @@ async def drive(addresses: list[str], replicas: int, warmup_s: float, measure_s:
     """The load generator's side of one fleet size: register, warm up (pools fill), measure.
     Several addresses: cache-manager shards, each replica on its own (common/shards.py), Route
     asked of all of them and merged as the router does (router/cache_shards.py)."""
-    stats = LevelStats(replicas, measure_s)
+    stats = LevelStats()
     work = Workload(cfg, seed)
     per_shard = max(1, (replicas // len(addresses) + 7) // 8)
     channels = {addr: [grpc.aio.insecure_channel(addr) for _ in range(per_shard)] for addr in addresses}
@@ -382,8 +375,6 @@ COLUMNS = [("replicas", "replicas", ""), ("steps_asked_per_s", "Steps/s asked", 
 def series(sizes: Sequence[int], warmup: float, seconds: float, cfg: SimConfig, shards: int,
            echo: Callable[[str], object]) -> list[dict]:
     """Fleet sizes in turn, each against fresh cache managers; stops once far past the knee."""
-    from bench.cache_bench import table
-
     rows: list[dict] = []
     for n in sizes:
         rows.append(run_level(n, warmup, seconds, cfg, shards))
@@ -400,9 +391,11 @@ def run(quick: bool, echo: Callable[[str], object] = print, sizes: Sequence[int]
     cfg = SimConfig()
     sizes = list(sizes or ((8, 16, 32) if quick else (8, 12, 16, 24, 32, 48, 64)))
     warmup, seconds = (4.0, 6.0) if quick else (8.0, 15.0)
+    from bench.harness import machine_info  # torch and transformers: the generator's child needs neither
+
     cpus = len(os.sched_getaffinity(0))
     echo(f"== fleet scale: {shards} cache manager shard(s), one CPU each, replicas of {cfg.batch} requests "
-         f"stepping every {cfg.step_ms:.0f} ms, Route per new prompt (CPU: {cpu_model()}, {cpus} cores)")
+         f"stepping every {cfg.step_ms:.0f} ms, Route per new prompt (CPU: {machine_info(0)['cpu_label']}, {cpus} cores)")
     rows = series(sizes, warmup, seconds, cfg, shards, echo)
     result: dict = {"config": asdict(cfg), "shards": shards, "rows": rows, "knee_replicas": knee(rows),
                     "p99_target_ms": P99_TARGET_MS}
@@ -418,17 +411,6 @@ def run(quick: bool, echo: Callable[[str], object] = print, sizes: Sequence[int]
         result["two_shards"] = {"skipped": f"two shards and the load generator need 3 CPUs; this machine has {cpus}"}
         echo(f"two shards: skipped ({result['two_shards']['skipped']})")
     return result
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def main() -> None:

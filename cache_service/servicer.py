@@ -23,7 +23,7 @@ from cache_service.replica_identity import certificate_names, owner_key
 from cache_service.stream_slots import DEFAULT_MAX_WATCH_STREAMS, StreamSlots
 from cache_service.watch import Watch, WatchRequest
 from common.auth import current_principal
-from common.grpc_server import request_bytes
+from common.grpc_server import end_call, request_bytes
 from common.limits import quote_id
 from protos import cache_pb2, cache_pb2_grpc
 
@@ -109,12 +109,11 @@ def _rpc(method: Handler) -> Handler:
             else:
                 log.info("%s rejected code=%s %s", name, code.name, err)
                 message = str(err)
-            self._count_error(name, code)
-            await context.abort(code, message)
         except Exception:  # a bug: log it, do not leak its message
             log.exception("%s failed unexpectedly", name)
-            self._count_error(name, grpc.StatusCode.INTERNAL)
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+            code, message = grpc.StatusCode.INTERNAL, "internal error"
+        self._count_error(name, code)
+        return end_call(context, code, message)
 
     return wrapper
 
@@ -248,7 +247,7 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
         try:
             self.watch_slots.acquire(key)
         except CacheError as err:
-            await self._end_watch(context, err)
+            self._end_watch(context, err)
             return
         watch: Watch | None = None
         try:
@@ -264,15 +263,15 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
             async for event in watch.stream():
                 yield convert.cache_event(event)
         except CacheError as err:
-            await self._end_watch(context, err)
+            self._end_watch(context, err)
         finally:
             if watch is not None:
                 watch.close()
                 log.info("watcher unsubscribed pool=%s", pool_id or "*")
             self.watch_slots.release(key)
 
-    async def _end_watch(self, context: grpc.aio.ServicerContext, err: CacheError) -> None:
+    def _end_watch(self, context: grpc.aio.ServicerContext, err: CacheError) -> None:
         code = _status(err)
         self._count_error("WatchEvents", code)
         log.info("WatchEvents ended code=%s %s", code.name, err)
-        await context.abort(code, str(err))
+        end_call(context, code, str(err))

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import grpc
 
-from common.grpc_server import HEALTH_SERVICE_NAME
+from common.grpc_server import HEALTH_SERVICE_NAME, end_call
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +284,7 @@ def _rebuild(handler: grpc.RpcMethodHandler, behavior: Callable) -> grpc.RpcMeth
 
 def _denied(handler: grpc.RpcMethodHandler, error: AuthError) -> grpc.RpcMethodHandler:
     async def deny(_request, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode[error.code], error.message)
+        end_call(context, grpc.StatusCode[error.code], error.message)
 
     return _rebuild(handler, deny)
 

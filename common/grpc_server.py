@@ -59,6 +59,16 @@ async def set_health(health_servicer: health.aio.HealthServicer, service_names: 
         await health_servicer.set(name, status)
 
 
+def end_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """Ends the call with `code` and `message` once the handler returns (a unary one returns
+    None, a streaming one stops yielding). Instead of context.abort, which raises: the raised
+    error's traceback holds the handler's frames (the request among them) in a reference cycle
+    with gRPC's own, so every refused request's memory would wait for a full cycle collection,
+    which the cache manager runs rarely (cache_service/collector.py)."""
+    context.set_code(code)
+    context.set_details(message)
+
+
 # ---------------------------------------------------------------------- servers and servicers
 
 
@@ -126,7 +136,7 @@ def _unary(behavior, parse):
     async def call(data: bytes, context: grpc.aio.ServicerContext):
         request, why = parse(data)
         if request is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+            return end_call(context, grpc.StatusCode.INVALID_ARGUMENT, why)
         request_bytes.set(data)
         return await behavior(request, context)
 
@@ -137,7 +147,8 @@ def _streaming(behavior, parse):
     async def stream(data: bytes, context: grpc.aio.ServicerContext):
         request, why = parse(data)
         if request is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+            end_call(context, grpc.StatusCode.INVALID_ARGUMENT, why)
+            return
         async with contextlib.aclosing(behavior(request, context)) as messages:
             async for message in messages:
                 yield message

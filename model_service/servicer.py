@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from common.auth import current_principal, one_role
+from common.grpc_server import end_call
 from common.limits import MAX_CHOICES, MAX_LOGPROBS, RequestLimits, quote_id, request_limit_error
 from model_service.detokenizer import IncrementalDetokenizer
 from model_service.engine import Engine, GenerationOutput
@@ -95,16 +96,19 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             owner = _caller_key(request.namespace)
             engine_request = self._build_request(request, arrival, owner)
         except InvalidRequest as e:
-            await context.abort(e.code, str(e))
+            end_call(context, e.code, str(e))
+            return
         request_id = engine_request.client_request_id  # echoed; the engine may run it under another
         outputs: asyncio.Queue[GenerationOutput] = asyncio.Queue()
         relay = self._relay_for(asyncio.get_running_loop())
         try:
             self.engine.submit(engine_request, lambda out: relay.put(outputs, out))
         except DuplicateRequestError as e:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+            end_call(context, grpc.StatusCode.ALREADY_EXISTS, str(e))
+            return
         except QueueFullError as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            end_call(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            return
         log.info("request %s: %d prompt tokens, max_tokens %d", engine_request.log_id,
                  len(engine_request.prompt_token_ids), engine_request.max_tokens)
         open_choices = len(engine_request.group)
@@ -114,8 +118,9 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
                 out = await outputs.get()
                 if out.error:
                     finished = True
-                    await context.abort(grpc.StatusCode.UNAVAILABLE if out.finish_reason is FinishReason.ABORT
-                                        else grpc.StatusCode.INTERNAL, out.error)
+                    end_call(context, grpc.StatusCode.UNAVAILABLE if out.finish_reason is FinishReason.ABORT
+                             else grpc.StatusCode.INTERNAL, out.error)
+                    return
                 open_choices -= out.finish_reason is not None
                 finished = open_choices == 0
                 yield _response(request_id, out, self.info.serving_addr, self._token_texts)
@@ -290,7 +295,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             self._check_limits(request)
             ids = self._prompt_token_ids(request)
         except InvalidRequest as e:
-            await context.abort(e.code, str(e))
+            return end_call(context, e.code, str(e))
         return model_pb2.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids))
 
     async def Detokenize(self, request: model_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext):
@@ -300,7 +305,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         try:
             self._check_vocab(ids, "token_ids")
         except InvalidRequest as e:
-            await context.abort(e.code, str(e))
+            return end_call(context, e.code, str(e))
         return model_pb2.DetokenizeResponse(text=self.tokenizer.decode(ids))
 
     async def ModelInfo(self, request: model_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
@@ -328,11 +333,11 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
 
     async def Abort(self, request: model_pb2.AbortRequest, context: grpc.aio.ServicerContext):
         if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+            return end_call(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         # Only the caller's own requests: another caller's id gets the answer of an unknown one.
         if not self.engine.abort(_caller_key(None), request.request_id):
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"no live request with id {quote_id(request.request_id)} (unknown or already finished)")
+            return end_call(context, grpc.StatusCode.NOT_FOUND,
+                            f"no live request with id {quote_id(request.request_id)} (unknown or already finished)")
         log.info("request %s: abort requested", request.request_id)
         return model_pb2.AbortResponse()
 

@@ -9,6 +9,7 @@ import time
 import grpc
 
 from common.auth import current_principal, one_role
+from common.grpc_server import end_call
 from protos import model_pb2, model_pb2_grpc
 from router.core import RouterCore
 from router.errors import RouterError
@@ -22,8 +23,8 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
-async def _abort(context: grpc.aio.ServicerContext, error: RouterError) -> None:
-    await context.abort(grpc.StatusCode[error.code], error.message)
+def _end(context: grpc.aio.ServicerContext, error: RouterError) -> None:
+    end_call(context, grpc.StatusCode[error.code], error.message)
 
 
 class RouterServicer(model_pb2_grpc.ModelServiceServicer):
@@ -35,34 +36,34 @@ class RouterServicer(model_pb2_grpc.ModelServiceServicer):
             async for message in self.core.generate(request, _deadline(context), current_principal()):
                 yield message
         except RouterError as e:
-            await _abort(context, e)
+            _end(context, e)
 
     async def Tokenize(self, request: model_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
         try:
             return await self.core.tokenize(request, _deadline(context))
         except RouterError as e:
-            await _abort(context, e)
+            _end(context, e)
 
     async def Detokenize(self, request: model_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext):
         try:
             return await self.core.detokenize(request, _deadline(context))
         except RouterError as e:
-            await _abort(context, e)
+            _end(context, e)
 
     async def ModelInfo(self, request: model_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
         try:
             return await self.core.model_info(_deadline(context))
         except RouterError as e:
-            await _abort(context, e)
+            _end(context, e)
 
     async def Abort(self, request: model_pb2.AbortRequest, context: grpc.aio.ServicerContext):
         try:
             return await self.core.abort(request.request_id, _deadline(context), current_principal())
         except RouterError as e:
-            await _abort(context, e)
+            _end(context, e)
 
     async def GetLoad(self, request: model_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
         try:
             return await self.core.get_load(_deadline(context))
         except RouterError as e:
-            await _abort(context, e)
+            _end(context, e)

@@ -26,6 +26,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from common.auth import one_role
+from common.grpc_server import end_call
 from model_service.kv_cache import KVCache
 from model_service.kv_pulls.page_data import encode, group_pages, read_host_layer, read_layer
 from model_service.metrics import ModelMetrics
@@ -90,10 +91,12 @@ class KvTransferServicer:
                                    self.clock())
         except TicketError as e:
             log.warning("KvTransfer refused a pull (%s; peer %s)", e, context.peer())
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+            end_call(context, grpc.StatusCode.PERMISSION_DENIED, str(e))
+            return
         if self._reads.locked():
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"this replica serves at most {MAX_CONCURRENT_READS} pulls at once")
+            end_call(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                     f"this replica serves at most {MAX_CONCURRENT_READS} pulls at once")
+            return
         async with self._reads:
             src = list(ticket.src)
             pages_of = (partial(read_host_layer, self.host) if ticket.src_tier == cache_pb2.TIER_HOST
@@ -108,7 +111,8 @@ class KvTransferServicer:
                 for layer in range(len(self.kv.k)):
                     message = await asyncio.to_thread(read, first, layer, blocks)
                     if ticket.expires_at <= self.clock():  # read after the pin may have ended: not sent
-                        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the pull ticket ran out mid-pull")
+                        end_call(context, grpc.StatusCode.DEADLINE_EXCEEDED, "the pull ticket ran out mid-pull")
+                        return
                     sent += len(message)
                     yield message
             if self.metrics is not None:

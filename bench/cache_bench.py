@@ -6,7 +6,8 @@
    to a bare grpc.aio echo of each Step request's bytes (bench/grpc_echo.py), calls interleaved.
 4. The same Step sequence in-process vs over gRPC (ratio).
 5. Route over a fleet of 64 pools x 10k cached sequences, in-process (p50 per call).
-6. The tree on issue 12's fixed trace (testing/tree_trace.py), current vs previous tree, page 16 and 1.
+6. The tree on issue 12's fixed trace (testing/tree_trace.py), current vs previous tree and SGLang
+   0.5.23's Rust tree (bench/sglang_tree.py), in lockstep, page 16 and 1.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 
 import grpc
 import numpy as np
 
 from bench.grpc_echo import METHOD as ECHO_METHOD
+from bench.sglang_tree import SGLANG_VERSION, SglangTreeDriver, load_sglang_tree
 from cache_service.pool import Pool
 from cache_service.pool_registry import PoolRegistry
 from cache_service.radix_tree import RadixTree
@@ -307,11 +310,13 @@ def bench_route(num_pools: int, num_sequences: int, num_calls: int) -> dict:
             "route_us_p50": 1e6 * statistics.median(times), "route_us_p99": 1e6 * pct(times, 0.99)}
 
 
-def bench_tree_trace(quick: bool) -> list[dict]:
-    """Page sizes 16 and 1; quick: 2,500 requests on a 1M-slot pool (still evicting)."""
+def bench_tree_trace(quick: bool, peer: ModuleType | None) -> list[dict]:
+    """Page sizes 16 and 1; quick: 2,500 requests on a 1M-slot pool (still evicting). `peer`:
+    SGLang's tree extension (bench/sglang_tree.py), run in the same lockstep."""
     num_requests, pool_tokens = (2_500, 1_000_000) if quick else (10_000, 2_000_000)
     trace = make_trace(num_requests)
-    rows = [run_trace(ps, trace, pool_tokens) for ps in (16, 1)]
+    peers = [] if peer is None else [lambda ps, pool: SglangTreeDriver(peer, ps, pool)]
+    rows = [run_trace(ps, trace, pool_tokens, peers=peers) for ps in (16, 1)]
     gc.collect()
     return rows
 
@@ -372,16 +377,23 @@ def run(quick: bool, echo: Callable[[str], object] = print) -> dict:
                       ("route_us_p99", "route p99 us", ",.0f")]))
 
     echo("\n== 6. tree on issue 12's trace: 100 x 512-token prefixes, 10k requests of 1,024 tokens, 2M slots")
-    tt = bench_tree_trace(q)
+    peer = load_sglang_tree()
+    if isinstance(peer, str):
+        echo(f"SGLang's tree is not run: {peer}")
+        peer = None
+    tt = bench_tree_trace(q, peer)
     results["tree_trace"] = tt
     rows = [{"ps": r["page_size"], "tree": name, **r[name]} for r in tt for name in ("new", "new_hashed", "old")]
+    rows += [{"ps": r["page_size"], "tree": f"{name} {SGLANG_VERSION}", **summary}
+             for r in tt for name, summary in r["peers"].items()]
     echo(table(rows, [("ps", "page", ""), ("tree", "tree", ""), ("req_s", "req/s", ",.0f"),
                       ("match_us", "match us", ".1f"), ("insert_us", "insert us", ".1f"),
-                      ("evict_us", "evict us", ".1f"), ("hit_rate", "hit rate", ".2f")]))
+                      ("evict_us", "evict us", ".1f"), ("hit_rate", "hit rate", ".3f")]))
     for r in tt:
+        versus = (f"; radixkv / SGLang {SGLANG_VERSION}'s Rust tree {r['new_over_sglang']:.2f}x "
+                  f"(target {2 if r['page_size'] > 1 else 1.5}x)" if "new_over_sglang" in r else "")
         echo(f"page {r['page_size']}: current / previous tree {r['new_over_old']:.2f}x "
-             f"(with page hashes read {r['new_hashed_over_old']:.2f}x); SGLang's tree is not run here, so no "
-             "ratio to it (one needs both trees in the same run)")
+             f"(with page hashes read {r['new_hashed_over_old']:.2f}x){versus}")
 
     return results
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -115,17 +115,25 @@ class Driver:
 
 
 def run_trace(page_size: int, trace: list[tuple[int, ...]], pool_tokens: int,
-              check: Callable[[Any], object] | None = None) -> dict[str, Any]:
-    """New vs old tree in lockstep on `trace` at `page_size`; `check(tree)` after the run."""
+              check: Callable[[Any], object] | None = None,
+              peers: Sequence[Callable[[int, int], Any]] = ()) -> dict[str, Any]:
+    """New vs old tree in lockstep on `trace` at `page_size`; `check(tree)` after the run.
+
+    `peers`: factories (page_size, pool_tokens) -> a driver of another project's tree (with a
+    `name`, `request(tokens)` and `summary()`, e.g. bench/sglang_tree.py) that takes its turns in
+    the same lockstep; its summary is under "peers" and radixkv's ratio to it under
+    "new_over_<name>"."""
     num_blocks = pool_tokens // page_size
     drivers = [Driver("new", RadixTree(page_size), BlockAllocator(num_blocks), page_size, encode_tokens),
                Driver("new_hashed", RadixTree(page_size), BlockAllocator(num_blocks), page_size, encode_tokens,
                       hashes=True),
                Driver("old", baseline_radix_tree.RadixTree(page_size), BlockAllocator(num_blocks), page_size)]
+    others = [make(page_size, pool_tokens) for make in peers]
+    everyone = drivers + others
     gc.collect()
     for i, tokens in enumerate(trace):
-        shift = i % len(drivers)  # rotate who goes first
-        for d in drivers[shift:] + drivers[:shift]:
+        shift = i % len(everyone)  # rotate who goes first
+        for d in everyone[shift:] + everyone[:shift]:
             d.request(tokens)
     if check is not None:
         for d in drivers:
@@ -134,7 +142,13 @@ def run_trace(page_size: int, trace: list[tuple[int, ...]], pool_tokens: int,
     for other in (hashed, old):
         if (new["hit_rate"], new["evicted_pages"]) != (other["hit_rate"], other["evicted_pages"]):
             raise AssertionError(f"the trees disagree on the trace: {new} vs {other}")
-    return {"page_size": page_size, "requests": len(trace), "pool_tokens": pool_tokens, "new": new,
-            "new_hashed": hashed, "old": old, "new_over_old": new["req_s"] / old["req_s"],
-            "new_hashed_over_old": hashed["req_s"] / old["req_s"]}
+    result = {"page_size": page_size, "requests": len(trace), "pool_tokens": pool_tokens, "new": new,
+              "new_hashed": hashed, "old": old, "new_over_old": new["req_s"] / old["req_s"],
+              "new_hashed_over_old": hashed["req_s"] / old["req_s"], "peers": {}}
+    for peer in others:
+        result["peers"][peer.name] = summary = peer.summary()
+        if abs(summary["hit_rate"] - new["hit_rate"]) > 0.01:  # LRU tie-breaks may differ, not more
+            raise AssertionError(f"{peer.name}'s tree does not cache as radixkv's does: {summary} vs {new}")
+        result[f"new_over_{peer.name}"] = new["req_s"] / summary["req_s"]
+    return result
 

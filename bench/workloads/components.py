@@ -47,7 +47,8 @@ def flat_cache(d: Json) -> Json:
 
 
 def flat_tree_trace(rows: list[Json]) -> Json:
-    """tree_trace_p{16,1}_*: the current tree on issue 12's trace, the previous one as `_old_`."""
+    """tree_trace_p{16,1}_*: the current tree on issue 12's trace, the previous one as `_old_`,
+    SGLang's as `_sglang_` (with `_over_sglang`, radixkv's ratio to it)."""
     out: Json = {}
     for row in rows:
         p = f"tree_trace_p{row['page_size']}"
@@ -58,6 +59,9 @@ def flat_tree_trace(rows: list[Json]) -> Json:
                 out[f"{p}{infix}_{kind}_us"] = r[f"{kind}_us"]
         out[f"{p}_over_old"] = row["new_over_old"]
         out[f"{p}_hashed_over_old"] = row["new_hashed_over_old"]
+        for peer, r in row.get("peers", {}).items():  # SGLang's tree, when it could be had
+            out[f"{p}_{peer}_req_s"] = r["req_s"]
+            out[f"{p}_over_{peer}"] = row[f"new_over_{peer}"]
     return out
 
 

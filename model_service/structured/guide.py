@@ -17,7 +17,6 @@ from collections.abc import Sequence
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from model_service.structured.spec import StructuredSpec, grammar_of
@@ -71,20 +70,28 @@ class GrammarCompiler:
         return Guide(matcher, self.vocab_size)
 
 
+def _bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """`rows` contiguous int32 bitmask rows of `vocab_size` bits, every token allowed (as
+    llguidance.torch allocates them; that module is not imported: it imports torch's compiler
+    stack, a second of every replica's start-up, for a kernel this file does not use)."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
 class TokenMasks:
     """The bitmask of a batch's guided rows (kept between steps; grown on demand)."""
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self._bits = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+        self._bits = _bitmask(1, vocab_size)
 
     def fill(self, guides: Sequence[Guide]) -> torch.Tensor:
         """Row i of the result: the tokens guides[i] allows next (an int32 bitmask)."""
         if self._bits.shape[0] < len(guides):
-            self._bits = llguidance.torch.allocate_token_bitmask(len(guides), self.vocab_size)
+            self._bits = _bitmask(len(guides), self.vocab_size)
         bits = self._bits[:len(guides)]
+        row_bytes = bits.shape[1] * bits.element_size()
         for i, guide in enumerate(guides):  # a loop over guided rows (the work is in Rust)
-            llguidance.torch.fill_next_token_bitmask(guide.matcher, bits, i)
+            guide.matcher.unsafe_compute_mask_ptr(bits[i].data_ptr(), row_bytes)
         return bits
 
     @staticmethod

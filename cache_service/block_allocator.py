@@ -78,13 +78,14 @@ class BlockAllocator:
             block_ids = list(block_ids)
         if len(block_ids) >= BULK:
             idx = np.frombuffer(array("I", block_ids), dtype=np.uint32)
-            if not self._rc[idx].all():
-                raise AllocationError(f"incref of free block {idx[self._rc[idx] == 0][0]}")
+            rc = self._rc[idx]
+            if not rc.all():
+                raise AllocationError(f"incref of free block {idx[rc == 0][0]}")
             ordered = np.sort(idx)
             if (ordered[1:] == ordered[:-1]).any():
                 np.add.at(self._rc, idx, 1)  # repeated ids: unbuffered (slower) add
             else:
-                self._rc[idx] += 1
+                self._rc[idx] = rc + 1
             return
         refcount = self._refcount
         for i, b in enumerate(block_ids):

@@ -479,7 +479,7 @@ class Pool:
         evicted = self.tree.evict(num_blocks)
         if not evicted:
             return 0
-        blocks = [b for node in evicted for b in node.block_ids]
+        blocks = list(chain.from_iterable(node.block_ids for node in evicted))
         self.allocator.free(blocks)
         self.num_evicted_blocks += len(blocks)
         self.evicted_pages.add([h for node in evicted for h in node.hashes])
@@ -513,7 +513,7 @@ class Pool:
             self.num_private_blocks -= len(req.block_table) - req.num_cached_pages
             self._finished_ids[rid] = None
         evicted = self.tree.evict_all()
-        blocks = [b for node in evicted for b in node.block_ids]
+        blocks = list(chain.from_iterable(node.block_ids for node in evicted))
         self.allocator.free(blocks)
         self.num_evicted_blocks += len(blocks)
         if self._events is not None:

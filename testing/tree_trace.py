@@ -85,7 +85,7 @@ class Driver:
             if self.hashes:
                 for node in evicted:
                     node.hashes  # noqa: B018 - computes them (lazily kept by the current tree)
-            blocks = [b for node in evicted for b in node.block_ids]
+            blocks = list(chain.from_iterable(node.block_ids for node in evicted))
             alloc.free(blocks)
             self.evicted_pages += len(blocks)
         alloc.incref(match.block_ids)

@@ -64,7 +64,7 @@ run-fleet: install
 	$(BIN)/python -m scripts.serve_fleet --host $(HOST) --cache-port $(CACHE_PORT) --shards $(SHARDS) \
 		--model-port $(MODEL_PORT) --router-port $(ROUTER_PORT) --http-port $(HTTP_PORT) $(if $(MODEL),--model $(MODEL)) $(RUN_ARGS)
 
-# The full gate (.ci/run): every test, ~8 min on 2 cores.
+# The full gate (.ci/run): every test, ~14 min on 2 cores (README: Tests).
 test: install node
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 

@@ -39,7 +39,10 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ \
 # replicas then load the bundled model in about a second.
 RUN python -c "from model_service.model_loader import bundled_model_path, _convert_gguf; \
 print(_convert_gguf(bundled_model_path()))" \
- && chown -R radixkv:radixkv /opt/radixkv
+ && mkdir -p /var/lib/radixkv/state \
+ && chown -R radixkv:radixkv /opt/radixkv /var/lib/radixkv
+# /var/lib/radixkv/state: where a volume for the cache manager's --state-dir mounts (a new Docker
+# volume takes this directory's owner, so the server can make its private state directory in it).
 
 USER radixkv
 # gRPC ports: router 50050, cache manager 50051, model service 50052; router OpenAI HTTP 8000.

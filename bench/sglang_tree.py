@@ -28,6 +28,8 @@ from array import array
 from pathlib import Path
 from types import ModuleType
 
+from testing.tree_trace import summarize
+
 SGLANG_VERSION = "0.5.23"
 PEERS_DIR = Path(os.environ.get("RADIXKV_PEERS_DIR") or Path.home() / ".cache" / "radixkv" / "peers")
 _MEMBER = "sglang/srt/mem_cache/rust_tree_core/mem_cache.cpython-311-x86_64-linux-gnu.so"
@@ -177,10 +179,4 @@ class SglangTreeDriver:
         self.hit_tokens += cached
 
     def summary(self) -> dict[str, float]:
-        out = {"req_s": self.requests / self.total_s, "us_per_req": 1e6 * self.total_s / self.requests,
-               "hit_rate": self.hit_tokens / max(1, self.requests * 1024), "evicted_pages": self.evicted_pages,
-               "cached_pages": self.tree.total_size()[0] // self.page_size}
-        for kind in ("match", "insert", "evict"):
-            out[f"{kind}_us"] = 1e6 * self.times[kind] / max(1, self.calls[kind])
-            out[f"{kind}_calls"] = self.calls[kind]
-        return out
+        return summarize(self, self.tree.total_size()[0] // self.page_size)

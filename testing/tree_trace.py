@@ -105,13 +105,19 @@ class Driver:
         self.hit_tokens += cached * ps
 
     def summary(self) -> dict[str, float]:
-        out = {"req_s": self.requests / self.total_s, "us_per_req": 1e6 * self.total_s / self.requests,
-               "hit_rate": self.hit_tokens / max(1, self.requests * 1024), "evicted_pages": self.evicted_pages,
-               "cached_pages": self.tree.total_size}
-        for kind in ("match", "insert", "evict"):
-            out[f"{kind}_us"] = 1e6 * self.times[kind] / max(1, self.calls[kind])
-            out[f"{kind}_calls"] = self.calls[kind]
-        return out
+        return summarize(self, self.tree.total_size)
+
+
+def summarize(driver: Any, cached_pages: int) -> dict[str, float]:
+    """A driver's counters (`Driver`'s, or a peer's driver keeping the same ones: requests,
+    total_s, hit_tokens, evicted_pages, times and calls per kind) as rates and means."""
+    out = {"req_s": driver.requests / driver.total_s, "us_per_req": 1e6 * driver.total_s / driver.requests,
+           "hit_rate": driver.hit_tokens / max(1, driver.requests * 1024), "evicted_pages": driver.evicted_pages,
+           "cached_pages": cached_pages}
+    for kind in ("match", "insert", "evict"):
+        out[f"{kind}_us"] = 1e6 * driver.times[kind] / max(1, driver.calls[kind])
+        out[f"{kind}_calls"] = driver.calls[kind]
+    return out
 
 
 def run_trace(page_size: int, trace: list[tuple[int, ...]], pool_tokens: int,

@@ -460,13 +460,14 @@ def test_each_shard_is_durable_on_a_volume_of_its_own() -> None:
     """Compose: every cache shard's --state-dir lies in a named volume no other service mounts.
     Kubernetes (every variant): the shard StatefulSet's --state-dir lies in the mount of a
     volumeClaimTemplate, one persistent volume per shard pod."""
-    services = compose()["services"]
+    spec = compose()
+    services = spec["services"]
     volumes: dict[str, str] = {}
     for name in CACHE_SHARDS:
         state_dir = flag(services[name]["command"], "--state-dir")
         (mount,) = [v for v in services[name]["volumes"] if state_dir.startswith(v.split(":")[1] + "/")]
         volume = mount.split(":")[0]
-        assert volume in compose()["volumes"] and volume not in volumes.values(), (name, mount)
+        assert volume in spec["volumes"] and volume not in volumes.values(), (name, mount)
         volumes[name] = volume
     for name, svc in services.items():
         mounted = {v.split(":")[0] for v in svc.get("volumes", [])}

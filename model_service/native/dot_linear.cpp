@@ -23,20 +23,11 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
-#include "simd.h"
+#include "amx.h"
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-
-#if defined(RADIXKV_NO_BF16) && !defined(RADIXKV_NO_AMX)
-#define RADIXKV_NO_AMX  // the tile path rounds its sums with AVX512-BF16
-#endif
-#ifndef RADIXKV_NO_AMX
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
@@ -106,36 +97,11 @@ void stripes(const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, int64_
 #endif
 
 #ifndef RADIXKV_NO_AMX
-#define RADIXKV_AMX __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
-
-constexpr int TILE_ROWS = 16;   // rows of x per A tile, k pairs per B tile
-constexpr int TILE_BYTES = 64;  // bytes per tile row
+using radixkv::has_amx_tiles;
+using radixkv::TILE_BYTES;
+using radixkv::TILE_ROWS;
+using radixkv::TileConfig;
 constexpr int TILE_STRIPES = 4;  // stripes per group of up to 16 rows (C tiles 0-3)
-
-// The 64-byte tile configuration (palette 1): C tiles [rows][16 float32], A [rows][32 bf16],
-// B [16 k pairs][16 lanes x 2 bf16].
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Whether the CPU has AMX tiles with bf16 products and Linux lets this process use them (the
-// permission is asked once; oneDNN asks for the same).
-bool amx_usable() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;  // AMX-TILE, AMX-BF16
-  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
-bool has_amx_tiles() {
-  static const bool usable = amx_usable() && radixkv::has_bf16_dot_products();
-  return usable;
-}
 
 // Rows [0, R) (R <= 16) of x times S (<= 4) stripes starting at w, into y. The A tile is read
 // from x in place (rows `xs` pairs apart), each B tile from the packed stripe (64-byte lines).
@@ -214,7 +180,7 @@ RADIXKV_AMX inline void configure_tiles(int rows) {
     config.rows[2] = config.rows[3] = config.rows[5] = r1;
     config.rows[6] = config.rows[7] = TILE_ROWS;
   }
-  _tile_loadconfig(&config);
+  radixkv::load_tile_config(config);
 }
 
 // Stripes [s0, s1) for every row on the tile unit: 16 rows x 4 stripes or 32 rows x 2 stripes at a time.
@@ -248,7 +214,7 @@ RADIXKV_AMX __attribute__((flatten)) void tile_stripes(const uint32_t* x, int64_
   _tile_release();
 }
 #else  // a compiler without AMX (build.py): the tiles are never used
-bool has_amx_tiles() { return false; }
+using radixkv::has_amx_tiles;
 void tile_stripes(const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, int64_t, c10::BFloat16*, int64_t) {
   std::abort();
 }

@@ -126,8 +126,11 @@ def _kernels_note(backend: AttentionBackend, kernels: str) -> str:
     if backend.native:
         on_sdpa = [kind for kind, on in (("prompts", backend.bf16_prompts_on_sdpa),
                                          ("chunks after a cached prefix", backend.bf16_extends_on_sdpa)) if on]
-        return " (radixkv AVX-512 kernels" + (f"; bf16 {' and '.join(on_sdpa)} on torch SDPA, timed faster here)"
-                                             if on_sdpa else ")")
+        tiles = (f"; bf16 calls of {backend.bf16_tiles_from}+ queries per head on AMX tiles"
+                 if backend.bf16_tiles_from is not None else "")
+        fewer = "other " if tiles else ""
+        return (" (radixkv AVX-512 kernels" + tiles
+                + (f"; {fewer}bf16 {' and '.join(on_sdpa)} on torch SDPA, timed faster here" if on_sdpa else "") + ")")
     if kernels == "torch":
         return " (torch kernels: --attention-kernels torch)"
     return f" (torch kernels: native ones {native.unavailable_reason() or 'do not take this model or dtype'})"

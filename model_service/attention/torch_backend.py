@@ -42,7 +42,8 @@ Extend: queries padded to the longest chunk, a causal mask offset by each cached
 gathered block by block. A single sequence without cached prefix attends over its own new
 K/V with `is_causal=True`, exactly the call dense attention makes (in bf16 through the native
 kernel, or torch's SDPA where a timing run at start found it faster: prompt_timing.py; bf16
-chunks after a cached prefix likewise, timed apart).
+chunks after a cached prefix likewise, timed apart). bf16 prompts and chunks of 16 or more
+queries per head take the native kernel wherever it runs them on AMX tiles.
 
 Tokens recomputed over a cache hit (`BatchLayout.written_rows` leaves them out) keep their
 cached K/V: only the other rows are written, and only those slots invalidate kept prefix
@@ -228,7 +229,11 @@ class TorchAttentionBackend(AttentionBackend):
         # Fresh float32 prompts: the native kernel bitwise torch's call (where `_prompt_kernel_for` says so).
         self.prompt_kernel = kernels == "auto" and prompt_attention.supports(dtype, num_q_heads, num_kv_heads,
                                                                              head_dim, device)
-        # Fresh bf16 prompts: torch's SDPA where a timing run found it faster here (AMX), else native.
+        # bf16 calls of at least this many queries per head run on the native kernel's AMX tiles
+        # (faster than torch's SDPA and the row kernels wherever the CPU has them); None: never.
+        self.bf16_tiles_from = (native.attention_tiles_min_queries(head_dim)
+                                if self.native and dtype == torch.bfloat16 and device.type == "cpu" else None)
+        # Other fresh bf16 prompts: torch's SDPA where a timing run found it faster here, else native.
         self.bf16_prompts_on_sdpa = (self.native and dtype == torch.bfloat16 and device.type == "cpu"
                                      and sdpa_faster_for_bf16_prompts(num_q_heads, num_kv_heads, head_dim))
         # bf16 chunks after a cached prefix (several new tokens): likewise, timed on their own shape.
@@ -500,7 +505,7 @@ class TorchAttentionBackend(AttentionBackend):
             q_pos = prefix[:, None] + torch.arange(max_q)[None, :]  # [n, max_q]
             last_key = torch.minimum(q_pos, slens[:, None] - 1)  # [n, max_q]
             attn_mask = self._additive(pos[None, None, :] <= last_key[:, :, None])[:, None]  # [n, 1, max_q, kv_len]
-            if self.bf16_extends_on_sdpa:  # for the query heads of a KV head folded into rows (_attend)
+            if self._extend_on_sdpa(max_q):  # for the query heads of a KV head folded into rows (_attend)
                 attn_mask = attn_mask.repeat(1, 1, self.num_q_heads // self.num_kv_heads, 1)  # [n, 1, r * max_q, kv_len]
         elif bool((slens != kv_len).any()):
             attn_mask = self._additive(pos[None, :] < slens[:, None])[:, None, None, :]  # [n, 1, 1, kv_len]
@@ -625,6 +630,14 @@ class TorchAttentionBackend(AttentionBackend):
         merged = merge_states(o_pre, lse_pre, o_suf, lse_suf)  # [members, Hkv, r, D]
         return out.index_copy_(0, c.members, merged.view(-1, self.num_q_heads, hd))
 
+    def _on_tiles(self, max_q: int) -> bool:
+        """Whether a bf16 call of `max_q` queries per head runs on the native kernel's AMX tiles."""
+        return self.bf16_tiles_from is not None and max_q >= self.bf16_tiles_from
+
+    def _extend_on_sdpa(self, max_q: int) -> bool:
+        """Whether a bf16 chunk of `max_q` queries after a cached prefix goes to torch's SDPA."""
+        return self.bf16_extends_on_sdpa and max_q > 1 and not self._on_tiles(max_q)
+
     def _use_native(self, one_sequence: bool, dtype: torch.dtype) -> bool:
         """Whether a call goes to the native kernel: not in float32 when it attends one sequence over
         its whole context (torch's call is then bitwise the dense attention transformers computes)."""
@@ -690,7 +703,7 @@ class TorchAttentionBackend(AttentionBackend):
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """SDPA for one block-gathered group. q: [group_tokens, Hq, D]; returns [group_tokens, Hq, D]."""
         n, max_q = g.num_seqs, g.max_query_len
-        extend_on_sdpa = self.bf16_extends_on_sdpa and max_q > 1 and g.block_ids is not None
+        extend_on_sdpa = g.block_ids is not None and self._extend_on_sdpa(max_q)
         if g.block_ids is None:
             keys = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
             values = v.transpose(0, 1).unsqueeze(0)
@@ -717,7 +730,7 @@ class TorchAttentionBackend(AttentionBackend):
             queries = q.index_select(0, g.q_pad_index).view(n, max_q, self.num_q_heads, self.head_dim)
             queries = queries.transpose(1, 2)  # [n, Hq, max_q, D]
         fresh_prompt = g.block_ids is None and g.is_causal and g.attn_mask is None
-        if fresh_prompt and self.bf16_prompts_on_sdpa and q.dtype == torch.bfloat16:
+        if fresh_prompt and self.bf16_prompts_on_sdpa and q.dtype == torch.bfloat16 and not self._on_tiles(max_q):
             out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
                                                  enable_gqa=self._enable_gqa)
         elif extend_on_sdpa:

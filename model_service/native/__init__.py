@@ -1,7 +1,8 @@
 """Native CPU kernels (C++, AVX-512) the torch attention backend uses where they run.
 
 `attend` is softmax attention with its log-sum-exp over K/V with per-sequence key lengths and
-optional causal offsets (attention.cpp says how it works). The library is built by `make install`
+optional causal offsets (attention.cpp says how it works; bfloat16 calls with many queries per head
+run on AMX tiles where the CPU has them, tile_attention.cpp). The library is built by `make install`
 (`python -m model_service.native.build`) and loaded here on first use when the CPU has AVX-512
 (torch's "AVX512" capability); `unavailable_reason()` says why not otherwise. Whether a kernel
 is used is the registry's answer (registry.py: loaded and its probe matches torch); callers ask it
@@ -127,6 +128,25 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     (any row stride), each op rounded as torch's two ops round it (silu_mul.cpp). Returns a new
     contiguous [T, n]."""
     return torch.ops.radixkv.silu_mul(gate, up)
+
+
+def attention_tiles_min_queries(head_dim: int) -> int | None:
+    """The fewest queries per head at which bfloat16 `attend` calls run on AMX tiles here
+    (tile_attention.cpp), None where they never do (no AMX, a head_dim the tiles do not take, or
+    turned off by `without_attention_tiles`)."""
+    least = int(torch.ops.radixkv.attention_tiles_min_queries())
+    return least if torch.ops.radixkv.attention_tiles_take(head_dim, least) else None
+
+
+@contextlib.contextmanager
+def without_attention_tiles() -> Iterator[None]:
+    """Within: bfloat16 `attend` calls run on the row kernels even where AMX tiles would take them
+    (tests, and the start-up timing of the calls the tiles do not take)."""
+    previous = torch.ops.radixkv.set_attention_tiles(False)
+    try:
+        yield
+    finally:
+        torch.ops.radixkv.set_attention_tiles(previous)
 
 
 def has_bf16_dot_products() -> bool:

@@ -1,5 +1,6 @@
-"""Builds the native CPU kernels (attention.cpp, linear.cpp, dot_linear.cpp, prompt_attention.cpp,
-kv_write.cpp, argmax.cpp, rms_norm.cpp, rope.cpp, silu_mul.cpp) into a shared library next to this file.
+"""Builds the native CPU kernels (attention.cpp, tile_attention.cpp, linear.cpp, dot_linear.cpp,
+prompt_attention.cpp, kv_write.cpp, argmax.cpp, rms_norm.cpp, rope.cpp, silu_mul.cpp) into a shared
+library next to this file.
 
 `make install` runs `python -m model_service.native.build`; the library's name carries a hash of
 the sources and headers, the compiler flags and the torch version, so a stale build is never
@@ -28,7 +29,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 SOURCES = [HERE / "attention.cpp", HERE / "linear.cpp", HERE / "dot_linear.cpp", HERE / "prompt_attention.cpp",
-           HERE / "kv_write.cpp", HERE / "argmax.cpp", HERE / "rms_norm.cpp", HERE / "rope.cpp", HERE / "silu_mul.cpp"]
+           HERE / "kv_write.cpp", HERE / "argmax.cpp", HERE / "rms_norm.cpp", HERE / "rope.cpp", HERE / "silu_mul.cpp",
+           HERE / "tile_attention.cpp"]
 HEADERS = sorted(HERE.glob("*.h"))  # simd.h: in the hash (and the Makefile's NATIVE_SRC) so edits rebuild
 # The kernels use AVX-512 F/BW/VL/DQ (the set torch calls "AVX512"); the library is only loaded
 # where torch reports that capability. AVX512-BF16 code is compiled only inside functions marked

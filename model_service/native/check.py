@@ -38,6 +38,7 @@ def report(fresh: bool = False) -> tuple[list[str], list[registry.Status]]:
         f" ({'built' if path.exists() else 'missing'})",
         f"library: {native.unavailable_reason() or 'loaded'}",
         f"bfloat16 attention and few-row linears on AVX512-BF16 dot products: {registry.bf16_dot_products()}",
+        f"bfloat16 attention of prompts and chunks on AMX tiles: {registry.attention_tiles()}",
     ]
     statuses = [registry.status(name) for name in registry.KERNELS]
     width = max(len(name) for name in registry.KERNELS)

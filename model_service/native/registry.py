@@ -89,6 +89,28 @@ def _probe_attention(num_q_heads: int = 9, num_kv_heads: int = 3, head_dim: int 
         error = float((got - want).abs().max())
         if not error <= 1e-4:
             return f"attend differs from scaled_dot_product_attention by {error:.3g} (> 1e-4) at {length} keys"
+    if native.attention_tiles_min_queries(head_dim) is not None:
+        return _probe_attention_tiles(num_q_heads, num_kv_heads, head_dim)
+    return None
+
+
+def _probe_attention_tiles(num_q_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+    """attend's bfloat16 AMX tile path (a causal chunk after a cached prefix, a fresh prompt)
+    against float32 attention of the same bfloat16 values: within the rounding of a bfloat16
+    result (2^-8 relative, of values of magnitude up to ~3 here) and of the bfloat16 probabilities."""
+    gen = torch.Generator().manual_seed(2)
+    r = num_q_heads // num_kv_heads
+    for length, queries in ((300, 40), (77, 77)):
+        q = torch.randn(2, num_q_heads, queries, head_dim, generator=gen).bfloat16()
+        k, v = (torch.randn(2, num_kv_heads, length, head_dim, generator=gen).bfloat16() for _ in range(2))
+        offsets = torch.full((2,), length - queries, dtype=torch.int64)
+        got, _ = native.attend(q, k, v, torch.full((2,), length, dtype=torch.int64), offsets, head_dim ** -0.5)
+        mask = torch.ones(queries, length, dtype=torch.bool).tril(length - queries)
+        want = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(r, 1),
+                                              v.float().repeat_interleave(r, 1), attn_mask=mask, scale=head_dim ** -0.5)
+        error = float((got.float() - want).abs().max())
+        if not error <= 3e-2:
+            return f"attend's AMX tiles differ from float32 attention by {error:.3g} (> 3e-2) at {length} keys"
     return None
 
 
@@ -345,6 +367,19 @@ def _status(kernel: Kernel, shape: dict[str, object]) -> Status:
 def active(name: str, **shape: object) -> bool:
     """Whether kernel `name` is loaded and its probe passes for this shape (see `status`)."""
     return status(name, **shape).active
+
+
+def attention_tiles(head_dim: int = 64) -> str:
+    """Whether bfloat16 attention of many queries (prompts, chunks) runs on AMX tiles here, and if not why."""
+    if native.unavailable_reason() is not None:
+        return "no (library not loaded)"
+    least = native.attention_tiles_min_queries(head_dim)
+    if least is not None:
+        return f"yes ({least}+ queries per head)"
+    _, flags = cpu_description()
+    if "amx_bf16" not in flags:
+        return "no (this CPU has no AMX)"
+    return "no (compiled without AMX, or Linux refused the tile state)"
 
 
 def bf16_dot_products() -> str:

@@ -26,7 +26,7 @@ def test_flags_keep_products_apart_and_leave_bf16_to_target_attributes():
         text = source.read_text()
         assert 'asm("" :' not in text, f"{source.name}: an empty-asm rounding barrier (-ffp-contract=off does it)"
         assert not re.search(r"constexpr\s+\w+\s+LANES\s*=", text), f"{source.name} defines LANES (simd.h does)"
-        assert '#include "simd.h"' in text or "LANES" not in text, source.name
+        assert re.search(r'#include "(simd|amx)\.h"', text) or "LANES" not in text, source.name  # amx.h includes simd.h
     attention = (build.HERE / "attention.cpp").read_text()
     for tile in ("qk_tile_dp", "pv_tile_dp", "pair_probabilities"):
         assert re.search(rf"RADIXKV_BF16 inline void {tile}\(", attention), tile
@@ -76,7 +76,9 @@ def test_any_cpu_builds_for_another_x86_machine_but_not_for_another_architecture
 
 @pytest.mark.skipif(shutil.which(build.os.environ.get("CXX", "g++")) is None, reason="needs a C++ compiler")
 @pytest.mark.parametrize("source, flag", [("attention.cpp", build.NO_BF16_FLAG), ("dot_linear.cpp", build.NO_BF16_FLAG),
-                                          ("dot_linear.cpp", build.NO_AMX_FLAG)])
+                                          ("dot_linear.cpp", build.NO_AMX_FLAG),
+                                          ("tile_attention.cpp", build.NO_BF16_FLAG),
+                                          ("tile_attention.cpp", build.NO_AMX_FLAG)])
 def test_dot_product_kernels_compile_without_avx512_bf16_or_amx(source: str, flag: str):
     """What a compiler that cannot target AVX512-BF16 (or AMX) builds (build.py adds RADIXKV_NO_BF16,
     RADIXKV_NO_AMX)."""
@@ -102,17 +104,20 @@ def _functions_using(instructions: re.Pattern) -> set[str]:
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
 def test_bf16_instructions_only_in_the_dot_product_entry_points():
     """A CPU with AVX-512 and no AVX512-BF16 never runs them: they sit only in attend_rows_dp,
-    attend_small_dp, cascade_rows_dp and dot_linear's stripes and tile_stripes (compiled with the
-    target attribute), which run where the CPU has them."""
+    attend_small_dp, cascade_rows_dp, dot_linear's stripes and tile_stripes and the tile attention's
+    attend_item (compiled with the target attribute), which run where the CPU has them."""
     skip_unless_native("attention")
     holders = _functions_using(BF16_INSTRUCTIONS)
-    # tile_stripes is absent where the compiler cannot target AMX (RADIXKV_NO_AMX)
-    assert holders - {"tile_stripes"} == {"attend_rows_dp", "attend_small_dp", "cascade_rows_dp", "stripes"}
+    # the tile paths are absent where the compiler cannot target AMX (RADIXKV_NO_AMX)
+    assert holders - {"tile_stripes", "attend_item"} == {"attend_rows_dp", "attend_small_dp", "cascade_rows_dp",
+                                                         "stripes"}
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
-def test_amx_instructions_only_in_the_tile_entry_point():
-    """A CPU without AMX never runs them: they sit only in dot_linear's tile_stripes (compiled with
-    the AMX target attributes), which runs only where has_amx_tiles() found the tiles usable."""
+def test_amx_instructions_only_in_the_tile_entry_points():
+    """A CPU without AMX never runs them: they sit only in dot_linear's tile_stripes and the tile
+    attention's items (compiled with the AMX target attributes), which run only where
+    has_amx_tiles() found the tiles usable."""
     skip_unless_native("attention")
-    assert _functions_using(AMX_INSTRUCTIONS) <= {"tile_stripes"}  # none where the compiler has no AMX
+    tile_code = {"tile_stripes", "attend_item", "configure_tiles", "release_tiles"}
+    assert _functions_using(AMX_INSTRUCTIONS) <= tile_code  # none where the compiler has no AMX

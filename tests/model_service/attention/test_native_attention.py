@@ -96,10 +96,11 @@ def test_matches_float64_reference(batch, heads, head_dim, num_queries, num_keys
         offsets = (kv_lens - num_queries + torch.randint(-3, 1, (batch,), generator=gen)).clamp(min=0)
     scale = 1.0 / math.sqrt(head_dim)
     ref_out, ref_lse = reference(q, k, v, kv_lens, offsets, scale)
-    # bfloat16: AVX512-BF16 dot products where the CPU has them, and the float32-FMA path always
+    # bfloat16: AMX tiles (16+ queries) and AVX512-BF16 dot products where the CPU has them, the
+    # dot products alone, and the float32-FMA path always
     paths = [contextlib.nullcontext()]
     if dtype == torch.bfloat16:
-        paths.append(native.without_bf16_dot_products())
+        paths += [native.without_attention_tiles(), native.without_bf16_dot_products()]
     for path in paths:
         with path:
             out, lse = native.attend(q, k, v, kv_lens, offsets, scale)
@@ -108,8 +109,10 @@ def test_matches_float64_reference(batch, heads, head_dim, num_queries, num_keys
         torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
         if dtype == torch.float32:
             torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=2e-6)
-        else:  # float32 sums (P rounded to bfloat16 before P.V, as torch does), the result rounded once
-            torch.testing.assert_close(out.double(), ref_out, rtol=2 ** -7, atol=2 ** -8)
+        else:  # float32 sums (P rounded to bfloat16 before P.V, as torch does), the result rounded once:
+            # P's rounding moves a result by up to 2^-9 of the largest |V| (about 4 here), P.V's order
+            # decides which way a probability rounds, so the kernels may differ by that much
+            torch.testing.assert_close(out.double(), ref_out, rtol=2 ** -7, atol=2 ** -7)
 
 
 def test_keys_past_the_lengths_are_never_read():

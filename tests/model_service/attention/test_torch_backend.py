@@ -245,19 +245,49 @@ def test_bf16_prompt_chunks_take_the_timed_paths_and_stay_the_reference(monkeypa
     monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention",
                         lambda *a, **k: calls.append("causal" if k.get("is_causal") else "masked")
                         or real_sdpa(*a, **k))
+    # The calls the timing decides: those AMX tiles do not take (all of them with the tiles off).
+    with native.without_attention_tiles():
+        _attend_bf16_cases(CHUNK_CASES)
+    assert calls == ["causal"] * prompts_on_sdpa + ["masked"] * (2 * extends_on_sdpa)
+
+
+# A fresh prompt; one extend over 260 cached; three over unequal prefixes (one padded call).
+CHUNK_CASES = (([300], [300]), ([300], [40]), ([300, 90, 177], [40, 7, 33]))
+
+
+def _attend_bf16_cases(cases) -> None:
+    """Each case through a fresh bf16 backend, checked against the dense reference."""
     hq, hkv, d = 9, 3, 64
-    # A fresh prompt; one extend over 260 cached; three over unequal prefixes (one padded call).
-    for seq_lens, query_lens in (([300], [300]), ([300], [40]), ([300, 90, 177], [40, 7, 33])):
+    for seq_lens, query_lens in cases:
         case = make_case(seq_lens, query_lens, block_size=16, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                          seed=5, dtype=torch.bfloat16, garbage=float("nan"))  # NaN in every stale slot
         backend = TorchAttentionBackend(hq, hkv, d, 16, torch.bfloat16, torch.device("cpu"))
-        assert backend.native and backend.bf16_prompts_on_sdpa == prompts_on_sdpa
-        assert backend.bf16_extends_on_sdpa == extends_on_sdpa
+        assert backend.native
         k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
         backend.plan(case.layout)
         out = backend.forward(case.q, case.k, case.v, k_cache, v_cache, d ** -0.5)
         torch.testing.assert_close(out.double(), reference_attention(case, d ** -0.5), rtol=2e-2, atol=2e-2)
-    assert calls == ["causal"] * prompts_on_sdpa + ["masked"] * (2 * extends_on_sdpa)
+
+
+def test_bf16_prompts_and_chunks_of_16_queries_take_amx_tiles_whatever_the_timing(monkeypatch):
+    """Where the native kernel runs bf16 calls on AMX tiles, prompts and chunks of 16+ queries per
+    head go there even where the timing found SDPA faster than the row kernels; fewer go by it."""
+    from model_service import native
+    from model_service.attention import torch_backend
+
+    if not native.available() or native.attention_tiles_min_queries(64) is None:
+        pytest.skip("native attention tiles: no AMX here (or the library is not built)")
+    monkeypatch.setattr(torch_backend, "sdpa_faster_for_bf16_prompts", lambda *shape: True)
+    monkeypatch.setattr(torch_backend, "sdpa_faster_for_bf16_extends", lambda *shape: True)
+    calls = []
+    real_sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append("causal" if k.get("is_causal") else "masked")
+                        or real_sdpa(*a, **k))
+    _attend_bf16_cases(CHUNK_CASES)
+    assert calls == []
+    _attend_bf16_cases([([12], [12]), ([300, 90], [9, 15])])  # under 16 queries per head
+    assert calls == ["causal", "masked"]
 
 
 def test_bf16_prompt_timing_answers_once_per_shape():

@@ -244,6 +244,30 @@ RADIXKV_AMX inline void softmax_block(Scratch& w, const int64_t* limits, int64_t
   }
 }
 
+// The online softmax of the 16 rows in w.q over packed K/V (kp, vp; Lp keys per K row): row i
+// sees keys [0, limits[i]). Leaves O unnormalized in w.o, the maxima m (base 2, of scale2 * S) and
+// each row's 16 partial sums in l.
+RADIXKV_AMX void attend_rows(Scratch& w, const uint32_t* kp, const uint32_t* vp, int64_t Lp, int64_t D,
+                             const int64_t* limits, float scale2, float* m, float* l) {
+  alignas(64) float alpha[TILE_ROWS];
+  std::fill(w.o, w.o + TILE_ROWS * D, 0.0f);
+  std::fill(m, m + TILE_ROWS, FLOOR);
+  std::fill(l, l + TILE_ROWS * LANES, 0.0f);
+  const int64_t last = *std::max_element(limits, limits + TILE_ROWS);
+  for (int64_t n0 = 0; n0 < last; n0 += KB) {
+    scores(w, kp, Lp, D, n0, w.s);
+    softmax_block(w, limits, n0, scale2, m, l, alpha);
+    weighted_values(w, vp + (n0 / 2) * D, D, w.pv);
+    for (int i = 0; i < TILE_ROWS; ++i) {
+      const __m512 a = _mm512_set1_ps(alpha[i]);
+      float* orow = w.o + i * D;
+      const float* prow = w.pv + i * D;
+      for (int64_t d = 0; d < D; d += LANES)
+        _mm512_store_ps(orow + d, _mm512_fmadd_ps(_mm512_load_ps(orow + d), a, _mm512_load_ps(prow + d)));
+    }
+  }
+}
+
 // One item: rows f0 .. f0 + 15 (fewer at the end) of KV head h of sequence b, where row f is query
 // f % M of query head h * r + f / M (the r query heads sharing the KV head, folded into rows).
 RADIXKV_AMX void attend_item(const radixkv::TileProblem& P, const c10::BFloat16* q, const uint32_t* kp,
@@ -262,24 +286,8 @@ RADIXKV_AMX void attend_item(const radixkv::TileProblem& P, const c10::BFloat16*
     out_rows[i] = (b * P.Hq + hq) * P.M + pos;
     std::memcpy(w.q + i * D, q + b * P.qs[0] + hq * P.qs[1] + pos * P.qs[2], D * 2);
   }
-  std::fill(w.o, w.o + TILE_ROWS * D, 0.0f);
-  alignas(64) float m[TILE_ROWS], alpha[TILE_ROWS], l[TILE_ROWS * LANES];
-  std::fill(m, m + TILE_ROWS, FLOOR);
-  std::fill(l, l + TILE_ROWS * LANES, 0.0f);
-  const float scale2 = P.scale * static_cast<float>(M_LOG2E);
-  const int64_t last = *std::max_element(limits, limits + TILE_ROWS);
-  for (int64_t n0 = 0; n0 < last; n0 += KB) {
-    scores(w, kp, Lp, D, n0, w.s);
-    softmax_block(w, limits, n0, scale2, m, l, alpha);
-    weighted_values(w, vp + (n0 / 2) * D, D, w.pv);
-    for (int i = 0; i < TILE_ROWS; ++i) {
-      const __m512 a = _mm512_set1_ps(alpha[i]);
-      float* orow = w.o + i * D;
-      const float* prow = w.pv + i * D;
-      for (int64_t d = 0; d < D; d += LANES)
-        _mm512_store_ps(orow + d, _mm512_fmadd_ps(_mm512_load_ps(orow + d), a, _mm512_load_ps(prow + d)));
-    }
-  }
+  alignas(64) float m[TILE_ROWS], l[TILE_ROWS * LANES];
+  attend_rows(w, kp, vp, Lp, D, limits, P.scale * static_cast<float>(M_LOG2E), m, l);
   for (int64_t i = 0; i < R; ++i) {
     const float sum = _mm512_reduce_add_ps(_mm512_load_ps(l + i * LANES));
     const __m512 inv = _mm512_set1_ps(1.0f / sum);
@@ -290,26 +298,60 @@ RADIXKV_AMX void attend_item(const radixkv::TileProblem& P, const c10::BFloat16*
   }
 }
 
-// The calling thread's buffer of packed K/V, grown to `count` words and kept: a new allocation
-// of a few MB per call costs more in page faults than the packing itself.
-uint32_t* packed_buffer(int64_t count) {
-  thread_local std::unique_ptr<uint32_t, decltype(&std::free)> buffer{nullptr, &std::free};
-  thread_local int64_t capacity = 0;
-  if (count > capacity) {
-    buffer.reset(static_cast<uint32_t*>(std::aligned_alloc(64, round_up(count * 4, 64))));
-    TORCH_CHECK(buffer, "attend: out of memory for packed K/V (", count * 4, " bytes)");
-    capacity = count;
+// A thread's buffer, grown on demand and kept: a new allocation of a few MB per call costs more
+// in page faults than the packing that fills it.
+struct ThreadBuffer {
+  std::unique_ptr<char, decltype(&std::free)> data{nullptr, &std::free};
+  int64_t capacity = 0;
+
+  void* get(int64_t bytes) {
+    if (bytes > capacity) {
+      data.reset(static_cast<char*>(std::aligned_alloc(64, round_up(bytes, 64))));
+      TORCH_CHECK(data, "attend: out of memory for packed K/V (", bytes, " bytes)");
+      capacity = bytes;
+    }
+    return data.get();
   }
-  return buffer.get();
-}
+};
 
 }  // namespace
 
 namespace radixkv {
 
-bool tiles_take(int64_t head_dim, int64_t queries) {
-  return allow_tiles.load() && has_amx_tiles() && head_dim % PAIR_DIMS == 0 && head_dim <= MAX_D &&
-         queries >= MIN_QUERIES;
+bool tiles_run(int64_t head_dim) {
+  return allow_tiles.load() && has_amx_tiles() && head_dim % PAIR_DIMS == 0 && head_dim <= MAX_D;
+}
+
+bool tiles_take(int64_t head_dim, int64_t queries) { return tiles_run(head_dim) && queries >= MIN_QUERIES; }
+
+void attend_prefix_tiles(const c10::BFloat16* const* queries, int64_t rows, const c10::BFloat16* k,
+                         const c10::BFloat16* v, int64_t kv_row, int64_t len, int64_t D, float scale, float* ot,
+                         int64_t W, float* m, float* l) {
+  const int64_t Lp = round_up(len, KB) + LANES, per_head = Lp * D / 2;
+  thread_local ThreadBuffer packed, scratch;
+  auto* kp = static_cast<uint32_t*>(packed.get(2 * per_head * 4));
+  uint32_t* vp = kp + per_head;
+  pack_keys(k, kv_row, len, D, Lp, kp);
+  pack_values(v, kv_row, len, D, vp);
+  auto* w = static_cast<Scratch*>(scratch.get(sizeof(Scratch)));
+  configure_tiles();
+  alignas(64) float tm[TILE_ROWS], tl[TILE_ROWS * LANES];
+  int64_t limits[TILE_ROWS];
+  for (int64_t f0 = 0; f0 < rows; f0 += TILE_ROWS) {
+    const int64_t R = std::min<int64_t>(TILE_ROWS, rows - f0);
+    for (int64_t i = 0; i < TILE_ROWS; ++i) {
+      limits[i] = i < R ? len : 0;
+      if (i < R) std::memcpy(w->q + i * D, queries[f0 + i], D * 2);
+      else std::memset(w->q + i * D, 0, D * 2);
+    }
+    attend_rows(*w, kp, vp, Lp, D, limits, scale * static_cast<float>(M_LOG2E), tm, tl);
+    for (int64_t i = 0; i < R; ++i) {  // rows into lanes, the max to natural-log units
+      for (int64_t d = 0; d < D; ++d) ot[d * W + f0 + i] = w->o[i * D + d];
+      m[f0 + i] = tm[i] * static_cast<float>(M_LN2);
+      l[f0 + i] = _mm512_reduce_add_ps(_mm512_load_ps(tl + i * LANES));
+    }
+  }
+  release_tiles();
 }
 
 void attend_tiles(const TileProblem& P, const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v,
@@ -318,7 +360,8 @@ void attend_tiles(const TileProblem& P, const c10::BFloat16* q, const c10::BFloa
   // apart (16 rows of a B tile 2^k bytes apart share a few L1 sets and evict each other).
   const int64_t D = P.D, r = P.Hq / P.Hkv, Lp = round_up(P.L, KB) + LANES, per_head = Lp * D / 2;
   // Packed K and V of every (sequence, KV head), zero past its keys.
-  uint32_t* kp = packed_buffer(2 * P.B * P.Hkv * per_head);
+  thread_local ThreadBuffer packed;  // the calling thread's; its workers read it
+  auto* kp = static_cast<uint32_t*>(packed.get(2 * P.B * P.Hkv * per_head * 4));
   uint32_t* vp = kp + P.B * P.Hkv * per_head;
   at::parallel_for(0, P.B * P.Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -333,7 +376,8 @@ void attend_tiles(const TileProblem& P, const c10::BFloat16* q, const c10::BFloa
   std::atomic<int64_t> next{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    auto* w = static_cast<Scratch*>(std::aligned_alloc(64, sizeof(Scratch)));
+    thread_local ThreadBuffer scratch;
+    auto* w = static_cast<Scratch*>(scratch.get(sizeof(Scratch)));
     configure_tiles();
     for (int64_t worker = begin; worker < end; ++worker)
       for (int64_t idx = next.fetch_add(1); idx < count; idx = next.fetch_add(1)) {
@@ -342,7 +386,6 @@ void attend_tiles(const TileProblem& P, const c10::BFloat16* q, const c10::BFloa
                     t * TILE_ROWS, *w);
       }
     release_tiles();
-    std::free(w);
   });
 }
 
@@ -351,7 +394,12 @@ void attend_tiles(const TileProblem& P, const c10::BFloat16* q, const c10::BFloa
 #else  // a compiler without AMX (build.py): the tiles never take a call
 
 namespace radixkv {
+bool tiles_run(int64_t) { return false; }
 bool tiles_take(int64_t, int64_t) { return false; }
+void attend_prefix_tiles(const c10::BFloat16* const*, int64_t, const c10::BFloat16*, const c10::BFloat16*, int64_t,
+                         int64_t, int64_t, float, float*, int64_t, float*, float*) {
+  std::abort();
+}
 void attend_tiles(const TileProblem&, const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*,
                   c10::BFloat16*, float*) {
   std::abort();

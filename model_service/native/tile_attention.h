@@ -20,9 +20,21 @@ struct TileProblem {
   float scale;
 };
 
-// Whether the tiles take a bfloat16 call of this head_dim and M queries per head: this CPU and
-// process can use AMX, the path is allowed (set_attention_tiles) and the shapes fit it.
+// Whether bfloat16 attention of this head_dim runs on tiles here: this CPU and process can use
+// AMX, the path is allowed (set_attention_tiles) and head_dim is a multiple of 32 up to 256.
+bool tiles_run(int64_t head_dim);
+
+// Whether the tiles take an attend call of M queries per head (tiles_run, and enough queries).
 bool tiles_take(int64_t head_dim, int64_t queries);
+
+// A cascade decode's prefix pass on tiles (tiles_run must hold): `rows` bfloat16 query rows
+// (each D values at queries[i]) over the first `len` keys of one head's K/V (rows `kv_row`
+// elements apart), no mask. Leaves the online softmax's state for the caller to continue over
+// more keys, as attention.cpp's row kernels keep it: ot [D][W] (row i in lane i, unnormalized),
+// m (running maxima of the scaled scores) and l (sums of exp(score - m)) per row.
+void attend_prefix_tiles(const c10::BFloat16* const* queries, int64_t rows, const c10::BFloat16* k,
+                         const c10::BFloat16* v, int64_t kv_row, int64_t len, int64_t D, float scale, float* ot,
+                         int64_t W, float* m, float* l);
 
 void attend_tiles(const TileProblem& P, const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v,
                   c10::BFloat16* o, float* lse);

@@ -127,14 +127,32 @@ def test_matches_dense_attention(heads, head_dim, group_sizes, ungrouped, dtype,
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("dot_products", [True, False])
-def test_bf16_with_and_without_dot_products(dot_products):
-    """bfloat16 prefixes take the AVX512-BF16 dot products where the CPU has them, else FMAs: both near dense."""
+@pytest.mark.parametrize("path", ["default", "no tiles", "no dot products"])
+def test_bf16_on_tiles_dot_products_or_fmas(path):
+    """bfloat16 prefixes run on AMX tiles where the CPU has them (the members then continue on the
+    row kernels), else on AVX512-BF16 dot products where it has those, else FMAs: all near dense."""
     case = make_cascade(7, 9, 3, 64, [8, 5, 1], 2, torch.bfloat16)
-    with contextlib.nullcontext() if dot_products else native.without_bf16_dot_products():
-        out, _ = cascade(case, 0.125)
-    want, _ = dense(case, 0.125)
+    paths = {"default": contextlib.nullcontext, "no tiles": native.without_attention_tiles,
+             "no dot products": native.without_bf16_dot_products}
+    with paths[path]():
+        out, lse = cascade(case, 0.125)
+    want, want_lse = dense(case, 0.125)
     torch.testing.assert_close(out.double(), want, rtol=2 ** -7, atol=2 ** -7)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_prefixes_take_the_tiles_where_they_run():
+    if native.attention_tiles_min_queries(64) is None:
+        pytest.skip("native attention tiles: no AMX here (or the library is not built)")
+    case = make_cascade(8, 9, 3, 64, [12, 4], 0, torch.bfloat16)
+    tiles, tiles_lse = cascade(case, 0.125)
+    with native.without_attention_tiles():
+        rows, rows_lse = cascade(case, 0.125)
+    # The prefix pass summed in the tiles' order: float32 sums differ in their last bits (the bf16
+    # outputs mostly round alike).
+    assert not torch.equal(tiles_lse, rows_lse)
+    torch.testing.assert_close(tiles_lse, rows_lse, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(tiles.double(), rows.double(), rtol=2 ** -7, atol=2 ** -7)
 
 
 def test_same_result_on_one_thread_and_many():

@@ -247,7 +247,7 @@ RADIXKV_AMX inline void softmax_block(Scratch& w, const int64_t* limits, int64_t
 // The online softmax of the 16 rows in w.q over packed K/V (kp, vp; Lp keys per K row): row i
 // sees keys [0, limits[i]). Leaves O unnormalized in w.o, the maxima m (base 2, of scale2 * S) and
 // each row's 16 partial sums in l.
-RADIXKV_AMX void attend_rows(Scratch& w, const uint32_t* kp, const uint32_t* vp, int64_t Lp, int64_t D,
+RADIXKV_AMX void tile_rows(Scratch& w, const uint32_t* kp, const uint32_t* vp, int64_t Lp, int64_t D,
                              const int64_t* limits, float scale2, float* m, float* l) {
   alignas(64) float alpha[TILE_ROWS];
   std::fill(w.o, w.o + TILE_ROWS * D, 0.0f);
@@ -287,7 +287,7 @@ RADIXKV_AMX void attend_item(const radixkv::TileProblem& P, const c10::BFloat16*
     std::memcpy(w.q + i * D, q + b * P.qs[0] + hq * P.qs[1] + pos * P.qs[2], D * 2);
   }
   alignas(64) float m[TILE_ROWS], l[TILE_ROWS * LANES];
-  attend_rows(w, kp, vp, Lp, D, limits, P.scale * static_cast<float>(M_LOG2E), m, l);
+  tile_rows(w, kp, vp, Lp, D, limits, P.scale * static_cast<float>(M_LOG2E), m, l);
   for (int64_t i = 0; i < R; ++i) {
     const float sum = _mm512_reduce_add_ps(_mm512_load_ps(l + i * LANES));
     const __m512 inv = _mm512_set1_ps(1.0f / sum);
@@ -344,7 +344,7 @@ void attend_prefix_tiles(const c10::BFloat16* const* queries, int64_t rows, cons
       if (i < R) std::memcpy(w->q + i * D, queries[f0 + i], D * 2);
       else std::memset(w->q + i * D, 0, D * 2);
     }
-    attend_rows(*w, kp, vp, Lp, D, limits, scale * static_cast<float>(M_LOG2E), tm, tl);
+    tile_rows(*w, kp, vp, Lp, D, limits, scale * static_cast<float>(M_LOG2E), tm, tl);
     for (int64_t i = 0; i < R; ++i) {  // rows into lanes, the max to natural-log units
       for (int64_t d = 0; d < D; ++d) ot[d * W + f0 + i] = w->o[i * D + d];
       m[f0 + i] = tm[i] * static_cast<float>(M_LN2);

@@ -105,19 +105,20 @@ def _functions_using(instructions: re.Pattern) -> set[str]:
 def test_bf16_instructions_only_in_the_dot_product_entry_points():
     """A CPU with AVX-512 and no AVX512-BF16 never runs them: they sit only in attend_rows_dp,
     attend_small_dp, cascade_rows_dp, dot_linear's stripes and tile_stripes and the tile attention's
-    attend_item (compiled with the target attribute), which run where the CPU has them."""
+    tile_rows (compiled with the target attribute), which run where the CPU has them."""
     skip_unless_native("attention")
     holders = _functions_using(BF16_INSTRUCTIONS)
     # the tile paths are absent where the compiler cannot target AMX (RADIXKV_NO_AMX)
-    assert holders - {"tile_stripes", "attend_item"} == {"attend_rows_dp", "attend_small_dp", "cascade_rows_dp",
-                                                         "stripes"}
+    assert holders - {"tile_stripes", "tile_rows", "attend_item"} == {"attend_rows_dp", "attend_small_dp",
+                                                                      "cascade_rows_dp", "stripes"}
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
 def test_amx_instructions_only_in_the_tile_entry_points():
     """A CPU without AMX never runs them: they sit only in dot_linear's tile_stripes and the tile
-    attention's items (compiled with the AMX target attributes), which run only where
-    has_amx_tiles() found the tiles usable."""
+    attention's row loop and items (compiled with the AMX target attributes; attend_item where the
+    compiler does not inline tile_rows into it), which run only where has_amx_tiles() found the
+    tiles usable."""
     skip_unless_native("attention")
-    tile_code = {"tile_stripes", "attend_item", "configure_tiles", "release_tiles"}
+    tile_code = {"tile_stripes", "tile_rows", "attend_item", "configure_tiles", "release_tiles"}
     assert _functions_using(AMX_INSTRUCTIONS) <= tile_code  # none where the compiler has no AMX

@@ -6,21 +6,24 @@
 // the products dominate; on the tile unit a 16 x 16 x 32 product is one instruction, so what is
 // left is the softmax in AVX-512, and the kernel is built around keeping that cheap.
 //
-// Layout. A work item is 16 queries of one query head (an A tile of Q, read from a zero-padded
-// copy); keys come in blocks of 64 (four 16-key C tiles of S). Before the items run, each
-// (sequence, KV head) has its K packed as the B tiles of Q K^T (pairs of head dims over keys:
-// kp[p][n] = (K[n][2p], K[n][2p+1])) and its V as the B tiles of P V (pairs of keys over head
-// dims: vp[p][d] = (V[2p][d], V[2p+1][d])), zero past the sequence's keys, so every tile load is
-// a plain strided load and padding keys contribute nothing.
+// Layout. A work item is 16 rows: queries of the query heads that share one KV head, folded
+// together (row f: query f % M of head f / M), copied into a zero-padded A tile of Q; keys come in
+// blocks of 64 (four 16-key C tiles of S). Before the items run, each (sequence, KV head) has its
+// K packed as the B tiles of Q K^T, each tile 1 KB contiguous (pairs of head dims over 16 keys,
+// pack_keys), and its V as the B tiles of P V (pairs of keys over head dims: vp[p][d] = (V[2p][d],
+// V[2p+1][d])), zero past the sequence's keys, so a block's K and V stream in order and padding
+// keys contribute nothing. A cascade decode's prefix pass packs a group's shared prefix the same
+// way and runs its members' rows over it (attend_prefix_tiles).
 //
-// Per item and key block (flash-style online softmax, rows = queries, float32 throughout):
+// Per item and key block (flash-style online softmax, rows = queries, float32 throughout, base 2):
 //   S = Q K^T                                       (tiles: 4 C, 1 A, B tiles rotating)
-//   per row: S masked to -inf past the row's last key; m' = max(m, scale * max S);
-//            P = exp(scale * S - m'); l = l * exp(m - m') + sum P; P rounded to bfloat16
-//   O = O * exp(m - m') + P V                       (tiles, then one AVX-512 FMA per 16 values)
-// then o = O / l and lse = m + log(l). As in attention.cpp and torch's flash kernel, the products
-// are float32 sums of bfloat16 products and P is rounded to bfloat16 before P V; the order of the
-// sums is the tile unit's, so results match theirs to bfloat16 rounding, not bit for bit.
+//   per row: S past the row's last key -> -1e30; m' = max(m, scale2 * max S);
+//            P = 2^(scale2 * S - m'); l = l * 2^(m - m') + sum P; P rounded to bfloat16
+//   O = O * 2^(m - m') + P V                        (tiles, then one AVX-512 FMA per 16 values)
+// with scale2 = scale * log2(e); then o = O / l and lse = ln(2) m + log(l). As in attention.cpp
+// and torch's flash kernel, the products are float32 sums of bfloat16 products and P is rounded
+// to bfloat16 before P V; the order of the sums is the tile unit's, so results match theirs to
+// bfloat16 rounding, not bit for bit.
 #include "amx.h"
 #include "tile_attention.h"
 
@@ -84,25 +87,27 @@ inline void transpose_16x16(__m512i* r) {
   }
 }
 
-// K of one (sequence, KV head): kp[p][n] = (K[n][2p], K[n][2p + 1]) for keys n < len, zero to the
-// end of the last 64-key block: 16 keys x 16 pairs at a time, transposed. k: the head's first
-// key, `row` elements between keys.
-void pack_keys(const c10::BFloat16* k, int64_t row, int64_t len, int64_t D, int64_t Lp, uint32_t* kp) {
-  const int64_t end = round_up(len, KB);
+constexpr int64_t TILE_WORDS = TILE_ROWS * LANES;  // one B tile: 16 rows of 16 words
+
+// K of one (sequence, KV head) as whole B tiles of Q K^T, each 1 KB contiguous (so a block of keys
+// streams from memory in order): the tile of keys n0 .. n0 + 15 and head dims d .. d + 31 sits at
+// kp + ((n0 / 16) * (D / 32) + d / 32) * 256, its row j = (K[n][d + 2j], K[n][d + 2j + 1]) over the
+// 16 keys n. Zero for keys from len to `end` (a multiple of 64). k: the head's first key, `row`
+// elements between keys.
+void pack_keys(const c10::BFloat16* k, int64_t row, int64_t len, int64_t D, uint32_t* kp, int64_t end) {
   __m512i block[16];
   for (int64_t n0 = 0; n0 < end; n0 += LANES)
-    for (int64_t d = 0; d < D; d += PAIR_DIMS) {
+    for (int64_t d = 0; d < D; d += PAIR_DIMS, kp += TILE_WORDS) {
       for (int64_t i = 0; i < LANES; ++i)
         block[i] = n0 + i < len ? _mm512_loadu_si512(k + (n0 + i) * row + d) : _mm512_setzero_si512();
       transpose_16x16(block);
-      for (int64_t j = 0; j < LANES; ++j) _mm512_storeu_si512(kp + (d / 2 + j) * Lp + n0, block[j]);
+      for (int64_t j = 0; j < LANES; ++j) _mm512_storeu_si512(kp + j * LANES, block[j]);
     }
 }
 
-// V of one (sequence, KV head): vp[p][d] = (V[2p][d], V[2p + 1][d]) for keys < len, zero to the
-// end of the last 64-key block.
-void pack_values(const c10::BFloat16* v, int64_t row, int64_t len, int64_t D, uint32_t* vp) {
-  const int64_t end = round_up(len, KB);
+// V of one (sequence, KV head): vp[p][d] = (V[2p][d], V[2p + 1][d]) for keys < len, zero from
+// there to `end` (a multiple of 64).
+void pack_values(const c10::BFloat16* v, int64_t row, int64_t len, int64_t D, uint32_t* vp, int64_t end) {
   for (int64_t n = 0; n < end; n += 2, vp += D) {
     const auto* lo = reinterpret_cast<const __m256i*>(v + n * row);
     const auto* hi = reinterpret_cast<const __m256i*>(v + (n + 1) * row);
@@ -136,22 +141,22 @@ struct Scratch {
 };
 
 // S[16][64] = Q K^T for keys n0 .. n0 + 63: C tiles 0-3 over D / 32 chunks of head dims.
-RADIXKV_AMX inline void scores(const Scratch& w, const uint32_t* kp, int64_t Lp, int64_t D, int64_t n0, float* s) {
+RADIXKV_AMX inline void scores(const Scratch& w, const uint32_t* kp, int64_t D, int64_t n0, float* s) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  const int64_t k_stride = Lp * 4;
-  for (int64_t c = 0; c < D; c += PAIR_DIMS) {
-    _tile_loadd(4, w.q + c, D * 2);
-    const uint32_t* kb = kp + (c / 2) * Lp + n0;
-    _tile_loadd(5, kb, k_stride);
+  const int64_t chunks = D / PAIR_DIMS, next = chunks * TILE_WORDS;  // next: the following 16 keys' tile
+  const uint32_t* kb = kp + (n0 / LANES) * next;
+  for (int64_t c = 0; c < chunks; ++c, kb += TILE_WORDS) {
+    _tile_loadd(4, w.q + c * PAIR_DIMS, D * 2);
+    _tile_loadd(5, kb, TILE_BYTES);
     _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, kb + 16, k_stride);
+    _tile_loadd(6, kb + next, TILE_BYTES);
     _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(7, kb + 32, k_stride);
+    _tile_loadd(7, kb + 2 * next, TILE_BYTES);
     _tile_dpbf16ps(2, 4, 7);
-    _tile_loadd(5, kb + 48, k_stride);
+    _tile_loadd(5, kb + 3 * next, TILE_BYTES);
     _tile_dpbf16ps(3, 4, 5);
   }
   _tile_stored(0, s, KB * 4);
@@ -244,10 +249,10 @@ RADIXKV_AMX inline void softmax_block(Scratch& w, const int64_t* limits, int64_t
   }
 }
 
-// The online softmax of the 16 rows in w.q over packed K/V (kp, vp; Lp keys per K row): row i
-// sees keys [0, limits[i]). Leaves O unnormalized in w.o, the maxima m (base 2, of scale2 * S) and
-// each row's 16 partial sums in l.
-RADIXKV_AMX void tile_rows(Scratch& w, const uint32_t* kp, const uint32_t* vp, int64_t Lp, int64_t D,
+// The online softmax of the 16 rows in w.q over packed K/V (kp, vp): row i sees keys [0,
+// limits[i]). Leaves O unnormalized in w.o, the maxima m (base 2, of scale2 * S) and each row's 16
+// partial sums in l.
+RADIXKV_AMX void tile_rows(Scratch& w, const uint32_t* kp, const uint32_t* vp, int64_t D,
                              const int64_t* limits, float scale2, float* m, float* l) {
   alignas(64) float alpha[TILE_ROWS];
   std::fill(w.o, w.o + TILE_ROWS * D, 0.0f);
@@ -255,7 +260,7 @@ RADIXKV_AMX void tile_rows(Scratch& w, const uint32_t* kp, const uint32_t* vp, i
   std::fill(l, l + TILE_ROWS * LANES, 0.0f);
   const int64_t last = *std::max_element(limits, limits + TILE_ROWS);
   for (int64_t n0 = 0; n0 < last; n0 += KB) {
-    scores(w, kp, Lp, D, n0, w.s);
+    scores(w, kp, D, n0, w.s);
     softmax_block(w, limits, n0, scale2, m, l, alpha);
     weighted_values(w, vp + (n0 / 2) * D, D, w.pv);
     for (int i = 0; i < TILE_ROWS; ++i) {
@@ -271,7 +276,7 @@ RADIXKV_AMX void tile_rows(Scratch& w, const uint32_t* kp, const uint32_t* vp, i
 // One item: rows f0 .. f0 + 15 (fewer at the end) of KV head h of sequence b, where row f is query
 // f % M of query head h * r + f / M (the r query heads sharing the KV head, folded into rows).
 RADIXKV_AMX void attend_item(const radixkv::TileProblem& P, const c10::BFloat16* q, const uint32_t* kp,
-                             const uint32_t* vp, int64_t Lp, c10::BFloat16* o, float* lse, int64_t b, int64_t h,
+                             const uint32_t* vp, c10::BFloat16* o, float* lse, int64_t b, int64_t h,
                              int64_t f0, Scratch& w) {
   const int64_t D = P.D, r = P.Hq / P.Hkv, R = std::min<int64_t>(TILE_ROWS, r * P.M - f0), len = P.kv_lens[b];
   int64_t limits[TILE_ROWS], out_rows[TILE_ROWS];  // out_rows: the row's index in o [B, Hq, M] order
@@ -287,7 +292,7 @@ RADIXKV_AMX void attend_item(const radixkv::TileProblem& P, const c10::BFloat16*
     std::memcpy(w.q + i * D, q + b * P.qs[0] + hq * P.qs[1] + pos * P.qs[2], D * 2);
   }
   alignas(64) float m[TILE_ROWS], l[TILE_ROWS * LANES];
-  tile_rows(w, kp, vp, Lp, D, limits, P.scale * static_cast<float>(M_LOG2E), m, l);
+  tile_rows(w, kp, vp, D, limits, P.scale * static_cast<float>(M_LOG2E), m, l);
   for (int64_t i = 0; i < R; ++i) {
     const float sum = _mm512_reduce_add_ps(_mm512_load_ps(l + i * LANES));
     const __m512 inv = _mm512_set1_ps(1.0f / sum);
@@ -327,12 +332,12 @@ bool tiles_take(int64_t head_dim, int64_t queries) { return tiles_run(head_dim) 
 void attend_prefix_tiles(const c10::BFloat16* const* queries, int64_t rows, const c10::BFloat16* k,
                          const c10::BFloat16* v, int64_t kv_row, int64_t len, int64_t D, float scale, float* ot,
                          int64_t W, float* m, float* l) {
-  const int64_t Lp = round_up(len, KB) + LANES, per_head = Lp * D / 2;
+  const int64_t per_head = round_up(len, KB) * D / 2;
   thread_local ThreadBuffer packed, scratch;
   auto* kp = static_cast<uint32_t*>(packed.get(2 * per_head * 4));
   uint32_t* vp = kp + per_head;
-  pack_keys(k, kv_row, len, D, Lp, kp);
-  pack_values(v, kv_row, len, D, vp);
+  pack_keys(k, kv_row, len, D, kp, round_up(len, KB));
+  pack_values(v, kv_row, len, D, vp, round_up(len, KB));
   auto* w = static_cast<Scratch*>(scratch.get(sizeof(Scratch)));
   configure_tiles();
   alignas(64) float tm[TILE_ROWS], tl[TILE_ROWS * LANES];
@@ -344,7 +349,7 @@ void attend_prefix_tiles(const c10::BFloat16* const* queries, int64_t rows, cons
       if (i < R) std::memcpy(w->q + i * D, queries[f0 + i], D * 2);
       else std::memset(w->q + i * D, 0, D * 2);
     }
-    tile_rows(*w, kp, vp, Lp, D, limits, scale * static_cast<float>(M_LOG2E), tm, tl);
+    tile_rows(*w, kp, vp, D, limits, scale * static_cast<float>(M_LOG2E), tm, tl);
     for (int64_t i = 0; i < R; ++i) {  // rows into lanes, the max to natural-log units
       for (int64_t d = 0; d < D; ++d) ot[d * W + f0 + i] = w->o[i * D + d];
       m[f0 + i] = tm[i] * static_cast<float>(M_LN2);
@@ -356,9 +361,7 @@ void attend_prefix_tiles(const c10::BFloat16* const* queries, int64_t rows, cons
 
 void attend_tiles(const TileProblem& P, const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v,
                   c10::BFloat16* o, float* lse) {
-  // Lp: keys per row of packed K, a block past the last so that rows are not a power of two
-  // apart (16 rows of a B tile 2^k bytes apart share a few L1 sets and evict each other).
-  const int64_t D = P.D, r = P.Hq / P.Hkv, Lp = round_up(P.L, KB) + LANES, per_head = Lp * D / 2;
+  const int64_t D = P.D, r = P.Hq / P.Hkv, Lp = round_up(P.L, KB), per_head = Lp * D / 2;
   // Packed K and V of every (sequence, KV head), zero past its keys.
   thread_local ThreadBuffer packed;  // the calling thread's; its workers read it
   auto* kp = static_cast<uint32_t*>(packed.get(2 * P.B * P.Hkv * per_head * 4));
@@ -366,8 +369,9 @@ void attend_tiles(const TileProblem& P, const c10::BFloat16* q, const c10::BFloa
   at::parallel_for(0, P.B * P.Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / P.Hkv, h = bh % P.Hkv;
-      pack_keys(k + b * P.ks[0] + h * P.ks[1], P.ks[2], P.kv_lens[b], D, Lp, kp + bh * per_head);
-      pack_values(v + b * P.vs[0] + h * P.vs[1], P.vs[2], P.kv_lens[b], D, vp + bh * per_head);
+      const int64_t len = P.kv_lens[b], end = round_up(len, KB);
+      pack_keys(k + b * P.ks[0] + h * P.ks[1], P.ks[2], len, D, kp + bh * per_head, end);
+      pack_values(v + b * P.vs[0] + h * P.vs[1], P.vs[2], len, D, vp + bh * per_head, end);
     }
   });
   // Items (16 rows of a KV head's folded queries) handed out one at a time, latest rows first
@@ -382,7 +386,7 @@ void attend_tiles(const TileProblem& P, const c10::BFloat16* q, const c10::BFloa
     for (int64_t worker = begin; worker < end; ++worker)
       for (int64_t idx = next.fetch_add(1); idx < count; idx = next.fetch_add(1)) {
         const int64_t t = tiles - 1 - idx / (P.B * P.Hkv), bh = idx % (P.B * P.Hkv);
-        attend_item(P, q, kp + bh * per_head, vp + bh * per_head, Lp, o, lse, bh / P.Hkv, bh % P.Hkv,
+        attend_item(P, q, kp + bh * per_head, vp + bh * per_head, o, lse, bh / P.Hkv, bh % P.Hkv,
                     t * TILE_ROWS, *w);
       }
     release_tiles();

@@ -160,17 +160,22 @@ def test_bad_arguments_raise_clear_errors(bad, message):
         native.attend(args["q"], args["k"], args["v"], args["kv_lens"], args["offsets"], 0.1)
 
 
-def test_uses_every_thread_and_gives_the_same_result():
-    q, k, v = torch.randn(1, 9, 300, 64), torch.randn(1, 3, 300, 64), torch.randn(1, 3, 300, 64)
-    lens, offsets = torch.tensor([300]), torch.tensor([0])
+def on_one_and_two_threads(call):
+    """call() on torch's threads set to 1, then to 2 (restored after): both results."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one, _ = native.attend(q, k, v, lens, offsets, 0.125)
+        one = call()
         torch.set_num_threads(2)
-        two, _ = native.attend(q, k, v, lens, offsets, 0.125)
+        return one, call()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_uses_every_thread_and_gives_the_same_result():
+    q, k, v = torch.randn(1, 9, 300, 64), torch.randn(1, 3, 300, 64), torch.randn(1, 3, 300, 64)
+    lens, offsets = torch.tensor([300]), torch.tensor([0])
+    (one, _), (two, _) = on_one_and_two_threads(lambda: native.attend(q, k, v, lens, offsets, 0.125))
     assert torch.equal(one, two)  # work items are independent: no cross-thread reduction
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from model_service import native
-from tests.model_service.attention.test_native_attention import layout, reference
+from tests.model_service.attention.test_native_attention import layout, on_one_and_two_threads, reference
 
 pytestmark = pytest.mark.skipif(not native.available() or native.attention_tiles_min_queries(64) is None,
                                 reason="native attention tiles: no AMX here (or the library is not built)")
@@ -100,14 +100,7 @@ def test_tiles_differ_from_the_row_kernels_only_in_rounding():
 def test_every_thread_count_gives_the_same_bits():
     q, k, v = _inputs(2, 9, 3, 100, 400, 64, seed=5)
     lens, offsets = torch.tensor([400, 250]), torch.tensor([300, 150])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one, lse_one = native.attend(q, k, v, lens, offsets, 0.125)
-        torch.set_num_threads(2)
-        two, lse_two = native.attend(q, k, v, lens, offsets, 0.125)
-    finally:
-        torch.set_num_threads(threads)
+    (one, lse_one), (two, lse_two) = on_one_and_two_threads(lambda: native.attend(q, k, v, lens, offsets, 0.125))
     assert torch.equal(one, two) and torch.equal(lse_one, lse_two)  # items are independent
 
 

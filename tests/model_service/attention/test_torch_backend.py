@@ -234,21 +234,29 @@ def test_bf16_prompt_chunks_take_the_timed_paths_and_stay_the_reference(monkeypa
     kernel: either is the dense reference within bf16 rounding, padded chunks of unequal lengths
     and contexts included (the padding gathered for SDPA is zeroed: a stale NaN would spread)."""
     from model_service import native
-    from model_service.attention import torch_backend
 
     if not native.available():
         pytest.skip(f"native kernels: library not loaded ({native.unavailable_reason()})")
-    monkeypatch.setattr(torch_backend, "sdpa_faster_for_bf16_prompts", lambda *shape: prompts_on_sdpa)
-    monkeypatch.setattr(torch_backend, "sdpa_faster_for_bf16_extends", lambda *shape: extends_on_sdpa)
-    calls = []
-    real_sdpa = F.scaled_dot_product_attention
-    monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention",
-                        lambda *a, **k: calls.append("causal" if k.get("is_causal") else "masked")
-                        or real_sdpa(*a, **k))
+    calls = _sdpa_calls_with_timing(monkeypatch, prompts_on_sdpa, extends_on_sdpa)
     # The calls the timing decides: those AMX tiles do not take (all of them with the tiles off).
     with native.without_attention_tiles():
         _attend_bf16_cases(CHUNK_CASES)
     assert calls == ["causal"] * prompts_on_sdpa + ["masked"] * (2 * extends_on_sdpa)
+
+
+def _sdpa_calls_with_timing(monkeypatch, prompts_on_sdpa: bool, extends_on_sdpa: bool) -> list[str]:
+    """Backends built from here on see this start-up timing; the returned list records each
+    torch SDPA call they make ("causal" or "masked")."""
+    from model_service.attention import torch_backend
+
+    monkeypatch.setattr(torch_backend, "sdpa_faster_for_bf16_prompts", lambda *shape: prompts_on_sdpa)
+    monkeypatch.setattr(torch_backend, "sdpa_faster_for_bf16_extends", lambda *shape: extends_on_sdpa)
+    calls: list[str] = []
+    real_sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append("causal" if k.get("is_causal") else "masked")
+                        or real_sdpa(*a, **k))
+    return calls
 
 
 # A fresh prompt; one extend over 260 cached; three over unequal prefixes (one padded call).
@@ -273,17 +281,10 @@ def test_bf16_prompts_and_chunks_of_16_queries_take_amx_tiles_whatever_the_timin
     """Where the native kernel runs bf16 calls on AMX tiles, prompts and chunks of 16+ queries per
     head go there even where the timing found SDPA faster than the row kernels; fewer go by it."""
     from model_service import native
-    from model_service.attention import torch_backend
 
     if not native.available() or native.attention_tiles_min_queries(64) is None:
         pytest.skip("native attention tiles: no AMX here (or the library is not built)")
-    monkeypatch.setattr(torch_backend, "sdpa_faster_for_bf16_prompts", lambda *shape: True)
-    monkeypatch.setattr(torch_backend, "sdpa_faster_for_bf16_extends", lambda *shape: True)
-    calls = []
-    real_sdpa = F.scaled_dot_product_attention
-    monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention",
-                        lambda *a, **k: calls.append("causal" if k.get("is_causal") else "masked")
-                        or real_sdpa(*a, **k))
+    calls = _sdpa_calls_with_timing(monkeypatch, prompts_on_sdpa=True, extends_on_sdpa=True)
     _attend_bf16_cases(CHUNK_CASES)
     assert calls == []
     _attend_bf16_cases([([12], [12]), ([300, 90], [9, 15])])  # under 16 queries per head

@@ -46,7 +46,24 @@ constexpr int MAX_ROWS = 64;   // query rows of a work item (4 vectors)
 constexpr int MAX_D = 256;     // head_dim limit (a multiple of 16)
 constexpr int SMALL_ROWS = 8;  // work items of at most this many rows take the keys-in-lanes kernel
 
-using radixkv::exp_ps;
+// exp(x) for float32 lanes (Cephes expf polynomial, about 1 ulp); -inf and very negative x give 0.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+  p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
 
 // x rounded to bfloat16 precision (to nearest even), kept in float32 lanes.
 inline __m512 round_to_bf16(__m512 x) {
@@ -908,9 +925,22 @@ Problem heads(const at::Tensor& q, int64_t num_kv_heads) {
   return P;
 }
 
-// Allocates o [B, Hq, M, D] (q's dtype) and lse [B, Hq, M] float32 and runs the planned problem.
+// bfloat16 calls tiles_take() takes, on AMX tiles (tile_attention.cpp).
+void run_tiles(const Problem& P, const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v,
+               c10::BFloat16* o, float* lse) {
+  radixkv::TileProblem T{P.B, P.Hq, P.Hkv, P.M, P.L, P.D, P.kv_lens, P.offsets, {}, {}, {}, P.scale};
+  for (int i = 0; i < 3; ++i) {
+    T.qs[i] = P.qs[i];
+    T.ks[i] = P.ks[i];
+    T.vs[i] = P.vs[i];
+  }
+  radixkv::attend_tiles(T, q, k, v, o, lse);
+}
+
+// Allocates o [B, Hq, M, D] (q's dtype) and lse [B, Hq, M] float32 and runs the planned problem
+// (on AMX tiles where `tiles`).
 std::tuple<at::Tensor, at::Tensor> launch(const Problem& P, const at::Tensor& q, const at::Tensor& k,
-                                          const at::Tensor& v) {
+                                          const at::Tensor& v, bool tiles) {
   at::Tensor o = at::empty({P.B, P.Hq, P.M, P.D}, q.options());
   at::Tensor lse = at::empty({P.B, P.Hq, P.M}, q.options().dtype(at::kFloat));
   if (o.numel() == 0) return {o, lse};
@@ -919,25 +949,9 @@ std::tuple<at::Tensor, at::Tensor> launch(const Problem& P, const at::Tensor& q,
                lse.data_ptr<float>());
   } else {
     using BF = c10::BFloat16;
-    run<BF>(P, q.data_ptr<BF>(), k.data_ptr<BF>(), v.data_ptr<BF>(), o.data_ptr<BF>(), lse.data_ptr<float>());
+    (tiles ? run_tiles : run<BF>)(P, q.data_ptr<BF>(), k.data_ptr<BF>(), v.data_ptr<BF>(), o.data_ptr<BF>(),
+                                  lse.data_ptr<float>());
   }
-  return {o, lse};
-}
-
-// The same on AMX tiles (tile_attention.cpp), for bfloat16 calls tiles_take() takes.
-std::tuple<at::Tensor, at::Tensor> launch_tiles(const Problem& P, const at::Tensor& q, const at::Tensor& k,
-                                                const at::Tensor& v) {
-  at::Tensor o = at::empty({P.B, P.Hq, P.M, P.D}, q.options());
-  at::Tensor lse = at::empty({P.B, P.Hq, P.M}, q.options().dtype(at::kFloat));
-  if (o.numel() == 0) return {o, lse};
-  radixkv::TileProblem T{P.B, P.Hq, P.Hkv, P.M, P.L, P.D, P.kv_lens, P.offsets, {}, {}, {}, P.scale};
-  for (int i = 0; i < 3; ++i) {
-    T.qs[i] = P.qs[i];
-    T.ks[i] = P.ks[i];
-    T.vs[i] = P.vs[i];
-  }
-  using BF = c10::BFloat16;
-  radixkv::attend_tiles(T, q.data_ptr<BF>(), k.data_ptr<BF>(), v.data_ptr<BF>(), o.data_ptr<BF>(), lse.data_ptr<float>());
   return {o, lse};
 }
 
@@ -988,8 +1002,7 @@ std::tuple<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor&
   }
   P.scale = static_cast<float>(scale);
   P.dot_products = q.scalar_type() == at::kBFloat16 && has_bf16_dot_products() && allow_bf16_dot_products.load();
-  if (P.dot_products && radixkv::tiles_take(P.D, P.M)) return launch_tiles(P, q, k, v);
-  return launch(P, q, k, v);
+  return launch(P, q, k, v, P.dot_products && radixkv::tiles_take(P.D, P.M));
 }
 
 // Reads sequence b's keys from the paged caches: tokens starts[b] .. starts[b] + kv_lens[b] - 1 of
@@ -1048,7 +1061,7 @@ std::tuple<at::Tensor, at::Tensor> attend_paged(const at::Tensor& q, const at::T
   for (int i = 0; i < 3; ++i) P.qs[i] = q.stride(i);
   P.scale = static_cast<float>(scale);
   P.dot_products = q.scalar_type() == at::kBFloat16 && has_bf16_dot_products() && allow_bf16_dot_products.load();
-  return launch(P, q, k_cache, v_cache);
+  return launch(P, q, k_cache, v_cache, false);
 }
 
 // Cascade decode attention (see run_cascade): q [n, Hq, D] contiguous, one new token per decode

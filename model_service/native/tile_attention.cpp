@@ -92,9 +92,10 @@ constexpr int64_t TILE_WORDS = TILE_ROWS * LANES;  // one B tile: 16 rows of 16 
 // K of one (sequence, KV head) as whole B tiles of Q K^T, each 1 KB contiguous (so a block of keys
 // streams from memory in order): the tile of keys n0 .. n0 + 15 and head dims d .. d + 31 sits at
 // kp + ((n0 / 16) * (D / 32) + d / 32) * 256, its row j = (K[n][d + 2j], K[n][d + 2j + 1]) over the
-// 16 keys n. Zero for keys from len to `end` (a multiple of 64). k: the head's first key, `row`
-// elements between keys.
-void pack_keys(const c10::BFloat16* k, int64_t row, int64_t len, int64_t D, uint32_t* kp, int64_t end) {
+// 16 keys n. Zero for keys from len to the end of the last 64-key block. k: the head's first key,
+// `row` elements between keys.
+void pack_keys(const c10::BFloat16* k, int64_t row, int64_t len, int64_t D, uint32_t* kp) {
+  const int64_t end = round_up(len, KB);
   __m512i block[16];
   for (int64_t n0 = 0; n0 < end; n0 += LANES)
     for (int64_t d = 0; d < D; d += PAIR_DIMS, kp += TILE_WORDS) {
@@ -106,8 +107,9 @@ void pack_keys(const c10::BFloat16* k, int64_t row, int64_t len, int64_t D, uint
 }
 
 // V of one (sequence, KV head): vp[p][d] = (V[2p][d], V[2p + 1][d]) for keys < len, zero from
-// there to `end` (a multiple of 64).
-void pack_values(const c10::BFloat16* v, int64_t row, int64_t len, int64_t D, uint32_t* vp, int64_t end) {
+// there to the end of the last 64-key block.
+void pack_values(const c10::BFloat16* v, int64_t row, int64_t len, int64_t D, uint32_t* vp) {
+  const int64_t end = round_up(len, KB);
   for (int64_t n = 0; n < end; n += 2, vp += D) {
     const auto* lo = reinterpret_cast<const __m256i*>(v + n * row);
     const auto* hi = reinterpret_cast<const __m256i*>(v + (n + 1) * row);
@@ -319,6 +321,12 @@ struct ThreadBuffer {
   }
 };
 
+// The calling thread's Scratch (a worker's, in either entry point).
+Scratch* thread_scratch() {
+  thread_local ThreadBuffer scratch;
+  return static_cast<Scratch*>(scratch.get(sizeof(Scratch)));
+}
+
 }  // namespace
 
 namespace radixkv {
@@ -333,12 +341,12 @@ void attend_prefix_tiles(const c10::BFloat16* const* queries, int64_t rows, cons
                          const c10::BFloat16* v, int64_t kv_row, int64_t len, int64_t D, float scale, float* ot,
                          int64_t W, float* m, float* l) {
   const int64_t per_head = round_up(len, KB) * D / 2;
-  thread_local ThreadBuffer packed, scratch;
+  thread_local ThreadBuffer packed;
   auto* kp = static_cast<uint32_t*>(packed.get(2 * per_head * 4));
   uint32_t* vp = kp + per_head;
-  pack_keys(k, kv_row, len, D, kp, round_up(len, KB));
-  pack_values(v, kv_row, len, D, vp, round_up(len, KB));
-  auto* w = static_cast<Scratch*>(scratch.get(sizeof(Scratch)));
+  pack_keys(k, kv_row, len, D, kp);
+  pack_values(v, kv_row, len, D, vp);
+  Scratch* w = thread_scratch();
   configure_tiles();
   alignas(64) float tm[TILE_ROWS], tl[TILE_ROWS * LANES];
   int64_t limits[TILE_ROWS];
@@ -369,19 +377,18 @@ void attend_tiles(const TileProblem& P, const c10::BFloat16* q, const c10::BFloa
   at::parallel_for(0, P.B * P.Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / P.Hkv, h = bh % P.Hkv;
-      const int64_t len = P.kv_lens[b], end = round_up(len, KB);
-      pack_keys(k + b * P.ks[0] + h * P.ks[1], P.ks[2], len, D, kp + bh * per_head, end);
-      pack_values(v + b * P.vs[0] + h * P.vs[1], P.vs[2], len, D, vp + bh * per_head, end);
+      pack_keys(k + b * P.ks[0] + h * P.ks[1], P.ks[2], P.kv_lens[b], D, kp + bh * per_head);
+      pack_values(v + b * P.vs[0] + h * P.vs[1], P.vs[2], P.kv_lens[b], D, vp + bh * per_head);
     }
   });
-  // Items (16 rows of a KV head's folded queries) handed out one at a time, latest rows first
-  // (under a causal mask they read the most keys).
+  // Items (16 rows of a KV head's folded queries) handed out one at a time from the last folded
+  // rows back: within a query head its latest queries, which under a causal mask read the most
+  // keys, go first, and the first head's earliest (the cheapest) last.
   const int64_t tiles = (r * P.M + TILE_ROWS - 1) / TILE_ROWS, count = tiles * P.B * P.Hkv;
   std::atomic<int64_t> next{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    thread_local ThreadBuffer scratch;
-    auto* w = static_cast<Scratch*>(scratch.get(sizeof(Scratch)));
+    Scratch* w = thread_scratch();
     configure_tiles();
     for (int64_t worker = begin; worker < end; ++worker)
       for (int64_t idx = next.fetch_add(1); idx < count; idx = next.fetch_add(1)) {

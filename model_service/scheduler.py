@@ -153,13 +153,15 @@ class SchedulerConfig:
 
     @property
     def long_prefill_tokens(self) -> int:
-        """A prefill with more tokens than this left is long: a step runs one long prompt at a time
-        (`build_batch`), and admission holds back those that would wait for it (`_plan_admissions`)."""
+        """A prefill with more tokens than this left is long: a long prompt that stops short of its
+        end in a step takes the rest of it (`build_batch`), and one admitted to stop short lets the
+        hits behind it by (`_plan_admissions`)."""
         return self.max_batch_tokens // 4
 
     @property
     def long_step_tokens(self) -> int:
-        """A long prompt computing this many tokens in a step takes the step's long-prompt turn."""
+        """A long prompt computing this many tokens in a step, not reaching its end, takes the step's
+        long-prompt turn: the long prompts behind it wait (`build_batch`)."""
         return self.max_batch_tokens // 2
 
 
@@ -296,14 +298,10 @@ class Scheduler:
         # What `ahead` does to each of its requests: tokens computed, and one sampled (or not).
         runs = {} if ahead is None else {id(r): (len(c.token_ids), c.needs_logits) for r, c in zip(*ahead, strict=True)}
         lookahead = 0 if ahead is None or self._lookahead_paused else self.config.lookahead_blocks * bs
-        long_prefill = 0  # the most tokens a running prompt computes in the step planned
         for request in self.running:
             computes, samples = runs.get(id(request), (0, False))
             need = request.num_tokens + samples
-            left = need - request.num_computed_tokens - computes
-            budget -= left
-            if request.pull is None:
-                long_prefill = max(long_prefill, min(left, self.config.max_batch_tokens))
+            budget -= need - request.num_computed_tokens - computes
             want = need
             if lookahead:  # never beyond what the request can still generate
                 want = max(need, min(need + lookahead, len(request.prompt_token_ids) + request.max_tokens))
@@ -321,7 +319,7 @@ class Scheduler:
         if self._pause_admission:
             self._pause_admission = False
         else:
-            self._plan_admissions(plan, budget, long_prefill)
+            self._plan_admissions(plan, budget)
         # Finished disk writes ride with a Step made anyway; one of their own only when idle (or late).
         plan.copy_outcomes.extend(self.finished_copy_outcomes(not plan.is_empty or not self.running))
         queues, admitted = self.load(), len(plan.admits)
@@ -329,17 +327,18 @@ class Scheduler:
                                     num_running_requests=queues.num_running_requests + admitted)
         return plan
 
-    def _plan_admissions(self, plan: CachePlan, budget: int, long_prefill: int) -> None:
-        """Admits waiting requests in arrival order within the step's token budget (a hit charged
-        its miss only). A long prompt that `build_batch` would not run in this step (one long prompt
-        at a time: another already takes half the budget) is not admitted yet: it would hold its
-        blocks idle and take the budget from the requests behind it, say the followers of a prefix
-        group whose leader just committed, which it lets by; it stays first in line."""
+    def _plan_admissions(self, plan: CachePlan, budget: int) -> None:
+        """Admits waiting requests in arrival order within the step's token budget left after the
+        running ones (a hit charged its miss only), so a step's budget is filled, as vLLM's chunked
+        prefill does. A long prompt that would stop short of its end in this step is admitted last:
+        the requests behind it with short misses (say, the followers of a prefix group whose leader
+        just committed) go first, within half the budget it found, so they reach their first token
+        in this step rather than after it; it takes the rest. Long ones behind it wait their turn."""
         # A new request may reuse the id of one whose finish is in this step; the cache manager
         # takes an id once per step, so it waits for the next one (and so does everyone after it).
         leaving = {r.request_id for r in plan.finishes} | {r.request_id for r in plan.releases}
         bs = self.config.block_size
-        big, half = self.config.long_prefill_tokens, self.config.long_step_tokens
+        big = self.config.long_prefill_tokens
         slots = self.config.max_num_seqs - len(self.running)
         prefilling = PrefillIndex(bs, self.config.defer_shared_prefix_tokens or 0)
         in_tree = PrefillIndex(bs, bs, cached=True)
@@ -348,6 +347,8 @@ class Scheduler:
             cached_tokens = committing.get(id(request), request.num_shared_tokens)
             prefilling.add(request, cached_tokens)
             in_tree.add(request, cached_tokens)
+        partial: Request | None = None  # the long prompt that stops short, admitted last
+        passing = 0  # the budget the requests that pass it may take
         for request in self.waiting:
             if budget <= 0 or slots <= 0 or request.request_id in leaving:
                 break
@@ -357,8 +358,15 @@ class Scheduler:
             if ready_source(request, plan) is not None:  # a forked choice: its prompt KV is copied
                 expected_hit = request.num_tokens - 1
             miss = request.num_tokens - expected_hit
-            if miss > big and long_prefill >= half:
-                continue  # would wait a step for the long one's turn (build_batch)
+            if partial is not None:
+                if miss > big or miss > passing:
+                    continue  # long ones keep their order behind it; short ones only while room lasts
+                passing -= miss
+            elif miss > big and miss > budget:
+                partial, passing = request, budget // 2
+                prefilling.add(request, expected_hit)  # those sharing its prompt wait for its commit
+                slots -= 1
+                continue
             plan.admits.append(request)
             prefilling.add(request, expected_hit)
             # A hit computes only its miss: charging the whole prompt would admit a prefix group's
@@ -366,8 +374,8 @@ class Scheduler:
             # running requests are locked in the tree, so the expected hit is a sure one.
             budget -= miss
             slots -= 1
-            if miss > big:
-                long_prefill = max(long_prefill, min(miss, budget + miss))
+        if partial is not None:
+            plan.admits.append(partial)
 
     def apply_cache_reply(self, plan: CachePlan, reply: CacheReply) -> ScheduledBatch:
         """Applies the reply to `plan` and returns the batch to execute (synchronous mode)."""
@@ -451,6 +459,7 @@ class Scheduler:
         short_tokens = sum(r.num_uncomputed_tokens for r in shorts)
         hold_big = bool(shorts) and not self._held_back_long
         held = False
+        cut_short = False  # a long prompt before it stops short of its end in this step
         for i, request in enumerate(decodes + shorts + longs):
             if budget <= 0:
                 break
@@ -459,8 +468,10 @@ class Scheduler:
                 if hold_big and short_tokens < min(request.num_uncomputed_tokens, budget) <= 2 * short_tokens:
                     held = True
                     continue
-                if long_tokens >= half:
-                    continue  # one long prompt at a time: it reaches its first token a whole step sooner
+                if cut_short and long_tokens >= half:
+                    # One long prompt at a time: it reaches its first token a whole step sooner.
+                    # Once the long ones before it end in this step, it takes the rest of it.
+                    continue
             start = request.next_position
             end = min(request.num_tokens, start + budget, len(request.block_table) * bs)
             scoring = request.scoring_prompt
@@ -476,6 +487,7 @@ class Scheduler:
             budget -= end - start
             if is_long:
                 long_tokens += end - start
+                cut_short = cut_short or end < request.num_tokens
         self._held_back_long = held
         return ScheduledBatch(requests, chunks)
 
@@ -488,8 +500,8 @@ class Scheduler:
         behind a long prompt's chunk; then the other (long) prefills in arrival order. Long ones
         always get at least half the budget, so short arrivals never starve a long prompt; and one
         with over a quarter of the budget left to compute runs only while those before it took
-        under half the budget, so two long prompts do not share every step and both reach their
-        first token late. `build_batch` may also hold a long chunk back one step for the short
+        under half the budget or end in this step, so two long prompts do not share every step
+        and both reach their first token late, while a step's budget is still filled. `build_batch` may also hold a long chunk back one step for the short
         ones (see there)."""
         decodes: list[Request] = []
         prefills: list[Request] = []

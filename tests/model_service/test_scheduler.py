@@ -66,19 +66,35 @@ def test_admission_stops_at_the_token_budget_and_chunks_the_last_prompt(schedule
     assert [r.request_id for r in scheduler.waiting] == ["r3"]
 
 
-def test_long_prompts_are_computed_one_at_a_time(scheduler):
-    """Two prompts that each take over half the budget do not share a step: the first reaches its
-    first token a step sooner, the second no later than if they had shared both steps."""
+def test_a_long_prompt_takes_the_rest_of_a_step_the_one_before_it_ends_in(scheduler):
+    """The step's budget is filled: once the first long prompt's last chunk is in, the next one's
+    first chunk takes the rest (as vLLM's chunked prefill does), instead of a half-empty step."""
     for i in range(2):
         scheduler.add(make_request(f"r{i}", 100))
     plan = scheduler.plan_cache_step()
     batch = scheduler.apply_cache_reply(plan, admit_all(plan))
-    assert [r.request_id for r in batch.requests] == ["r0"] and len(batch.chunks[0].token_ids) == 100
+    assert [(r.request_id, len(c.token_ids)) for r, c in zip(*batch, strict=True)] == [("r0", 100), ("r1", 50)]
+    assert [c.needs_logits for c in batch.chunks] == [True, False]
     scheduler.on_executed(batch)
     scheduler.running[0].output_token_ids.append(7)
     plan = scheduler.plan_cache_step()
     batch = scheduler.apply_cache_reply(plan, admit_all(plan))
-    assert [len(c.token_ids) for c in batch.chunks] == [1, 100]  # r0 decodes, r1 whole
+    assert [(r.request_id, len(c.token_ids)) for r, c in zip(*batch, strict=True)] == [("r0", 1), ("r1", 50)]
+
+
+def test_long_prompts_that_stop_short_are_computed_one_at_a_time(scheduler):
+    """Two prompts that each take more than a step do not share steps: the first reaches its first
+    token a step sooner, the second no later than if they had shared every step."""
+    for i in range(2):
+        scheduler.add(make_request(f"r{i}", 300))
+    for expected in ([("r0", 150)], [("r0", 150)], [("r0", 1), ("r1", 149)]):
+        plan = scheduler.plan_cache_step()
+        batch = scheduler.apply_cache_reply(plan, admit_all(plan))
+        assert [(r.request_id, len(c.token_ids)) for r, c in zip(*batch, strict=True)] == expected
+        scheduler.on_executed(batch)
+        for request, chunk in zip(*batch, strict=True):
+            if chunk.needs_logits:
+                request.output_token_ids.append(7)
 
 
 def test_no_space_keeps_first_come_first_served_order(scheduler):
@@ -419,11 +435,12 @@ def test_load_counts_tokens_left_to_prefill(scheduler):
         request.prompt_token_ids = [1000 * (i + 1) + t for t in range(n)]  # nothing shared
         scheduler.add(request)
     plan = scheduler.plan_cache_step()
-    # r1, long as r0 is, waits for r0's step to end; r2 goes by. As if the admissions succeed.
-    assert [r.request_id for r in plan.admits] == ["r0", "r2"] and plan.load == (1, 230, 2)
+    # r1 takes the rest of r0's step; r2 would take more than half of it, so waits. As if the
+    # admissions succeed.
+    assert [r.request_id for r in plan.admits] == ["r0", "r1"] and plan.load == (1, 230, 2)
     batch = scheduler.apply_cache_reply(plan, admit_all(plan))
-    scheduler.on_executed(batch)  # r0 and r2 whole; r1 to be admitted
-    assert scheduler.load() == (1, 100, 2)
+    scheduler.on_executed(batch)  # r0 whole, r1's first 50; r2 to be admitted
+    assert scheduler.load() == (1, 80, 2)
 
 
 def test_miss_breakdown_is_kept_from_the_first_admission_only(scheduler):
@@ -629,10 +646,10 @@ def test_shortest_prefills_first_never_take_more_than_half_the_budget():
     assert [(r.request_id, len(c.token_ids)) for r, c in zip(*batch, strict=True)] == [("r0", 200)]
 
 
-def test_a_long_prompt_that_would_wait_a_step_lets_a_leaders_followers_by():
-    """With one long prompt taking its step, the next long one is not admitted into it (it would
-    hold its blocks idle and the budget from those behind it): the followers of a leader whose
-    pages are committed now join this step as hits, and the long one is admitted first after."""
+def test_a_long_prompt_that_stops_short_lets_a_leaders_followers_by():
+    """A long prompt that would stop short of its end in this step is admitted last: the followers
+    of a leader whose pages are committed now join this step as hits (reaching their first token
+    in it) before it takes the rest of the budget; long ones behind it keep their turn."""
     scheduler = Scheduler(SchedulerConfig(block_size=16, max_batch_tokens=512, max_num_seqs=8))
 
     def distinct(rid: str, n: int, base: int) -> Request:
@@ -647,15 +664,15 @@ def test_a_long_prompt_that_would_wait_a_step_lets_a_leaders_followers_by():
     leader.output_token_ids.append(7)
     follower = distinct("A-follower", 336, 1000)  # A's 320 tokens, then 16 of its own
     follower.prompt_token_ids[320:] = range(90000, 90016)
-    for request in (distinct("C", 300, 5000), distinct("D", 300, 9000), follower):
+    for request in (distinct("C", 300, 5000), distinct("D", 300, 9000), distinct("E", 300, 13000), follower):
         scheduler.add(request)
     plan = scheduler.plan_cache_step()
     assert [c.request.request_id for c in plan.commits] == ["A"]
-    assert [r.request_id for r in plan.admits] == ["C", "A-follower"]
+    assert [r.request_id for r in plan.admits] == ["C", "A-follower", "D"]
     reply = admit_all(plan)
-    reply = reply._replace(admits=[reply.admits[0], reply.admits[1]._replace(cached_tokens=320)])
+    reply = reply._replace(admits=[reply.admits[0], reply.admits[1]._replace(cached_tokens=320), reply.admits[2]])
     batch = scheduler.apply_cache_reply(plan, reply)
     assert [(r.request_id, len(c.token_ids)) for r, c in zip(*batch, strict=True)] == [
-        ("A", 1), ("A-follower", 16), ("C", 300)]
+        ("A", 1), ("A-follower", 16), ("C", 300), ("D", 195)]
     scheduler.on_executed(batch)
-    assert [r.request_id for r in scheduler.plan_cache_step().admits] == ["D"]
+    assert [r.request_id for r in scheduler.plan_cache_step().admits] == ["E"]

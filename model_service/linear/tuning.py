@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 ROWS = 32  # a typical decode batch
 REPEATS = 5
 MIN_GAIN = 0.05  # a path is kept when it saves at least this share of F.linear's time
-DOT_TIMED_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the dot kernel is kept up to the last of these it wins at
+DOT_TIMED_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)  # kept up to the last of these it wins at
 DOT_TIMING_BYTES = 512 << 20  # bf16 weights timed at most (packed twice more for the run)
 
 

@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <torch/library.h>
@@ -34,6 +35,7 @@ namespace {
 constexpr int MR = 8;  // rows per micro tile
 constexpr int NR = 3;  // stripes (of 16 features) per micro tile
 constexpr int64_t TILE_ROWS_PAIRS = 16;  // k pairs per AMX B tile
+constexpr int64_t TILE_INPUT_ROWS = 16;  // rows of x per AMX A tile
 
 #ifndef RADIXKV_NO_BF16
 // Rows [0, R) of x (pairs, `xs` pairs per row) times stripes [0, S) of w (each `kp` pairs of 16
@@ -183,29 +185,30 @@ RADIXKV_AMX inline void configure_tiles(int rows) {
   radixkv::load_tile_config(config);
 }
 
-// Stripes [s0, s1) for every row on the tile unit: 16 rows x 4 stripes or 32 rows x 2 stripes at a time.
+// Stripes [s0, s1) for every row on the tile unit. Up to 32 rows: one group of rows, 16 rows x 4
+// stripes or 32 rows x 2 stripes at a time. More: x's rows come padded to a multiple of 16
+// (dot_linear), so every tile is 16 rows under one configuration, and each block of 4 stripes
+// goes through every group of 32 rows while it sits in L2: the weight streams from memory once
+// whatever the rows (row groups outside the stripes would stream it once per 32 rows).
 RADIXKV_AMX __attribute__((flatten)) void tile_stripes(const uint32_t* x, int64_t M, int64_t kp, const uint32_t* w,
                                                        int64_t s0, int64_t s1, c10::BFloat16* y, int64_t N) {
   const int64_t ws = kp * radixkv::LANES;
   alignas(64) float c[TILE_STRIPES * TILE_ROWS * radixkv::LANES];
-  int configured = -1;
-  for (int64_t m = 0; m < M; m += 2 * TILE_ROWS) {
-    const int rows = static_cast<int>(std::min<int64_t>(2 * TILE_ROWS, M - m));
-    if (rows != configured) configure_tiles(rows), configured = rows;
-    const uint32_t* xr = x + m * kp;
-    if (rows > TILE_ROWS) {
-      for (int64_t s = s0; s < s1; s += 2) {
-        c10::BFloat16* yr = y + m * N + s * radixkv::LANES;
-        if (s1 - s >= 2) tile_group_32<2>(xr, kp, w + s * ws, ws, kp, c, yr, N, rows - TILE_ROWS);
-        else tile_group_32<1>(xr, kp, w + s * ws, ws, kp, c, yr, N, rows - TILE_ROWS);
-      }
-      continue;
-    }
-    for (int64_t s = s0; s < s1; s += TILE_STRIPES) {
-      const int64_t count = std::min<int64_t>(TILE_STRIPES, s1 - s);
+  const int64_t padded = M <= 2 * TILE_ROWS ? M : (M + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+  configure_tiles(static_cast<int>(std::min<int64_t>(M, 2 * TILE_ROWS)));
+  for (int64_t s = s0; s < s1; s += TILE_STRIPES) {
+    const int64_t count = std::min<int64_t>(TILE_STRIPES, s1 - s);
+    const uint32_t* wr = w + s * ws;
+    for (int64_t m = 0; m < padded; m += 2 * TILE_ROWS) {
+      const int rows = static_cast<int>(std::min<int64_t>(2 * TILE_ROWS, M - m));  // rows written
+      const uint32_t* xr = x + m * kp;
       c10::BFloat16* yr = y + m * N + s * radixkv::LANES;
-      const uint32_t* wr = w + s * ws;
-      if (count == 4) tile_group<4>(xr, kp, wr, ws, kp, c, yr, N, rows);
+      if (padded - m > TILE_ROWS) {
+        for (int64_t t = 0; t < count; t += 2) {
+          if (count - t >= 2) tile_group_32<2>(xr, kp, wr + t * ws, ws, kp, c, yr + t * radixkv::LANES, N, rows - TILE_ROWS);
+          else tile_group_32<1>(xr, kp, wr + t * ws, ws, kp, c, yr + t * radixkv::LANES, N, rows - TILE_ROWS);
+        }
+      } else if (count == 4) tile_group<4>(xr, kp, wr, ws, kp, c, yr, N, rows);
       else if (count == 3) tile_group<3>(xr, kp, wr, ws, kp, c, yr, N, rows);
       else if (count == 2) tile_group<2>(xr, kp, wr, ws, kp, c, yr, N, rows);
       else tile_group<1>(xr, kp, wr, ws, kp, c, yr, N, rows);
@@ -238,9 +241,15 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& packed, bool use_ti
   const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
   auto* yp = y.data_ptr<c10::BFloat16>();
   if (kp == 0) return y.zero_();
+  at::Tensor padded;  // more than 32 rows on the tiles: x's rows padded to whole tiles (tile_stripes)
   if (use_tiles) {
     TORCH_CHECK(has_amx_tiles(), "dot_linear: this CPU (or process) cannot use AMX tiles");
     TORCH_CHECK(kp % TILE_ROWS_PAIRS == 0, "dot_linear: AMX tiles need in % 32 == 0, got ", 2 * kp);
+    if (M > 2 * TILE_INPUT_ROWS && M % TILE_INPUT_ROWS) {
+      padded = at::zeros({(M + TILE_INPUT_ROWS - 1) / TILE_INPUT_ROWS * TILE_INPUT_ROWS, x.size(1)}, x.options());
+      padded.narrow(0, 0, M).copy_(x);
+      xp = reinterpret_cast<const uint32_t*>(padded.data_ptr<c10::BFloat16>());
+    }
   }
   // Whole groups of stripes per thread (a thread's stripes are contiguous in memory).
   const int64_t group = use_tiles ? 4 : NR, groups = (S + group - 1) / group;

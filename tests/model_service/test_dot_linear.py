@@ -30,7 +30,7 @@ TILES = [False, pytest.param(True, marks=pytest.mark.skipif(not dot_kernel.has_t
 
 @needs_dot
 @pytest.mark.parametrize("tiles", TILES)
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 48, 65])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 11, 15, 16, 17, 31, 32, 33, 48, 65])
 @pytest.mark.parametrize("shape", [(16, 2), (32, 64), (48, 576), (64, 96), (80, 1538), (960, 576)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_product_is_the_float32_sum_rounded_once(tiles, rows, shape, bias):

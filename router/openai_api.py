@@ -89,6 +89,7 @@ from starlette.requests import ClientDisconnect
 from common.auth import UNAUTHENTICATED, AuthError, Principal, TokenStore, bearer_token
 from protos import model_pb2
 from router.core import RouterCore
+from router.door_gate import DoorGate
 from router.errors import RouterError
 from router.http_body import (
     DEFAULT_MAX_BODY_BYTES,
@@ -176,17 +177,18 @@ def build_app(core: RouterCore, tokens: TokenStore | None = None, *,
     started = int(time.time())  # the model cards' "created"
     ignored_log = IgnoredFieldsLog()
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        refused = None
-        request.state.principal = None  # the caller (request ids, Abort and namespaces are its own)
+    def admit(request: Request) -> tuple[Principal | None, Response | None]:
+        principal, refused = None, None
         if tokens is not None and request.url.path not in OPEN_PATHS:
-            request.state.principal, refused = authenticate(tokens, request.headers.get("authorization"))
+            principal, refused = authenticate(tokens, request.headers.get("authorization"))
         if refused is None:
             refused = announced_body_error(request.headers.get("content-length"), max_body_bytes)
-        response = refused if refused is not None else await call_next(request)
-        metrics.http_requests.labels(_metric_path(request.url.path), str(response.status_code)).inc()
-        return response
+        return principal, refused
+
+    def count(path: str, status: int) -> None:
+        metrics.http_requests.labels(_metric_path(path), str(status)).inc()
+
+    app.add_middleware(DoorGate, admit=admit, count=count)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException) -> Response:

@@ -21,7 +21,7 @@ import openai
 import psutil
 import pytest
 
-from tests.router.conftest import free_port, http_url, replica_args
+from tests.router.conftest import free_port, http_url, metric, replica_args
 from tests.services import (
     ROUTER_START_TIMEOUT_S,
     Running,
@@ -218,6 +218,28 @@ def test_a_content_length_over_the_limit_is_413_before_any_body_is_read(door: Do
     raw = exchange(door.small, post_head("/v1/chat/completions", f"Content-Length: {MiB + 1}\r\n"))
     assert_413(parse(raw), MiB)
     assert_healthy(door.open)
+
+
+def test_every_answer_is_counted_once_by_path_and_status(door: Door, model_name: str) -> None:
+    """The door's gate (router/door_gate.py) counts a streamed answer when it ends and a refusal
+    it answers itself; the stream passes through it whole."""
+    name = "radixkv_router_http_requests_total"
+
+    def counted(router: Router, status: str, want: float) -> None:
+        deadline = time.monotonic() + 5
+        while (got := metric(router.running, name, path="/v1/completions", status=status)) != want:
+            assert got < want and time.monotonic() < deadline, (got, want)
+            time.sleep(0.05)
+
+    ok = metric(door.open.running, name, path="/v1/completions", status="200")
+    reply = request(door.open, "POST", "/v1/completions",
+                    {"model": model_name, "prompt": "Hello", "max_tokens": 3, "stream": True})
+    assert reply.status == 200 and reply.body.rstrip().endswith(b"data: [DONE]")
+    assert reply.body.count(b"data: ") >= 4  # the tokens' events and [DONE]
+    counted(door.open, "200", ok + 1)
+    refused = metric(door.small.running, name, path="/v1/completions", status="413")
+    assert_413(parse(exchange(door.small, post_head("/v1/completions", f"Content-Length: {MiB + 1}\r\n"))), MiB)
+    counted(door.small, "413", refused + 1)
 
 
 def test_a_200_mib_body_is_413_and_the_router_stays_small(door: Door) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model_service.attention.indexing import segments
 from model_service.request import Request, RequestStatus
 
 __all__ = ["LogitsProcessors", "PenaltyTable", "ProcessorState"]
@@ -264,4 +265,4 @@ class LogitsProcessors:
 def _repeat_rows(rows: list[int], per_row: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The row index of every entry of `torch.cat(per_row)`: rows[j] repeated len(per_row[j]) times."""
     lengths = torch.tensor([len(t) for t in per_row], dtype=torch.long, device=device)
-    return torch.tensor(rows, dtype=torch.long, device=device).repeat_interleave(lengths)
+    return torch.tensor(rows, dtype=torch.long, device=device)[segments(lengths)[0]]

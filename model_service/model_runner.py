@@ -16,6 +16,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 
 from model_service.attention.base import AttentionBackend, BatchLayout
+from model_service.attention.indexing import segments
 from model_service.decoder_forward import DecoderForward, supports
 from model_service.kv_cache import KVCache
 from model_service.linear import plan_model
@@ -111,7 +112,7 @@ class ModelRunner:
         query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.int64)
         torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
-        seq_index = torch.repeat_interleave(torch.arange(len(chunks)), query_lens_t)  # [num_tokens]
+        seq_index, _ = segments(query_lens_t)  # [num_tokens] chunk of each token
         starts = torch.tensor([c.start_position for c in chunks], dtype=torch.int64)
         positions = torch.arange(num_tokens) - query_start_loc[:-1][seq_index] + starts[seq_index]
         slot_mapping = block_tables[seq_index, positions // block_size].to(torch.int64) * block_size \
@@ -187,6 +188,6 @@ def _scored_rows(chunks: list[SequenceChunk], query_lens: list[int]) -> torch.Te
     if bool(((scored < 0) | (scored > lens)).any()):
         raise ValueError("every chunk needs 0 <= num_scored <= len(token_ids)")
     starts = torch.cumsum(lens, 0) - lens  # [batch] first packed row of each chunk
-    seq = torch.repeat_interleave(torch.arange(len(chunks)), scored)  # [num_scored] chunk of each row
+    seq, _ = segments(scored)  # [num_scored] chunk of each row
     first = torch.cumsum(scored, 0) - scored  # [batch] first scored row of each chunk, among scored rows
     return starts[seq] + torch.arange(int(scored.sum())) - first[seq]

@@ -501,8 +501,8 @@ class Scheduler:
         always get at least half the budget, so short arrivals never starve a long prompt; and one
         with over a quarter of the budget left to compute runs only while those before it took
         under half the budget or end in this step, so two long prompts do not share every step
-        and both reach their first token late, while a step's budget is still filled. `build_batch` may also hold a long chunk back one step for the short
-        ones (see there)."""
+        and both reach their first token late, while a step's budget is still filled.
+        `build_batch` may also hold a long chunk back one step for the short ones (see there)."""
         decodes: list[Request] = []
         prefills: list[Request] = []
         for request in self.running:

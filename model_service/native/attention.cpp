@@ -822,12 +822,13 @@ void cascade_item(const Problem& P, const Cascade& C, const T* q, const T* pk, c
   float* ot = s.ot.data();  // the prefix pass's accumulator, [D][W], row = slot * r + j
   alignas(64) float mv[W], lv[W];
   const int64_t head = (item.g * P.Hkv + item.h) * C.Lp * D;
+  auto query = [&](int row) { return q + (members[row / r] * P.Hq + item.h * r + row % r) * D; };
   prefetch_first_keys(P, k, v, members[0], item.h);  // lands in L2 while the prefix streams by
   bool tiled = false;
   if constexpr (DP) {
     if (radixkv::tiles_run(D)) {  // the prefix on AMX tiles (tile_attention.cpp): the same state after
       const c10::BFloat16* queries[W];
-      for (int row = 0; row < rows; ++row) queries[row] = q + (members[row / r] * P.Hq + item.h * r + row % r) * D;
+      for (int row = 0; row < rows; ++row) queries[row] = query(row);
       radixkv::attend_prefix_tiles(queries, rows, pk + head, pv + head, D, plen, D, P.scale, ot, W, mv, lv);
       tiled = true;
     }
@@ -838,8 +839,7 @@ void cascade_item(const Problem& P, const Cascade& C, const T* q, const T* pk, c
     float* qt = s.qt.data();
     __m512 m[RV], l[RV];
     start_rows<RV>(D, qt, ot, m, l);
-    for (int row = 0; row < rows; ++row)
-      put_query_row<T, DP>(q + (members[row / r] * P.Hq + item.h * r + row % r) * D, D, W, row, qt);
+    for (int row = 0; row < rows; ++row) put_query_row<T, DP>(query(row), D, W, row, qt);
     rows_over_keys<T, RV, DP>(P, pk + head, D, pv + head, D, limit, plen, plen, qt, ot, m, l, s);
     for (int vv = 0; vv < RV; ++vv) {
       _mm512_store_ps(mv + vv * LANES, m[vv]);

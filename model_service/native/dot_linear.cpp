@@ -34,8 +34,12 @@ namespace {
 
 constexpr int MR = 8;  // rows per micro tile
 constexpr int NR = 3;  // stripes (of 16 features) per micro tile
-constexpr int64_t TILE_ROWS_PAIRS = 16;  // k pairs per AMX B tile
-constexpr int64_t TILE_INPUT_ROWS = 16;  // rows of x per AMX A tile
+using radixkv::TILE_ROWS;  // rows of x per AMX A tile; k pairs per B tile
+
+// The rows of x the tiles run over (tile_stripes): up to 32 as they are, more padded to whole tiles.
+inline int64_t tile_input_rows(int64_t M) {
+  return M <= 2 * TILE_ROWS ? M : (M + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+}
 
 #ifndef RADIXKV_NO_BF16
 // Rows [0, R) of x (pairs, `xs` pairs per row) times stripes [0, S) of w (each `kp` pairs of 16
@@ -101,7 +105,6 @@ void stripes(const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, int64_
 #ifndef RADIXKV_NO_AMX
 using radixkv::has_amx_tiles;
 using radixkv::TILE_BYTES;
-using radixkv::TILE_ROWS;
 using radixkv::TileConfig;
 constexpr int TILE_STRIPES = 4;  // stripes per group of up to 16 rows (C tiles 0-3)
 
@@ -194,7 +197,7 @@ RADIXKV_AMX __attribute__((flatten)) void tile_stripes(const uint32_t* x, int64_
                                                        int64_t s0, int64_t s1, c10::BFloat16* y, int64_t N) {
   const int64_t ws = kp * radixkv::LANES;
   alignas(64) float c[TILE_STRIPES * TILE_ROWS * radixkv::LANES];
-  const int64_t padded = M <= 2 * TILE_ROWS ? M : (M + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+  const int64_t padded = tile_input_rows(M);
   configure_tiles(static_cast<int>(std::min<int64_t>(M, 2 * TILE_ROWS)));
   for (int64_t s = s0; s < s1; s += TILE_STRIPES) {
     const int64_t count = std::min<int64_t>(TILE_STRIPES, s1 - s);
@@ -244,9 +247,9 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& packed, bool use_ti
   at::Tensor padded;  // more than 32 rows on the tiles: x's rows padded to whole tiles (tile_stripes)
   if (use_tiles) {
     TORCH_CHECK(has_amx_tiles(), "dot_linear: this CPU (or process) cannot use AMX tiles");
-    TORCH_CHECK(kp % TILE_ROWS_PAIRS == 0, "dot_linear: AMX tiles need in % 32 == 0, got ", 2 * kp);
-    if (M > 2 * TILE_INPUT_ROWS && M % TILE_INPUT_ROWS) {
-      padded = at::zeros({(M + TILE_INPUT_ROWS - 1) / TILE_INPUT_ROWS * TILE_INPUT_ROWS, x.size(1)}, x.options());
+    TORCH_CHECK(kp % TILE_ROWS == 0, "dot_linear: AMX tiles need in % 32 == 0, got ", 2 * kp);
+    if (tile_input_rows(M) != M) {
+      padded = at::zeros({tile_input_rows(M), x.size(1)}, x.options());
       padded.narrow(0, 0, M).copy_(x);
       xp = reinterpret_cast<const uint32_t*>(padded.data_ptr<c10::BFloat16>());
     }

@@ -30,7 +30,8 @@ is copied between calls; ungrouped decode sequences are items of the same call.
 
 The prefixes' gathered copies are kept across steps while their blocks are unwritten
 (`PrefixKVStore`): a group decoding for many steps gathers its prefix once per layer, not once
-per layer and step.
+per layer and step. Where bf16 prefixes run on AMX tiles the copy is kept packed for them
+(`native.pack_prefix_tiles`, read by `native.attend_cascade_tiles`), so it is packed once too.
 
 Whether a step's groups are worth it, and whether the suffixes and the ungrouped contexts go
 in one padded call or two, is decided in plan() by a cost model (K/V tokens read, padding
@@ -255,6 +256,8 @@ class TorchAttentionBackend(AttentionBackend):
         self._k_scratch: torch.Tensor | None = None  # allocated by plan()
         self._v_scratch: torch.Tensor | None = None
         self.prefix_store = PrefixKVStore(prefix_store_bytes)
+        # This step's bf16 cascade prefixes run on AMX tiles, kept packed for them (set by plan()).
+        self._cascade_tiles = False
 
     # ------------------------------------------------------------------ plan
     def plan(self, layout: BatchLayout) -> None:
@@ -311,6 +314,8 @@ class TorchAttentionBackend(AttentionBackend):
         # Only slots really written invalidate kept prefixes (a recomputed hit's cached ones are not).
         if c is not None:
             self.prefix_store.begin_step(c.prefix_key, c.prefix_blocks, self._write_slots, self.block_size)
+            # Asked per step: tests and the start-up timing turn the tiles off for a while.
+            self._cascade_tiles = self.bf16_tiles_from is not None and native.cascade_on_tiles(self.head_dim)
         else:
             self.prefix_store.begin_step(None, None, self._write_slots, self.block_size)
         numel = max(need)
@@ -603,11 +608,17 @@ class TorchAttentionBackend(AttentionBackend):
             assert d.plain is not None
             out, _ = attend_rows(d.plain, q.reshape(-1, hkv, r, hd))
             return out.reshape(q.shape)
-        prefix_k, prefix_v = self._prefix_kv(c.prefix, k_cache, v_cache, stored)  # [G, Hkv, len, D] each
         if paged and r <= native.MAX_CASCADE_GROUP:  # one fused call: prefixes, own blocks, ungrouped
+            if self._cascade_tiles:
+                tiles = self._prefix_tiles(c.prefix, k_cache, v_cache, stored)
+                out, _ = native.attend_cascade_tiles(q.contiguous(), tiles, c.prefix.lengths, c.group_members,
+                                                     k_cache, v_cache, c.seq_tables, c.seq_starts, c.seq_lens, scale)
+                return out
+            prefix_k, prefix_v = self._prefix_kv(c.prefix, k_cache, v_cache, stored)  # [G, Hkv, len, D] each
             out, _ = native.attend_cascade(q.contiguous(), prefix_k, prefix_v, c.prefix.lengths, c.group_members,
                                            k_cache, v_cache, c.seq_tables, c.seq_starts, c.seq_lens, scale)
             return out
+        prefix_k, prefix_v = self._prefix_kv(c.prefix, k_cache, v_cache, stored)
         # Prefix: the r heads of every member of group g that read KV head h form one query block.
         qg = q[c.prefix_q_seq, c.prefix_q_head]  # [G, Hkv, max_members * r, D]
         o_pre, lse_pre = self._attend_lse(qg, prefix_k, prefix_v, c.prefix, scale)  # [G, Hkv, gm*r, (D)]
@@ -661,14 +672,38 @@ class TorchAttentionBackend(AttentionBackend):
                    stored: PrefixCopy | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The cascade prefixes' K/V [G, Hkv, len, D]: the store's copy, else gathered (into
         buffers the store keeps when it has room, else into the scratch after the other rows)."""
-        if stored is not None:
+        if stored is not None and not stored.packed:
             self.prefix_store.hits += 1
-            self.prefix_store.keep(k_cache, v_cache, stored.k, stored.v)  # our write moved the versions
-            return stored.k, stored.v
+            self.prefix_store.keep(k_cache, v_cache, *stored.tensors)  # our write moved the versions
+            return stored.tensors
         self.prefix_store.misses += 1
         shape = (g.num_segs, self.num_kv_heads, g.kv_len, self.head_dim)
         buffers = self.prefix_store.allocate(k_cache, v_cache, shape)
-        keep = buffers is not None
+        pk, pv = self._gather_prefixes(g, k_cache, v_cache, buffers)
+        if buffers is not None:
+            self.prefix_store.keep(k_cache, v_cache, pk, pv)
+        return pk, pv
+
+    def _prefix_tiles(self, g: _RowGather, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      stored: PrefixCopy | None) -> torch.Tensor:
+        """The cascade prefixes packed for the AMX tiles (native.pack_prefix_tiles): the store's
+        copy, else gathered into the scratch and packed (and kept when the store has room)."""
+        if stored is not None and stored.packed:
+            self.prefix_store.hits += 1
+            self.prefix_store.keep(k_cache, v_cache, *stored.tensors)  # our write moved the versions
+            return stored.tensors[0]
+        self.prefix_store.misses += 1
+        pk, pv = self._gather_prefixes(g, k_cache, v_cache, None)
+        tiles = native.pack_prefix_tiles(pk, pv, g.lengths)
+        if self.prefix_store.has_room(k_cache, v_cache, tiles.numel() * tiles.element_size()):
+            self.prefix_store.keep(k_cache, v_cache, tiles)
+        return tiles
+
+    def _gather_prefixes(self, g: _RowGather, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         buffers: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cascade prefixes' K/V [G, Hkv, len, D] gathered from the cache into `buffers`
+        (None: the scratch, after the step's other gathered rows)."""
+        shape = (g.num_segs, self.num_kv_heads, g.kv_len, self.head_dim)
         if buffers is None:
             assert self._k_scratch is not None and self._v_scratch is not None
             lo, hi = g.offset * self.head_dim, (g.offset + g.num_rows) * self.head_dim
@@ -676,8 +711,6 @@ class TorchAttentionBackend(AttentionBackend):
         pk, pv = buffers
         torch.index_select(k_cache.view(-1, self.head_dim), 0, g.rows, out=pk.view(-1, self.head_dim))
         torch.index_select(v_cache.view(-1, self.head_dim), 0, g.rows, out=pv.view(-1, self.head_dim))
-        if keep:
-            self.prefix_store.keep(k_cache, v_cache, pk, pv)
         return pk, pv
 
     def _attend_plain(self, g: _RowGather, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

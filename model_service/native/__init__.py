@@ -90,6 +90,30 @@ def attend_cascade(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tens
                                             block_tables, starts, kv_lens, scale)
 
 
+def pack_prefix_tiles(prefix_k: torch.Tensor, prefix_v: torch.Tensor, prefix_lens: torch.Tensor) -> torch.Tensor:
+    """bfloat16 cascade prefixes [G, Hkv, Lp, D] (contiguous; lengths int64 [G]) packed once into
+    the layout the AMX tiles read (tile_attention.cpp), for `attend_cascade_tiles` to attend over
+    step after step without packing them again. Only where `cascade_on_tiles(D)`. Returns int32
+    [G, Hkv, 2, words]."""
+    return torch.ops.radixkv.pack_prefix_tiles(prefix_k, prefix_v, prefix_lens)
+
+
+def attend_cascade_tiles(q: torch.Tensor, prefix_tiles: torch.Tensor, prefix_lens: torch.Tensor,
+                         members: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, starts: torch.Tensor, kv_lens: torch.Tensor,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend_cascade` (bfloat16) over prefixes `pack_prefix_tiles` packed: bit for bit the result
+    attend_cascade gives on the tiles for the same K/V, without repacking the prefixes per call."""
+    return torch.ops.radixkv.attend_cascade_tiles(q, prefix_tiles, prefix_lens, members, k_cache, v_cache,
+                                                  block_tables, starts, kv_lens, scale)
+
+
+def cascade_on_tiles(head_dim: int) -> bool:
+    """Whether bfloat16 cascade prefixes of this head_dim run on AMX tiles here (and so may be
+    packed once with `pack_prefix_tiles`)."""
+    return attention_tiles_min_queries(head_dim) is not None
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor) -> None:
     """k_cache.view(-1, Hkv, D).index_copy_(0, slots, k), and the same for v, in one call. k, v

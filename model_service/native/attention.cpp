@@ -759,6 +759,8 @@ struct Cascade {
   const int64_t* members;      // [G, gm] decode positions of each group's members, -1 past its size
   const int64_t* prefix_lens;  // [G]
   int64_t G, gm, Lp;           // groups, member slots, prefix K/V length dimension
+  const uint32_t* tiles;       // the prefixes packed for the tiles (attend_cascade_tiles), else nullptr
+  int64_t tile_words;          // per (group, KV head) and K or V: radixkv::prefix_tile_words(Lp, D)
 };
 
 struct CascadeItem {
@@ -825,11 +827,18 @@ void cascade_item(const Problem& P, const Cascade& C, const T* q, const T* pk, c
   auto query = [&](int row) { return q + (members[row / r] * P.Hq + item.h * r + row % r) * D; };
   prefetch_first_keys(P, k, v, members[0], item.h);  // lands in L2 while the prefix streams by
   bool tiled = false;
-  if constexpr (DP) {
-    if (radixkv::tiles_run(D)) {  // the prefix on AMX tiles (tile_attention.cpp): the same state after
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // The prefix on AMX tiles (tile_attention.cpp), packed by this call or once before it: the
+    // same state after.
+    if (C.tiles != nullptr || (DP && radixkv::tiles_run(D))) {
       const c10::BFloat16* queries[W];
       for (int row = 0; row < rows; ++row) queries[row] = query(row);
-      radixkv::attend_prefix_tiles(queries, rows, pk + head, pv + head, D, plen, D, P.scale, ot, W, mv, lv);
+      if (C.tiles != nullptr) {
+        const uint32_t* kp = C.tiles + (item.g * P.Hkv + item.h) * 2 * C.tile_words;
+        radixkv::attend_packed_prefix_tiles(queries, rows, kp, kp + C.tile_words, plen, D, P.scale, ot, W, mv, lv);
+      } else {
+        radixkv::attend_prefix_tiles(queries, rows, pk + head, pv + head, D, plen, D, P.scale, ot, W, mv, lv);
+      }
       tiled = true;
     }
   }
@@ -1064,34 +1073,25 @@ std::tuple<at::Tensor, at::Tensor> attend_paged(const at::Tensor& q, const at::T
   return launch(P, q, k_cache, v_cache, false);
 }
 
-// Cascade decode attention (see run_cascade): q [n, Hq, D] contiguous, one new token per decode
-// sequence; prefix_k, prefix_v [G, Hkv, Lp, D] contiguous, group g's shared prefix in its first
-// prefix_lens[g] positions; members int64 [G, gm]: the decode positions (rows of q) of group g's
-// members, -1 past its size, each position in at most one group; k_cache, v_cache [num_blocks,
-// block_size, Hkv, D]; block_tables [n, width], starts, kv_lens int64 [n]: sequence i's own keys
-// are its tokens starts[i] .. starts[i] + kv_lens[i] - 1 (a member: after its group's prefix; a
-// sequence in no group: its whole context). Returns o [n, Hq, D] (q's dtype) and lse [n, Hq].
-std::tuple<at::Tensor, at::Tensor> attend_cascade(const at::Tensor& q, const at::Tensor& prefix_k,
-                                                  const at::Tensor& prefix_v, const at::Tensor& prefix_lens,
-                                                  const at::Tensor& members, const at::Tensor& k_cache,
-                                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                                  const at::Tensor& starts, const at::Tensor& kv_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.device().is_cpu(), "q must be a contiguous CPU [n, Hq, D]");
-  check_caches(q, k_cache, v_cache);
+// A cascade call's problem, checked: everything but the prefixes' K/V (G groups, Lp positions).
+struct CascadeCall {
+  Problem P;
+  Cascade C;
+  std::vector<CascadeItem> items;
+};
+
+CascadeCall cascade_call(const at::Tensor& q, int64_t G, int64_t Lp, const at::Tensor& prefix_lens,
+                         const at::Tensor& members, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& block_tables, const at::Tensor& starts, const at::Tensor& kv_lens,
+                         double scale) {
   const at::Tensor q4 = q.unsqueeze(2);  // [n, Hq, 1, D]
-  Problem P = heads(q4, k_cache.size(2));
+  CascadeCall call{heads(q4, k_cache.size(2)), Cascade{}, {}};
+  Problem& P = call.P;
+  Cascade& C = call.C;
   TORCH_CHECK(P.r <= SMALL_ROWS, "attend_cascade takes at most ", SMALL_ROWS, " query heads per KV head");
   TORCH_CHECK(k_cache.size(3) == P.D, "k_cache head_dim ", k_cache.size(3), " != q's ", P.D);
-  TORCH_CHECK(prefix_k.dim() == 4 && prefix_k.is_contiguous() && prefix_v.is_contiguous() &&
-                  prefix_k.sizes() == prefix_v.sizes(),
-              "prefix_k and prefix_v must be contiguous [groups, Hkv, len, D] of one shape");
-  TORCH_CHECK(prefix_k.scalar_type() == q.scalar_type() && prefix_v.scalar_type() == q.scalar_type(),
-              "prefix_k, prefix_v dtypes differ from q's");
-  TORCH_CHECK(prefix_k.size(1) == P.Hkv && prefix_k.size(3) == P.D, "prefix_k must be [groups, ", P.Hkv, ", len, ",
-              P.D, "]");
-  Cascade C{};
-  C.G = prefix_k.size(0);
-  C.Lp = prefix_k.size(2);
+  C.G = G;
+  C.Lp = Lp;
   TORCH_CHECK(prefix_lens.scalar_type() == at::kLong && prefix_lens.is_contiguous() && prefix_lens.numel() == C.G,
               "prefix_lens must be contiguous int64 [groups]");
   TORCH_CHECK(members.scalar_type() == at::kLong && members.is_contiguous() && members.dim() == 2 &&
@@ -1113,7 +1113,7 @@ std::tuple<at::Tensor, at::Tensor> attend_cascade(const at::Tensor& q, const at:
   // Work items: each group's members in slots of at most MAX_ROWS rows (largest first), then the
   // sequences in no group.
   std::vector<char> grouped(P.B, 0);
-  std::vector<CascadeItem> items;
+  std::vector<CascadeItem>& items = call.items;
   const int64_t per_item = MAX_ROWS / P.r;
   for (int64_t g = 0; g < C.G; ++g) {
     TORCH_CHECK(C.prefix_lens[g] >= 1 && C.prefix_lens[g] <= C.Lp, "prefix_lens[", g, "]=", C.prefix_lens[g],
@@ -1138,18 +1138,109 @@ std::tuple<at::Tensor, at::Tensor> attend_cascade(const at::Tensor& q, const at:
   for (int64_t b = 0; b < P.B; ++b)
     if (!grouped[b])
       for (int64_t h = 0; h < P.Hkv; ++h) items.push_back({-1, h, b, 1});
+  return call;
+}
+
+// Runs a checked cascade call; pk, pv: the prefixes' K/V (nullptr where C.tiles holds them).
+std::tuple<at::Tensor, at::Tensor> launch_cascade(const CascadeCall& call, const at::Tensor& q, const void* pk,
+                                                  const void* pv, const at::Tensor& k_cache,
+                                                  const at::Tensor& v_cache) {
+  const Problem& P = call.P;
   at::Tensor o = at::empty({P.B, P.Hq, P.D}, q.options());
   at::Tensor lse = at::empty({P.B, P.Hq}, q.options().dtype(at::kFloat));
   if (o.numel() == 0) return {o, lse};
   if (q.scalar_type() == at::kFloat) {
-    run_cascade<float>(P, C, items, q.data_ptr<float>(), prefix_k.data_ptr<float>(), prefix_v.data_ptr<float>(),
-                       k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), o.data_ptr<float>(), lse.data_ptr<float>());
+    run_cascade<float>(P, call.C, call.items, q.data_ptr<float>(), static_cast<const float*>(pk),
+                       static_cast<const float*>(pv), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                       o.data_ptr<float>(), lse.data_ptr<float>());
   } else {
     using BF = c10::BFloat16;
-    run_cascade<BF>(P, C, items, q.data_ptr<BF>(), prefix_k.data_ptr<BF>(), prefix_v.data_ptr<BF>(),
+    run_cascade<BF>(P, call.C, call.items, q.data_ptr<BF>(), static_cast<const BF*>(pk), static_cast<const BF*>(pv),
                     k_cache.data_ptr<BF>(), v_cache.data_ptr<BF>(), o.data_ptr<BF>(), lse.data_ptr<float>());
   }
   return {o, lse};
+}
+
+// Cascade decode attention (see run_cascade): q [n, Hq, D] contiguous, one new token per decode
+// sequence; prefix_k, prefix_v [G, Hkv, Lp, D] contiguous, group g's shared prefix in its first
+// prefix_lens[g] positions; members int64 [G, gm]: the decode positions (rows of q) of group g's
+// members, -1 past its size, each position in at most one group; k_cache, v_cache [num_blocks,
+// block_size, Hkv, D]; block_tables [n, width], starts, kv_lens int64 [n]: sequence i's own keys
+// are its tokens starts[i] .. starts[i] + kv_lens[i] - 1 (a member: after its group's prefix; a
+// sequence in no group: its whole context). Returns o [n, Hq, D] (q's dtype) and lse [n, Hq].
+std::tuple<at::Tensor, at::Tensor> attend_cascade(const at::Tensor& q, const at::Tensor& prefix_k,
+                                                  const at::Tensor& prefix_v, const at::Tensor& prefix_lens,
+                                                  const at::Tensor& members, const at::Tensor& k_cache,
+                                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                  const at::Tensor& starts, const at::Tensor& kv_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.device().is_cpu(), "q must be a contiguous CPU [n, Hq, D]");
+  check_caches(q, k_cache, v_cache);
+  TORCH_CHECK(prefix_k.dim() == 4 && prefix_k.is_contiguous() && prefix_v.is_contiguous() &&
+                  prefix_k.sizes() == prefix_v.sizes(),
+              "prefix_k and prefix_v must be contiguous [groups, Hkv, len, D] of one shape");
+  const CascadeCall call = cascade_call(q, prefix_k.size(0), prefix_k.size(2), prefix_lens, members, k_cache, v_cache,
+                                        block_tables, starts, kv_lens, scale);
+  TORCH_CHECK(prefix_k.scalar_type() == q.scalar_type() && prefix_v.scalar_type() == q.scalar_type(),
+              "prefix_k, prefix_v dtypes differ from q's");
+  TORCH_CHECK(prefix_k.size(1) == call.P.Hkv && prefix_k.size(3) == call.P.D, "prefix_k must be [groups, ",
+              call.P.Hkv, ", len, ", call.P.D, "]");
+  return launch_cascade(call, q, prefix_k.data_ptr(), prefix_v.data_ptr(), k_cache, v_cache);
+}
+
+// The cascade prefixes packed once for the AMX tiles, to be attended by attend_cascade_tiles
+// while they stay valid: prefix_k, prefix_v bfloat16 [G, Hkv, Lp, D] contiguous, prefix_lens
+// int64 [G] (each in [0, Lp]). Returns int32 [G, Hkv, 2, radixkv::prefix_tile_words(Lp, D)]: per
+// (group, KV head) K then V in the tiles' layout, zero past the group's length to its 64-key block.
+at::Tensor pack_prefix_tiles(const at::Tensor& prefix_k, const at::Tensor& prefix_v, const at::Tensor& prefix_lens) {
+  TORCH_CHECK(prefix_k.dim() == 4 && prefix_k.is_contiguous() && prefix_v.is_contiguous() &&
+                  prefix_k.sizes() == prefix_v.sizes() && prefix_k.device().is_cpu(),
+              "prefix_k and prefix_v must be contiguous CPU [groups, Hkv, len, D] of one shape");
+  TORCH_CHECK(prefix_k.scalar_type() == at::kBFloat16 && prefix_v.scalar_type() == at::kBFloat16,
+              "pack_prefix_tiles takes bfloat16 prefixes");
+  const int64_t G = prefix_k.size(0), Hkv = prefix_k.size(1), Lp = prefix_k.size(2), D = prefix_k.size(3);
+  TORCH_CHECK(radixkv::tiles_run(D), "pack_prefix_tiles: attention on AMX tiles does not run here for head_dim ", D,
+              " (no AMX, a head_dim that is not a multiple of 32 up to 256, or turned off)");
+  TORCH_CHECK(prefix_lens.scalar_type() == at::kLong && prefix_lens.is_contiguous() && prefix_lens.numel() == G,
+              "prefix_lens must be contiguous int64 [groups]");
+  const int64_t* lens = prefix_lens.data_ptr<int64_t>();
+  for (int64_t g = 0; g < G; ++g)
+    TORCH_CHECK(lens[g] >= 0 && lens[g] <= Lp, "prefix_lens[", g, "]=", lens[g], " not in [0, ", Lp, "]");
+  const int64_t words = radixkv::prefix_tile_words(Lp, D);
+  at::Tensor tiles = at::empty({G, Hkv, 2, words}, prefix_k.options().dtype(at::kInt));
+  const auto* k = prefix_k.data_ptr<c10::BFloat16>();
+  const auto* v = prefix_v.data_ptr<c10::BFloat16>();
+  auto* out = reinterpret_cast<uint32_t*>(tiles.data_ptr<int32_t>());
+  at::parallel_for(0, G * Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t gh = begin; gh < end; ++gh)
+      radixkv::pack_prefix_tiles(k + gh * Lp * D, v + gh * Lp * D, D, lens[gh / Hkv], D, out + gh * 2 * words,
+                                 out + gh * 2 * words + words);
+  });
+  return tiles;
+}
+
+// attend_cascade over prefixes pack_prefix_tiles packed (prefix_tiles), bit for bit the result
+// attend_cascade gives on the tiles for the same K/V; bfloat16 only, where the tiles run.
+std::tuple<at::Tensor, at::Tensor> attend_cascade_tiles(const at::Tensor& q, const at::Tensor& prefix_tiles,
+                                                        const at::Tensor& prefix_lens, const at::Tensor& members,
+                                                        const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                                        const at::Tensor& block_tables, const at::Tensor& starts,
+                                                        const at::Tensor& kv_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.device().is_cpu(), "q must be a contiguous CPU [n, Hq, D]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "attend_cascade_tiles takes bfloat16 q");
+  check_caches(q, k_cache, v_cache);
+  const int64_t D = q.size(2), Hkv = k_cache.size(2);
+  TORCH_CHECK(radixkv::tiles_run(D), "attend_cascade_tiles: attention on AMX tiles does not run here for head_dim ", D);
+  const int64_t block_words = radixkv::prefix_tile_words(1, D);  // one 64-key block
+  TORCH_CHECK(prefix_tiles.scalar_type() == at::kInt && prefix_tiles.is_contiguous() && prefix_tiles.dim() == 4 &&
+                  prefix_tiles.size(1) == Hkv && prefix_tiles.size(2) == 2 && prefix_tiles.size(3) > 0 &&
+                  prefix_tiles.size(3) % block_words == 0,
+              "prefix_tiles must be pack_prefix_tiles' int32 [groups, ", Hkv, ", 2, a multiple of ", block_words, "]");
+  const int64_t words = prefix_tiles.size(3);
+  CascadeCall call = cascade_call(q, prefix_tiles.size(0), words / block_words * 64, prefix_lens, members, k_cache,
+                                  v_cache, block_tables, starts, kv_lens, scale);
+  call.C.tiles = reinterpret_cast<const uint32_t*>(prefix_tiles.data_ptr<int32_t>());
+  call.C.tile_words = words;
+  return launch_cascade(call, q, nullptr, nullptr, k_cache, v_cache);
 }
 
 // Whether bfloat16 inputs may take the AVX512-BF16 path (tests turn it off to check the other one);
@@ -1168,6 +1259,11 @@ TORCH_LIBRARY(radixkv, m) {
         "Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor starts, Tensor kv_lens, float scale) "
         "-> (Tensor, Tensor)");
   m.impl("attend_cascade", c10::DispatchKey::CPU, TORCH_FN(attend_cascade));
+  m.def("pack_prefix_tiles(Tensor prefix_k, Tensor prefix_v, Tensor prefix_lens) -> Tensor");
+  m.impl("pack_prefix_tiles", c10::DispatchKey::CPU, TORCH_FN(pack_prefix_tiles));
+  m.def("attend_cascade_tiles(Tensor q, Tensor prefix_tiles, Tensor prefix_lens, Tensor members, Tensor k_cache, "
+        "Tensor v_cache, Tensor block_tables, Tensor starts, Tensor kv_lens, float scale) -> (Tensor, Tensor)");
+  m.impl("attend_cascade_tiles", c10::DispatchKey::CPU, TORCH_FN(attend_cascade_tiles));
   m.def("set_bf16_dot_products(bool enabled) -> bool", set_bf16_dot_products);
   m.def("has_bf16_dot_products() -> bool", radixkv::has_bf16_dot_products);
 }

@@ -337,15 +337,17 @@ bool tiles_run(int64_t head_dim) {
 
 bool tiles_take(int64_t head_dim, int64_t queries) { return tiles_run(head_dim) && queries >= MIN_QUERIES; }
 
-void attend_prefix_tiles(const c10::BFloat16* const* queries, int64_t rows, const c10::BFloat16* k,
-                         const c10::BFloat16* v, int64_t kv_row, int64_t len, int64_t D, float scale, float* ot,
-                         int64_t W, float* m, float* l) {
-  const int64_t per_head = round_up(len, KB) * D / 2;
-  thread_local ThreadBuffer packed;
-  auto* kp = static_cast<uint32_t*>(packed.get(2 * per_head * 4));
-  uint32_t* vp = kp + per_head;
+int64_t prefix_tile_words(int64_t len, int64_t D) { return round_up(len, KB) * D / 2; }
+
+void pack_prefix_tiles(const c10::BFloat16* k, const c10::BFloat16* v, int64_t kv_row, int64_t len, int64_t D,
+                       uint32_t* kp, uint32_t* vp) {
   pack_keys(k, kv_row, len, D, kp);
   pack_values(v, kv_row, len, D, vp);
+}
+
+void attend_packed_prefix_tiles(const c10::BFloat16* const* queries, int64_t rows, const uint32_t* kp,
+                                const uint32_t* vp, int64_t len, int64_t D, float scale, float* ot, int64_t W,
+                                float* m, float* l) {
   Scratch* w = thread_scratch();
   configure_tiles();
   alignas(64) float tm[TILE_ROWS], tl[TILE_ROWS * LANES];
@@ -365,6 +367,16 @@ void attend_prefix_tiles(const c10::BFloat16* const* queries, int64_t rows, cons
     }
   }
   release_tiles();
+}
+
+void attend_prefix_tiles(const c10::BFloat16* const* queries, int64_t rows, const c10::BFloat16* k,
+                         const c10::BFloat16* v, int64_t kv_row, int64_t len, int64_t D, float scale, float* ot,
+                         int64_t W, float* m, float* l) {
+  const int64_t words = prefix_tile_words(len, D);
+  thread_local ThreadBuffer packed;
+  auto* kp = static_cast<uint32_t*>(packed.get(2 * words * 4));
+  pack_prefix_tiles(k, v, kv_row, len, D, kp, kp + words);
+  attend_packed_prefix_tiles(queries, rows, kp, kp + words, len, D, scale, ot, W, m, l);
 }
 
 void attend_tiles(const TileProblem& P, const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v,
@@ -407,6 +419,14 @@ void attend_tiles(const TileProblem& P, const c10::BFloat16* q, const c10::BFloa
 namespace radixkv {
 bool tiles_run(int64_t) { return false; }
 bool tiles_take(int64_t, int64_t) { return false; }
+int64_t prefix_tile_words(int64_t, int64_t) { std::abort(); }
+void pack_prefix_tiles(const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, int64_t, uint32_t*, uint32_t*) {
+  std::abort();
+}
+void attend_packed_prefix_tiles(const c10::BFloat16* const*, int64_t, const uint32_t*, const uint32_t*, int64_t,
+                                int64_t, float, float*, int64_t, float*, float*) {
+  std::abort();
+}
 void attend_prefix_tiles(const c10::BFloat16* const*, int64_t, const c10::BFloat16*, const c10::BFloat16*, int64_t,
                          int64_t, int64_t, float, float*, int64_t, float*, float*) {
   std::abort();

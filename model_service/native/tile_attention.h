@@ -36,6 +36,18 @@ void attend_prefix_tiles(const c10::BFloat16* const* queries, int64_t rows, cons
                          const c10::BFloat16* v, int64_t kv_row, int64_t len, int64_t D, float scale, float* ot,
                          int64_t W, float* m, float* l);
 
+// A prefix packed once for the tiles, to be attended over by many calls (a cascade prefix kept
+// across decode steps): K as the B tiles of Q K^T, then V as the B tiles of P V, each
+// prefix_tile_words(len, D) 32-bit words (len rounded up to the 64-key block, zero past len).
+int64_t prefix_tile_words(int64_t len, int64_t D);
+void pack_prefix_tiles(const c10::BFloat16* k, const c10::BFloat16* v, int64_t kv_row, int64_t len, int64_t D,
+                       uint32_t* kp, uint32_t* vp);
+
+// attend_prefix_tiles over a prefix pack_prefix_tiles packed (kp, vp): the same result, bit for bit.
+void attend_packed_prefix_tiles(const c10::BFloat16* const* queries, int64_t rows, const uint32_t* kp,
+                                const uint32_t* vp, int64_t len, int64_t D, float scale, float* ot, int64_t W,
+                                float* m, float* l);
+
 void attend_tiles(const TileProblem& P, const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v,
                   c10::BFloat16* o, float* lse);
 

@@ -155,6 +155,70 @@ def test_bf16_prefixes_take_the_tiles_where_they_run():
     torch.testing.assert_close(tiles.double(), rows.double(), rtol=2 ** -7, atol=2 ** -7)
 
 
+def _needs_tiles(head_dim: int = 64) -> None:
+    if not native.cascade_on_tiles(head_dim):
+        pytest.skip("native attention tiles: no AMX here (or turned off)")
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    heads=st.sampled_from([(9, 3), (4, 4), (8, 1), (16, 2)]),
+    head_dim=st.sampled_from([32, 64, 128]),
+    group_sizes=st.lists(st.integers(1, 30), min_size=1, max_size=4),
+    ungrouped=st.integers(0, 2),
+    seed=st.integers(0, 1000),
+)
+def test_prefixes_packed_once_give_the_same_bits(heads, head_dim, group_sizes, ungrouped, seed):
+    """attend_cascade_tiles over pack_prefix_tiles' copy (prefixes of unequal lengths, so each
+    group's packing is zero past its own length inside a longer buffer) is attend_cascade's result
+    bit for bit: the same tiles over the same bytes."""
+    _needs_tiles(head_dim)
+    hq, hkv = heads
+    case = make_cascade(seed, hq, hkv, head_dim, group_sizes, ungrouped, torch.bfloat16)
+    tiles = native.pack_prefix_tiles(case["prefix_k"], case["prefix_v"], case["prefix_lens"])
+    assert tiles.dtype == torch.int32 and tiles.shape[:3] == (len(group_sizes), hkv, 2)
+    out, lse = native.attend_cascade_tiles(case["q"], tiles, case["prefix_lens"], case["members"], case["k_cache"],
+                                           case["v_cache"], case["tables"], case["starts"], case["own"], 0.125)
+    want, want_lse = cascade(case, 0.125)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+def test_packed_prefixes_stay_right_with_the_dot_products_off():
+    """Members continue on the FMA row kernels then; the prefix pass is the tiles' either way."""
+    _needs_tiles()
+    case = make_cascade(5, 9, 3, 64, [6, 3], 1, torch.bfloat16)
+    tiles = native.pack_prefix_tiles(case["prefix_k"], case["prefix_v"], case["prefix_lens"])
+    with native.without_bf16_dot_products():
+        out, lse = native.attend_cascade_tiles(case["q"], tiles, case["prefix_lens"], case["members"],
+                                               case["k_cache"], case["v_cache"], case["tables"], case["starts"],
+                                               case["own"], 0.125)
+    want, want_lse = dense(case, 0.125)
+    torch.testing.assert_close(out.double(), want, rtol=2 ** -7, atol=2 ** -7)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-4)
+
+
+def test_packed_prefixes_refuse_bad_arguments():
+    _needs_tiles()
+    case = make_cascade(2, 9, 3, 64, [2], 0, torch.bfloat16)
+    tiles = native.pack_prefix_tiles(case["prefix_k"], case["prefix_v"], case["prefix_lens"])
+    rest = (case["prefix_lens"], case["members"], case["k_cache"], case["v_cache"], case["tables"], case["starts"],
+            case["own"], 0.125)
+    with pytest.raises(RuntimeError, match="takes bfloat16 prefixes"):
+        native.pack_prefix_tiles(case["prefix_k"].float(), case["prefix_v"].float(), case["prefix_lens"])
+    with pytest.raises(RuntimeError, match=r"prefix_lens\[0\]=.* not in \[0, "):
+        native.pack_prefix_tiles(case["prefix_k"], case["prefix_v"], case["prefix_lens"] + 1000)
+    with pytest.raises(RuntimeError, match="takes bfloat16 q"):
+        native.attend_cascade_tiles(case["q"].float(), tiles, *rest)
+    with pytest.raises(RuntimeError, match="prefix_tiles must be"):
+        native.attend_cascade_tiles(case["q"], tiles[..., :-1].contiguous(), *rest)
+    with pytest.raises(RuntimeError, match="prefix_tiles must be"):
+        native.attend_cascade_tiles(case["q"], tiles.float(), *rest)
+    with pytest.raises(RuntimeError, match=r"prefix_lens\[0\]=.* not in \[1, "):
+        native.attend_cascade_tiles(case["q"], tiles, case["prefix_lens"] + 1000, *rest[1:])
+    with native.without_attention_tiles(), pytest.raises(RuntimeError, match="does not run here"):
+        native.attend_cascade_tiles(case["q"], tiles, *rest)
+
+
 def test_same_result_on_one_thread_and_many():
     """Items are independent: the thread count does not change a bit."""
     case = make_cascade(3, 9, 3, 64, [8, 8, 3, 20], 3, torch.float32)

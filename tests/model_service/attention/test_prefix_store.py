@@ -6,10 +6,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pytest
 import torch
 
+from model_service import native
 from model_service.attention.base import BatchLayout
 from model_service.attention.prefix_store import PrefixKVStore
+from model_service.attention.torch_backend import TorchAttentionBackend
 from tests.model_service.attention.paged_case import PagedCase, reference_attention
 from tests.model_service.attention.test_cascade import (
     SMOLLM2,
@@ -34,7 +37,7 @@ def next_step(case: PagedCase, gen: torch.Generator) -> PagedCase:
     pos = torch.tensor(case.seq_lens)  # [n] the new token's position
     slots = tables[torch.arange(len(seq_lens)), pos // BS] * BS + pos % BS
     n = len(seq_lens)
-    q, k, v = (torch.randn(n, h, d, generator=gen) for h in (hq, hkv, hkv))
+    q, k, v = (torch.randn(n, h, d, generator=gen).to(case.q.dtype) for h in (hq, hkv, hkv))
     layout = BatchLayout(
         query_start_loc=torch.arange(n + 1, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=case.layout.block_tables, slot_mapping=slots, max_query_len=1, max_seq_len=max(seq_lens),
@@ -45,27 +48,32 @@ def next_step(case: PagedCase, gen: torch.Generator) -> PagedCase:
         full_v=[torch.cat([f, v[i:i + 1]]) for i, f in enumerate(case.full_v)])
 
 
-def decode_steps(num_steps: int, *, store_bytes: int, overwrite_at: int | None = None, seed: int = 0):
+def decode_steps(num_steps: int, *, store_bytes: int, overwrite_at: int | None = None, seed: int = 0,
+                 dtype: torch.dtype = torch.float32):
     """Runs `num_steps` decode steps over one cache with one backend; returns the outputs, the
     per-step reference errors' max and the backend. `overwrite_at`: before that step, a shared
     prefix block is overwritten in place (what a reused block would hold)."""
-    case = shared_case(GROUPS, block_size=BS, unshared=UNSHARED, seed=seed)
+    case = shared_case(GROUPS, block_size=BS, unshared=UNSHARED, seed=seed, dtype=dtype)
     for s in case.seq_lens:
         assert s % BS + num_steps <= BS, "the steps must stay within each sequence's last block"
-    backend = backend_for(SMOLLM2, BS, cascade="always", prefix_store_bytes=store_bytes)
+    backend = TorchAttentionBackend(SMOLLM2["num_q_heads"], SMOLLM2["num_kv_heads"], SMOLLM2["head_dim"], BS, dtype,
+                                    torch.device("cpu"), cascade="always", prefix_store_bytes=store_bytes)
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
     gen = torch.Generator().manual_seed(seed + 100)
     outs = []
     for step in range(num_steps):
         if step == overwrite_at:
             shared_block = int(case.layout.block_tables[_member_of_group(case, 0), 0])
-            new_k = torch.randn(BS, *k_cache.shape[2:], generator=gen)
+            new_k = torch.randn(BS, *k_cache.shape[2:], generator=gen).to(dtype)
             k_cache[shared_block] = new_k
             for i in _members(case, shared_block):  # the members' contexts change with it
                 case.full_k[i][:BS] = new_k
         backend.plan(case.layout)
         out = backend.forward(case.q, case.k, case.v, k_cache, v_cache, SCALE)
-        check_against_reference(case, out, SCALE)
+        if dtype == torch.float32:
+            check_against_reference(case, out, SCALE)
+        else:
+            torch.testing.assert_close(out.double(), reference_attention(case, SCALE), rtol=2 ** -7, atol=2 ** -7)
         outs.append(out)
         case = next_step(case, gen)
     return outs, backend
@@ -89,6 +97,26 @@ def test_kept_prefixes_give_the_same_bits_as_gathering_every_step():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert backend.prefix_store.misses == 1 and backend.prefix_store.hits == 2  # one layer, 3 steps
     assert plain.prefix_store.hits == 0 and plain.prefix_store.num_bytes == 0
+
+
+def test_bf16_prefixes_on_tiles_are_kept_packed_and_give_the_same_bits():
+    """Where bf16 cascades run on AMX tiles the kept copy is the tiles' packed one: the same bits
+    as gathering and packing every step, and dropped like the K/V copy when a prefix block changes."""
+    if not native.available() or not native.cascade_on_tiles(SMOLLM2["head_dim"]):
+        pytest.skip("native attention tiles: no AMX here (or the library is not built)")
+    kept, backend = decode_steps(3, store_bytes=1 << 30, dtype=torch.bfloat16)
+    gathered, plain = decode_steps(3, store_bytes=0, dtype=torch.bfloat16)
+    for a, b in zip(kept, gathered, strict=True):
+        assert torch.equal(a, b)
+    assert backend.prefix_store.misses == 1 and backend.prefix_store.hits == 2
+    (copy,) = backend.prefix_store._layers.values()
+    assert copy.packed and copy.tensors[0].dtype == torch.int32
+    assert plain.prefix_store.hits == 0 and plain.prefix_store.num_bytes == 0
+    _, overwritten = decode_steps(3, store_bytes=1 << 30, overwrite_at=1, dtype=torch.bfloat16)
+    assert overwritten.prefix_store.misses == 2 and overwritten.prefix_store.hits == 1
+    with native.without_attention_tiles():  # the row kernels then: K/V copies, right again
+        _, rows = decode_steps(2, store_bytes=1 << 30, dtype=torch.bfloat16)
+    assert not next(iter(rows.prefix_store._layers.values())).packed
 
 
 def test_a_prefix_block_written_in_place_is_gathered_again():

@@ -17,10 +17,6 @@ was about 60% of the decode gather (and 10-20% of a whole decode step of 4 group
 Any change drops the copies and the next gather rebuilds them; what is attended is then the
 same bytes as the gather produces, so results are bitwise unchanged. Memory is bounded by
 `max_bytes` (layers past the bound gather into the step's scratch as before).
-
-Where bf16 cascades run on AMX tiles, a layer's copy is kept packed in the tiles' layout
-(`native.pack_prefix_tiles`) instead of as K and V: packing a prefix costs about as much as
-reading it, so packing it once per change rather than in every step saves that pass.
 """
 
 from __future__ import annotations
@@ -37,8 +33,8 @@ PREFIX_STORE_MAX_BYTES = 512 << 20
 class PrefixCopy:
     """One layer's copy of the step's cascade prefixes."""
 
-    # (K, V) [groups, Hkv, len, D] contiguous, or (tiles,): the same packed by native.pack_prefix_tiles
-    tensors: tuple[torch.Tensor, ...]
+    k: torch.Tensor  # [groups, Hkv, len, D] contiguous
+    v: torch.Tensor
     k_version: int  # the cache tensors' version counters after our last write
     v_version: int
     # The layer's cache tensors, held so that their memory (and so the data_ptr key) cannot
@@ -48,15 +44,11 @@ class PrefixCopy:
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
-
-    @property
-    def packed(self) -> bool:
-        """Whether this is the tiles' packed copy (else K and V)."""
-        return len(self.tensors) == 1
+        return 2 * self.k.numel() * self.k.element_size()
 
 
-def _version(t: torch.Tensor) -> int | None:
+def tracked_version(t: torch.Tensor) -> int | None:
+    """t's in-place version counter, None where it is not tracked (an inference-mode tensor)."""
     try:
         return t._version
     except RuntimeError:  # inference tensors do not track a version counter
@@ -102,31 +94,25 @@ class PrefixKVStore:
         copy = self._layers.get(layer)
         if copy is None:
             return None
-        if copy.k_version != _version(k_cache) or copy.v_version != _version(v_cache):
+        if copy.k_version != tracked_version(k_cache) or copy.v_version != tracked_version(v_cache):
             del self._layers[layer]
             return None
         return copy
 
-    def has_room(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_bytes: int) -> bool:
-        """Whether a copy of `num_bytes` of this layer's prefixes may be kept: the store has room
-        and the cache's writes can be tracked."""
-        if _version(k_cache) is None or _version(v_cache) is None:
-            return False
-        return self.num_bytes + num_bytes <= self.max_bytes
-
     def allocate(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Fresh K and V buffers of `shape` to gather this layer's prefixes into and keep, or
-        None when the store has no room for them (`has_room`)."""
-        if not self.has_room(k_cache, v_cache, 2 * math.prod(shape) * k_cache.element_size()):
+        None when the store is full or the cache's writes cannot be tracked."""
+        if tracked_version(k_cache) is None or tracked_version(v_cache) is None:
+            return None
+        if self.num_bytes + 2 * math.prod(shape) * k_cache.element_size() > self.max_bytes:
             return None
         return (torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device),
                 torch.empty(shape, dtype=v_cache.dtype, device=v_cache.device))
 
-    def keep(self, k_cache: torch.Tensor, v_cache: torch.Tensor, *tensors: torch.Tensor) -> None:
-        """Record (or refresh) the layer's copy, (K, V) or (tiles,); call after this step's write
-        of the layer."""
+    def keep(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Record (or refresh) the layer's copy; call after this step's write of the layer."""
         layer = (k_cache.data_ptr(), v_cache.data_ptr())
-        k_version, v_version = _version(k_cache), _version(v_cache)
+        k_version, v_version = tracked_version(k_cache), tracked_version(v_cache)
         assert k_version is not None and v_version is not None
-        self._layers[layer] = PrefixCopy(tensors, k_version, v_version, k_cache, v_cache)
+        self._layers[layer] = PrefixCopy(k, v, k_version, v_version, k_cache, v_cache)

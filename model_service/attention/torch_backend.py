@@ -30,8 +30,9 @@ is copied between calls; ungrouped decode sequences are items of the same call.
 
 The prefixes' gathered copies are kept across steps while their blocks are unwritten
 (`PrefixKVStore`): a group decoding for many steps gathers its prefix once per layer, not once
-per layer and step. Where bf16 prefixes run on AMX tiles the copy is kept packed for them
-(`native.pack_prefix_tiles`, read by `native.attend_cascade_tiles`), so it is packed once too.
+per layer and step. Where bf16 prefixes run on AMX tiles they are kept packed for the tiles
+instead, prefix by prefix (`PackedPrefixes`: packed once by `native.pack_prefix_tiles`, read by
+`native.attend_cascade_tiles`), so groups that come and go keep theirs.
 
 Whether a step's groups are worth it, and whether the suffixes and the ungrouped contexts go
 in one padded call or two, is decided in plan() by a cost model (K/V tokens read, padding
@@ -58,6 +59,7 @@ a grow-only scratch buffer, and runs the matmuls / SDPA.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -68,6 +70,7 @@ from model_service import native
 from model_service.attention.base import AttentionBackend, BatchLayout
 from model_service.attention.indexing import segments, shared_prefix_groups
 from model_service.attention.merge_state import attention_with_lse, merge_states
+from model_service.attention.packed_prefixes import PackedPrefixes
 from model_service.attention.prefix_store import PREFIX_STORE_MAX_BYTES, PrefixCopy, PrefixKVStore
 from model_service.attention.prompt_timing import sdpa_faster_for_bf16_extends, sdpa_faster_for_bf16_prompts
 from model_service.native import prompt_attention, registry
@@ -165,6 +168,7 @@ class _Cascade:
     combined: bool
     prefix_key: tuple  # (shared blocks per group, their block ids): what `prefix` reads
     prefix_blocks: torch.Tensor  # [sum(shared)] int64 those block ids
+    group_blocks: list[tuple[int, ...]]  # each group's shared blocks (what PackedPrefixes keys by)
     # The fused native kernel's view (host int64): group g's members' decode positions, -1 past
     # its size; every decode sequence's block table row, first own position (after its group's
     # prefix, 0 when in no group) and own tokens from there.
@@ -256,8 +260,10 @@ class TorchAttentionBackend(AttentionBackend):
         self._k_scratch: torch.Tensor | None = None  # allocated by plan()
         self._v_scratch: torch.Tensor | None = None
         self.prefix_store = PrefixKVStore(prefix_store_bytes)
-        # This step's bf16 cascade prefixes run on AMX tiles, kept packed for them (set by plan()).
-        self._cascade_tiles = False
+        # bf16 on AMX tiles: cascade prefixes kept packed for the tiles, prefix by prefix.
+        self.packed_prefixes = (PackedPrefixes(block_size, prefix_store_bytes)
+                                if self.bf16_tiles_from is not None else None)
+        self._cascade_tiles = False  # this step's cascade reads packed prefixes (set by plan())
 
     # ------------------------------------------------------------------ plan
     def plan(self, layout: BatchLayout) -> None:
@@ -312,10 +318,13 @@ class TorchAttentionBackend(AttentionBackend):
             rows = int(self._decode.gather_rows.shape[0]) + (c.prefix.num_rows if c is not None else 0)
             need.append(rows * self.head_dim)
         # Only slots really written invalidate kept prefixes (a recomputed hit's cached ones are not).
-        if c is not None:
+        # Asked per step: tests and the start-up timing turn the tiles off for a while.
+        self._cascade_tiles = (c is not None and self.packed_prefixes is not None
+                               and native.cascade_on_tiles(self.head_dim))
+        if self.packed_prefixes is not None:
+            self.packed_prefixes.begin_step(self._write_slots)
+        if c is not None and not self._cascade_tiles:
             self.prefix_store.begin_step(c.prefix_key, c.prefix_blocks, self._write_slots, self.block_size)
-            # Asked per step: tests and the start-up timing turn the tiles off for a while.
-            self._cascade_tiles = self.bf16_tiles_from is not None and native.cascade_on_tiles(self.head_dim)
         else:
             self.prefix_store.begin_step(None, None, self._write_slots, self.block_size)
         numel = max(need)
@@ -413,14 +422,17 @@ class TorchAttentionBackend(AttentionBackend):
         prefix_tables = tables[members[first], :int(shared.max())]  # [G, max shared]
         has_block = torch.arange(prefix_tables.shape[1])[None, :] < shared[:, None]
         prefix_blocks = prefix_tables[has_block]  # [sum(shared)]
-        prefix_key = (tuple(shared.tolist()), tuple(prefix_blocks.tolist()))
+        shared_list, block_list = shared.tolist(), prefix_blocks.tolist()
+        prefix_key = (tuple(shared_list), tuple(block_list))
+        ends = list(itertools.accumulate(shared_list))
+        group_blocks = [tuple(block_list[end - size:end]) for size, end in zip(shared_list, ends, strict=True)]
         cascade = _Cascade(
             members=_to(members, dev), num_groups=num_groups, max_members=gm,
             prefix_q_seq=_to(prefix_q_seq.reshape(num_groups, hkv, gm * r), dev),
             prefix_q_head=_to(prefix_q_head.reshape(1, hkv, gm * r), dev),
             pick_group=_to(member_group[:, None, None], dev), pick_head=_to(pick_head, dev),
             pick_slot=_to(pick_slot, dev), prefix=prefix, rest=parts[0], combined=combined,
-            prefix_key=prefix_key, prefix_blocks=_to(prefix_blocks, dev),
+            prefix_key=prefix_key, prefix_blocks=_to(prefix_blocks, dev), group_blocks=group_blocks,
             group_members=torch.where(torch.arange(gm)[None, :] < sizes[:, None], members[slot_member], -1),
             seq_tables=tables.contiguous(), seq_starts=start.contiguous(), seq_lens=(slens - start).contiguous())
         return _Decode(num_seqs=n, rows=_to(rows, dev), gather_rows=torch.cat([p.rows for p in parts]),
@@ -542,8 +554,10 @@ class TorchAttentionBackend(AttentionBackend):
             raise ValueError(f"q has {q.shape[0]} tokens, the plan has {self._num_tokens}")
         d = self._decode
         stored = None
-        if d is not None and d.cascade is not None:
+        if d is not None and d.cascade is not None and not self._cascade_tiles:
             stored = self.prefix_store.lookup(k_cache, v_cache)  # before this step's write
+        if self.packed_prefixes is not None:
+            self.packed_prefixes.before_write(k_cache, v_cache)
         k_new, v_new, slots = k, v, self._write_slots
         if self._written is not None:  # tokens recomputed over a cache hit: their cached K/V stays as is
             k_new, v_new = k.index_select(0, self._written), v.index_select(0, self._written)
@@ -555,6 +569,8 @@ class TorchAttentionBackend(AttentionBackend):
         else:  # [num_blocks * block_size, num_kv_heads, head_dim] views of the paged cache
             k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k_new)
             v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v_new)
+        if self.packed_prefixes is not None:
+            self.packed_prefixes.after_write(k_cache, v_cache)
 
         if d is not None and not self._groups:
             return self._attend_decode(d, q, k_cache, v_cache, scale, stored)
@@ -610,7 +626,7 @@ class TorchAttentionBackend(AttentionBackend):
             return out.reshape(q.shape)
         if paged and r <= native.MAX_CASCADE_GROUP:  # one fused call: prefixes, own blocks, ungrouped
             if self._cascade_tiles:
-                tiles = self._prefix_tiles(c.prefix, k_cache, v_cache, stored)
+                tiles = self._prefix_tiles(c, k_cache, v_cache)
                 out, _ = native.attend_cascade_tiles(q.contiguous(), tiles, c.prefix.lengths, c.group_members,
                                                      k_cache, v_cache, c.seq_tables, c.seq_starts, c.seq_lens, scale)
                 return out
@@ -672,38 +688,14 @@ class TorchAttentionBackend(AttentionBackend):
                    stored: PrefixCopy | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The cascade prefixes' K/V [G, Hkv, len, D]: the store's copy, else gathered (into
         buffers the store keeps when it has room, else into the scratch after the other rows)."""
-        if stored is not None and not stored.packed:
+        if stored is not None:
             self.prefix_store.hits += 1
-            self.prefix_store.keep(k_cache, v_cache, *stored.tensors)  # our write moved the versions
-            return stored.tensors
+            self.prefix_store.keep(k_cache, v_cache, stored.k, stored.v)  # our write moved the versions
+            return stored.k, stored.v
         self.prefix_store.misses += 1
         shape = (g.num_segs, self.num_kv_heads, g.kv_len, self.head_dim)
         buffers = self.prefix_store.allocate(k_cache, v_cache, shape)
-        pk, pv = self._gather_prefixes(g, k_cache, v_cache, buffers)
-        if buffers is not None:
-            self.prefix_store.keep(k_cache, v_cache, pk, pv)
-        return pk, pv
-
-    def _prefix_tiles(self, g: _RowGather, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      stored: PrefixCopy | None) -> torch.Tensor:
-        """The cascade prefixes packed for the AMX tiles (native.pack_prefix_tiles): the store's
-        copy, else gathered into the scratch and packed (and kept when the store has room)."""
-        if stored is not None and stored.packed:
-            self.prefix_store.hits += 1
-            self.prefix_store.keep(k_cache, v_cache, *stored.tensors)  # our write moved the versions
-            return stored.tensors[0]
-        self.prefix_store.misses += 1
-        pk, pv = self._gather_prefixes(g, k_cache, v_cache, None)
-        tiles = native.pack_prefix_tiles(pk, pv, g.lengths)
-        if self.prefix_store.has_room(k_cache, v_cache, tiles.numel() * tiles.element_size()):
-            self.prefix_store.keep(k_cache, v_cache, tiles)
-        return tiles
-
-    def _gather_prefixes(self, g: _RowGather, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         buffers: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cascade prefixes' K/V [G, Hkv, len, D] gathered from the cache into `buffers`
-        (None: the scratch, after the step's other gathered rows)."""
-        shape = (g.num_segs, self.num_kv_heads, g.kv_len, self.head_dim)
+        keep = buffers is not None
         if buffers is None:
             assert self._k_scratch is not None and self._v_scratch is not None
             lo, hi = g.offset * self.head_dim, (g.offset + g.num_rows) * self.head_dim
@@ -711,7 +703,27 @@ class TorchAttentionBackend(AttentionBackend):
         pk, pv = buffers
         torch.index_select(k_cache.view(-1, self.head_dim), 0, g.rows, out=pk.view(-1, self.head_dim))
         torch.index_select(v_cache.view(-1, self.head_dim), 0, g.rows, out=pv.view(-1, self.head_dim))
+        if keep:
+            self.prefix_store.keep(k_cache, v_cache, pk, pv)
         return pk, pv
+
+    def _prefix_tiles(self, c: _Cascade, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[torch.Tensor]:
+        """Each group's prefix packed for the AMX tiles (`PackedPrefixes`): kept copies, the others
+        gathered into the scratch and packed."""
+        g = c.prefix
+        assert self.packed_prefixes is not None
+
+        def gather(groups: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            assert self._k_scratch is not None and self._v_scratch is not None
+            rows = g.rows.view(g.num_segs, -1)[groups].reshape(-1)
+            shape = (len(groups), self.num_kv_heads, g.kv_len, self.head_dim)
+            lo, hi = g.offset * self.head_dim, (g.offset + rows.numel()) * self.head_dim
+            pk, pv = self._k_scratch[lo:hi].view(shape), self._v_scratch[lo:hi].view(shape)
+            torch.index_select(k_cache.view(-1, self.head_dim), 0, rows, out=pk.view(-1, self.head_dim))
+            torch.index_select(v_cache.view(-1, self.head_dim), 0, rows, out=pv.view(-1, self.head_dim))
+            return pk, pv
+
+        return self.packed_prefixes.tiles(k_cache, v_cache, c.group_blocks, g.lengths, gather)
 
     def _attend_plain(self, g: _RowGather, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       scale: float) -> torch.Tensor:

@@ -91,19 +91,20 @@ def attend_cascade(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tens
 
 
 def pack_prefix_tiles(prefix_k: torch.Tensor, prefix_v: torch.Tensor, prefix_lens: torch.Tensor) -> torch.Tensor:
-    """bfloat16 cascade prefixes [G, Hkv, Lp, D] (contiguous; lengths int64 [G]) packed once into
-    the layout the AMX tiles read (tile_attention.cpp), for `attend_cascade_tiles` to attend over
+    """bfloat16 prefixes [G, Hkv, Lp, D] (contiguous; lengths int64 [G]) packed once into the
+    layout the AMX tiles read (tile_attention.cpp), for `attend_cascade_tiles` to attend over
     step after step without packing them again. Only where `cascade_on_tiles(D)`. Returns int32
-    [G, Hkv, 2, words]."""
+    [G, Hkv, 2, words]; slice g is group g's packed prefix."""
     return torch.ops.radixkv.pack_prefix_tiles(prefix_k, prefix_v, prefix_lens)
 
 
-def attend_cascade_tiles(q: torch.Tensor, prefix_tiles: torch.Tensor, prefix_lens: torch.Tensor,
+def attend_cascade_tiles(q: torch.Tensor, prefix_tiles: list[torch.Tensor], prefix_lens: torch.Tensor,
                          members: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, starts: torch.Tensor, kv_lens: torch.Tensor,
                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`attend_cascade` (bfloat16) over prefixes `pack_prefix_tiles` packed: bit for bit the result
-    attend_cascade gives on the tiles for the same K/V, without repacking the prefixes per call."""
+    """`attend_cascade` (bfloat16) over prefixes `pack_prefix_tiles` packed, one int32 [Hkv, 2,
+    words] per group (slices of one or of several packings): bit for bit the result attend_cascade
+    gives on the tiles for the same K/V, without repacking the prefixes per call."""
     return torch.ops.radixkv.attend_cascade_tiles(q, prefix_tiles, prefix_lens, members, k_cache, v_cache,
                                                   block_tables, starts, kv_lens, scale)
 

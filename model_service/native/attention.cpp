@@ -759,8 +759,10 @@ struct Cascade {
   const int64_t* members;      // [G, gm] decode positions of each group's members, -1 past its size
   const int64_t* prefix_lens;  // [G]
   int64_t G, gm, Lp;           // groups, member slots, prefix K/V length dimension
-  const uint32_t* tiles;       // the prefixes packed for the tiles (attend_cascade_tiles), else nullptr
-  int64_t tile_words;          // per (group, KV head) and K or V: radixkv::prefix_tile_words(Lp, D)
+  // attend_cascade_tiles: group g's prefix packed for the tiles at tiles[g], per KV head K then V
+  // of tile_words[g] words each; empty: the prefixes are prefix_k / prefix_v.
+  std::vector<const uint32_t*> tiles;
+  std::vector<int64_t> tile_words;
 };
 
 struct CascadeItem {
@@ -830,12 +832,13 @@ void cascade_item(const Problem& P, const Cascade& C, const T* q, const T* pk, c
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     // The prefix on AMX tiles (tile_attention.cpp), packed by this call or once before it: the
     // same state after.
-    if (C.tiles != nullptr || (DP && radixkv::tiles_run(D))) {
+    if (!C.tiles.empty() || (DP && radixkv::tiles_run(D))) {
       const c10::BFloat16* queries[W];
       for (int row = 0; row < rows; ++row) queries[row] = query(row);
-      if (C.tiles != nullptr) {
-        const uint32_t* kp = C.tiles + (item.g * P.Hkv + item.h) * 2 * C.tile_words;
-        radixkv::attend_packed_prefix_tiles(queries, rows, kp, kp + C.tile_words, plen, D, P.scale, ot, W, mv, lv);
+      if (!C.tiles.empty()) {
+        const int64_t words = C.tile_words[item.g];
+        const uint32_t* kp = C.tiles[item.g] + item.h * 2 * words;
+        radixkv::attend_packed_prefix_tiles(queries, rows, kp, kp + words, plen, D, P.scale, ot, W, mv, lv);
       } else {
         radixkv::attend_prefix_tiles(queries, rows, pk + head, pv + head, D, plen, D, P.scale, ot, W, mv, lv);
       }
@@ -1218,9 +1221,11 @@ at::Tensor pack_prefix_tiles(const at::Tensor& prefix_k, const at::Tensor& prefi
   return tiles;
 }
 
-// attend_cascade over prefixes pack_prefix_tiles packed (prefix_tiles), bit for bit the result
-// attend_cascade gives on the tiles for the same K/V; bfloat16 only, where the tiles run.
-std::tuple<at::Tensor, at::Tensor> attend_cascade_tiles(const at::Tensor& q, const at::Tensor& prefix_tiles,
+// attend_cascade over prefixes pack_prefix_tiles packed, one tensor per group (prefix_tiles[g]:
+// int32 [Hkv, 2, words], words at least prefix_tile_words(prefix_lens[g], D), e.g. a group's slice
+// of pack_prefix_tiles' result): bit for bit the result attend_cascade gives on the tiles for the
+// same K/V; bfloat16 only, where the tiles run.
+std::tuple<at::Tensor, at::Tensor> attend_cascade_tiles(const at::Tensor& q, at::TensorList prefix_tiles,
                                                         const at::Tensor& prefix_lens, const at::Tensor& members,
                                                         const at::Tensor& k_cache, const at::Tensor& v_cache,
                                                         const at::Tensor& block_tables, const at::Tensor& starts,
@@ -1228,18 +1233,27 @@ std::tuple<at::Tensor, at::Tensor> attend_cascade_tiles(const at::Tensor& q, con
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.device().is_cpu(), "q must be a contiguous CPU [n, Hq, D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16, "attend_cascade_tiles takes bfloat16 q");
   check_caches(q, k_cache, v_cache);
-  const int64_t D = q.size(2), Hkv = k_cache.size(2);
+  const int64_t D = q.size(2), Hkv = k_cache.size(2), G = static_cast<int64_t>(prefix_tiles.size());
   TORCH_CHECK(radixkv::tiles_run(D), "attend_cascade_tiles: attention on AMX tiles does not run here for head_dim ", D);
   const int64_t block_words = radixkv::prefix_tile_words(1, D);  // one 64-key block
-  TORCH_CHECK(prefix_tiles.scalar_type() == at::kInt && prefix_tiles.is_contiguous() && prefix_tiles.dim() == 4 &&
-                  prefix_tiles.size(1) == Hkv && prefix_tiles.size(2) == 2 && prefix_tiles.size(3) > 0 &&
-                  prefix_tiles.size(3) % block_words == 0,
-              "prefix_tiles must be pack_prefix_tiles' int32 [groups, ", Hkv, ", 2, a multiple of ", block_words, "]");
-  const int64_t words = prefix_tiles.size(3);
-  CascadeCall call = cascade_call(q, prefix_tiles.size(0), words / block_words * 64, prefix_lens, members, k_cache,
-                                  v_cache, block_tables, starts, kv_lens, scale);
-  call.C.tiles = reinterpret_cast<const uint32_t*>(prefix_tiles.data_ptr<int32_t>());
-  call.C.tile_words = words;
+  int64_t Lp = 1;
+  for (int64_t g = 0; g < G; ++g) {
+    const at::Tensor& t = prefix_tiles[g];
+    TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous() && t.device().is_cpu() && t.dim() == 3 &&
+                    t.size(0) == Hkv && t.size(1) == 2 && t.size(2) > 0 && t.size(2) % block_words == 0,
+                "prefix_tiles[", g, "] must be pack_prefix_tiles' int32 [", Hkv, ", 2, a multiple of ", block_words,
+                "] for one group");
+    Lp = std::max(Lp, t.size(2) / block_words * 64);
+  }
+  CascadeCall call = cascade_call(q, G, Lp, prefix_lens, members, k_cache, v_cache, block_tables, starts, kv_lens,
+                                  scale);
+  for (int64_t g = 0; g < G; ++g) {
+    const at::Tensor& t = prefix_tiles[g];
+    TORCH_CHECK(call.C.prefix_lens[g] <= t.size(2) / block_words * 64, "prefix_lens[", g, "]=", call.C.prefix_lens[g],
+                " is longer than prefix_tiles[", g, "] holds");
+    call.C.tiles.push_back(reinterpret_cast<const uint32_t*>(t.data_ptr<int32_t>()));
+    call.C.tile_words.push_back(t.size(2));
+  }
   return launch_cascade(call, q, nullptr, nullptr, k_cache, v_cache);
 }
 
@@ -1261,7 +1275,7 @@ TORCH_LIBRARY(radixkv, m) {
   m.impl("attend_cascade", c10::DispatchKey::CPU, TORCH_FN(attend_cascade));
   m.def("pack_prefix_tiles(Tensor prefix_k, Tensor prefix_v, Tensor prefix_lens) -> Tensor");
   m.impl("pack_prefix_tiles", c10::DispatchKey::CPU, TORCH_FN(pack_prefix_tiles));
-  m.def("attend_cascade_tiles(Tensor q, Tensor prefix_tiles, Tensor prefix_lens, Tensor members, Tensor k_cache, "
+  m.def("attend_cascade_tiles(Tensor q, Tensor[] prefix_tiles, Tensor prefix_lens, Tensor members, Tensor k_cache, "
         "Tensor v_cache, Tensor block_tables, Tensor starts, Tensor kv_lens, float scale) -> (Tensor, Tensor)");
   m.impl("attend_cascade_tiles", c10::DispatchKey::CPU, TORCH_FN(attend_cascade_tiles));
   m.def("set_bf16_dot_products(bool enabled) -> bool", set_bf16_dot_products);

@@ -169,25 +169,31 @@ def _needs_tiles(head_dim: int = 64) -> None:
     seed=st.integers(0, 1000),
 )
 def test_prefixes_packed_once_give_the_same_bits(heads, head_dim, group_sizes, ungrouped, seed):
-    """attend_cascade_tiles over pack_prefix_tiles' copy (prefixes of unequal lengths, so each
-    group's packing is zero past its own length inside a longer buffer) is attend_cascade's result
-    bit for bit: the same tiles over the same bytes."""
+    """attend_cascade_tiles over pack_prefix_tiles' copies is attend_cascade's result bit for bit
+    (the same tiles over the same bytes): prefixes of unequal lengths packed together (each zero
+    past its own length inside a longer buffer), or each group packed apart at its own length."""
     _needs_tiles(head_dim)
     hq, hkv = heads
     case = make_cascade(seed, hq, hkv, head_dim, group_sizes, ungrouped, torch.bfloat16)
-    tiles = native.pack_prefix_tiles(case["prefix_k"], case["prefix_v"], case["prefix_lens"])
-    assert tiles.dtype == torch.int32 and tiles.shape[:3] == (len(group_sizes), hkv, 2)
-    out, lse = native.attend_cascade_tiles(case["q"], tiles, case["prefix_lens"], case["members"], case["k_cache"],
-                                           case["v_cache"], case["tables"], case["starts"], case["own"], 0.125)
+    together = native.pack_prefix_tiles(case["prefix_k"], case["prefix_v"], case["prefix_lens"])
+    assert together.dtype == torch.int32 and together.shape[:3] == (len(group_sizes), hkv, 2)
+    apart = []
+    for g, length in enumerate(case["prefix_lens"].tolist()):
+        k, v = (case[name][g:g + 1, :, :length].contiguous() for name in ("prefix_k", "prefix_v"))
+        apart.append(native.pack_prefix_tiles(k, v, case["prefix_lens"][g:g + 1])[0])
     want, want_lse = cascade(case, 0.125)
-    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    for tiles in (list(together), apart):
+        out, lse = native.attend_cascade_tiles(case["q"], tiles, case["prefix_lens"], case["members"],
+                                               case["k_cache"], case["v_cache"], case["tables"], case["starts"],
+                                               case["own"], 0.125)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
 def test_packed_prefixes_stay_right_with_the_dot_products_off():
     """Members continue on the FMA row kernels then; the prefix pass is the tiles' either way."""
     _needs_tiles()
     case = make_cascade(5, 9, 3, 64, [6, 3], 1, torch.bfloat16)
-    tiles = native.pack_prefix_tiles(case["prefix_k"], case["prefix_v"], case["prefix_lens"])
+    tiles = list(native.pack_prefix_tiles(case["prefix_k"], case["prefix_v"], case["prefix_lens"]))
     with native.without_bf16_dot_products():
         out, lse = native.attend_cascade_tiles(case["q"], tiles, case["prefix_lens"], case["members"],
                                                case["k_cache"], case["v_cache"], case["tables"], case["starts"],
@@ -200,7 +206,7 @@ def test_packed_prefixes_stay_right_with_the_dot_products_off():
 def test_packed_prefixes_refuse_bad_arguments():
     _needs_tiles()
     case = make_cascade(2, 9, 3, 64, [2], 0, torch.bfloat16)
-    tiles = native.pack_prefix_tiles(case["prefix_k"], case["prefix_v"], case["prefix_lens"])
+    tiles = list(native.pack_prefix_tiles(case["prefix_k"], case["prefix_v"], case["prefix_lens"]))
     rest = (case["prefix_lens"], case["members"], case["k_cache"], case["v_cache"], case["tables"], case["starts"],
             case["own"], 0.125)
     with pytest.raises(RuntimeError, match="takes bfloat16 prefixes"):
@@ -209,12 +215,22 @@ def test_packed_prefixes_refuse_bad_arguments():
         native.pack_prefix_tiles(case["prefix_k"], case["prefix_v"], case["prefix_lens"] + 1000)
     with pytest.raises(RuntimeError, match="takes bfloat16 q"):
         native.attend_cascade_tiles(case["q"].float(), tiles, *rest)
-    with pytest.raises(RuntimeError, match="prefix_tiles must be"):
-        native.attend_cascade_tiles(case["q"], tiles[..., :-1].contiguous(), *rest)
-    with pytest.raises(RuntimeError, match="prefix_tiles must be"):
-        native.attend_cascade_tiles(case["q"], tiles.float(), *rest)
+    with pytest.raises(RuntimeError, match=r"prefix_tiles\[0\] must be"):
+        native.attend_cascade_tiles(case["q"], [tiles[0][..., :-1].contiguous()], *rest)
+    with pytest.raises(RuntimeError, match=r"prefix_tiles\[0\] must be"):
+        native.attend_cascade_tiles(case["q"], [tiles[0].float()], *rest)
+    with pytest.raises(RuntimeError, match="prefix_lens must be"):
+        native.attend_cascade_tiles(case["q"], tiles + tiles, *rest)  # one prefix per group
     with pytest.raises(RuntimeError, match=r"prefix_lens\[0\]=.* not in \[1, "):
         native.attend_cascade_tiles(case["q"], tiles, case["prefix_lens"] + 1000, *rest[1:])
+    two = make_cascade(3, 9, 3, 64, [2, 1], 0, torch.bfloat16)
+    short = native.pack_prefix_tiles(*(two[n][:1, :, :16].contiguous() for n in ("prefix_k", "prefix_v")),
+                                     torch.tensor([16]))[0]  # room for 64 keys
+    long = native.pack_prefix_tiles(*(torch.zeros(1, 3, 128, 64, dtype=torch.bfloat16) for _ in range(2)),
+                                    torch.tensor([128]))[0]
+    with pytest.raises(RuntimeError, match=r"prefix_lens\[0\]=65 is longer than prefix_tiles\[0\] holds"):
+        native.attend_cascade_tiles(two["q"], [short, long], torch.tensor([65, 1]), two["members"], two["k_cache"],
+                                    two["v_cache"], two["tables"], two["starts"], two["own"], 0.125)
     with native.without_attention_tiles(), pytest.raises(RuntimeError, match="does not run here"):
         native.attend_cascade_tiles(case["q"], tiles, *rest)
 

@@ -6,13 +6,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import pytest
 import torch
 
-from model_service import native
 from model_service.attention.base import BatchLayout
 from model_service.attention.prefix_store import PrefixKVStore
-from model_service.attention.torch_backend import TorchAttentionBackend
 from tests.model_service.attention.paged_case import PagedCase, reference_attention
 from tests.model_service.attention.test_cascade import (
     SMOLLM2,
@@ -49,15 +46,15 @@ def next_step(case: PagedCase, gen: torch.Generator) -> PagedCase:
 
 
 def decode_steps(num_steps: int, *, store_bytes: int, overwrite_at: int | None = None, seed: int = 0,
-                 dtype: torch.dtype = torch.float32):
-    """Runs `num_steps` decode steps over one cache with one backend; returns the outputs, the
-    per-step reference errors' max and the backend. `overwrite_at`: before that step, a shared
-    prefix block is overwritten in place (what a reused block would hold)."""
+                 dtype: torch.dtype = torch.float32, backend=None):
+    """Runs `num_steps` decode steps over one cache with one backend (default: a float32 one with
+    this store budget); returns the outputs and the backend. `overwrite_at`: before that step, a
+    shared prefix block is overwritten in place (what a reused block would hold)."""
     case = shared_case(GROUPS, block_size=BS, unshared=UNSHARED, seed=seed, dtype=dtype)
     for s in case.seq_lens:
         assert s % BS + num_steps <= BS, "the steps must stay within each sequence's last block"
-    backend = TorchAttentionBackend(SMOLLM2["num_q_heads"], SMOLLM2["num_kv_heads"], SMOLLM2["head_dim"], BS, dtype,
-                                    torch.device("cpu"), cascade="always", prefix_store_bytes=store_bytes)
+    if backend is None:
+        backend = backend_for(SMOLLM2, BS, cascade="always", prefix_store_bytes=store_bytes)
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
     gen = torch.Generator().manual_seed(seed + 100)
     outs = []
@@ -97,26 +94,6 @@ def test_kept_prefixes_give_the_same_bits_as_gathering_every_step():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert backend.prefix_store.misses == 1 and backend.prefix_store.hits == 2  # one layer, 3 steps
     assert plain.prefix_store.hits == 0 and plain.prefix_store.num_bytes == 0
-
-
-def test_bf16_prefixes_on_tiles_are_kept_packed_and_give_the_same_bits():
-    """Where bf16 cascades run on AMX tiles the kept copy is the tiles' packed one: the same bits
-    as gathering and packing every step, and dropped like the K/V copy when a prefix block changes."""
-    if not native.available() or not native.cascade_on_tiles(SMOLLM2["head_dim"]):
-        pytest.skip("native attention tiles: no AMX here (or the library is not built)")
-    kept, backend = decode_steps(3, store_bytes=1 << 30, dtype=torch.bfloat16)
-    gathered, plain = decode_steps(3, store_bytes=0, dtype=torch.bfloat16)
-    for a, b in zip(kept, gathered, strict=True):
-        assert torch.equal(a, b)
-    assert backend.prefix_store.misses == 1 and backend.prefix_store.hits == 2
-    (copy,) = backend.prefix_store._layers.values()
-    assert copy.packed and copy.tensors[0].dtype == torch.int32
-    assert plain.prefix_store.hits == 0 and plain.prefix_store.num_bytes == 0
-    _, overwritten = decode_steps(3, store_bytes=1 << 30, overwrite_at=1, dtype=torch.bfloat16)
-    assert overwritten.prefix_store.misses == 2 and overwritten.prefix_store.hits == 1
-    with native.without_attention_tiles():  # the row kernels then: K/V copies, right again
-        _, rows = decode_steps(2, store_bytes=1 << 30, dtype=torch.bfloat16)
-    assert not next(iter(rows.prefix_store._layers.values())).packed
 
 
 def test_a_prefix_block_written_in_place_is_gathered_again():

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,9 @@ KERNEL_MODES = ("auto", "torch")
 # into one call with the others, every short chunk (a cache hit's few tokens) would be padded
 # to its length, and a step with a prompt and a few hits would attend as if all were prompts.
 EXTEND_ALONE_TOKENS = 128
+# bf16 on AMX tiles: chunks after a cached prefix of at least this many whole blocks attend over
+# the prefix packed for the tiles (PackedPrefixes: shared with the cascade and kept across steps).
+PACKED_EXTEND_MIN_BLOCKS = 4
 
 
 @dataclass(slots=True)
@@ -176,6 +180,16 @@ class _Cascade:
     seq_tables: torch.Tensor  # [num_seqs, width]
     seq_starts: torch.Tensor  # [num_seqs]
     seq_lens: torch.Tensor  # [num_seqs]
+
+
+@dataclass(slots=True)
+class _PackedExtends:
+    """Chunks after a cached prefix that attend over the prefix packed for the AMX tiles."""
+
+    starts: torch.Tensor  # [n] int64 host: each chunk's first packed token
+    lens: torch.Tensor  # [n] int64 host: its new tokens
+    prefix: _RowGather  # each chunk's cached prefix (whole blocks), gathered when not kept packed
+    prefix_blocks: list[tuple[int, ...]]  # those blocks (what PackedPrefixes keys by)
 
 
 @dataclass(slots=True)
@@ -288,14 +302,18 @@ class TorchAttentionBackend(AttentionBackend):
         is_decode = qlens == 1  # [batch]
         num_decode = int(is_decode.sum())
         batch = len(query_lens)
-        self._decode, self._groups = None, []
+        self._decode, self._groups, self._packed_extends = None, [], None
         if num_decode == batch or num_decode == 0:
             if num_decode and self.decode_gather == "rows":
                 self._decode = self._plan_decode(layout, None, slens, None)
             elif num_decode:
                 self._groups = [self._plan_group(layout, None, qlens, slens)]
             else:
-                self._groups = self._plan_extends(layout, torch.arange(batch), qlens, slens)
+                rest = self._take_packed_extends(layout, torch.arange(batch), qlens, slens)
+                if rest.numel() == batch:
+                    self._groups = self._plan_extends(layout, rest, qlens, slens)
+                elif rest.numel():
+                    self._groups = self._plan_extends(layout, rest, qlens, slens, _rows_of(rest, qlens))
         else:
             # Mixed step: decode rows and extend rows are attended separately.
             starts = torch.cumsum(qlens, 0) - qlens  # [batch]
@@ -308,7 +326,11 @@ class TorchAttentionBackend(AttentionBackend):
                 self._decode = self._plan_decode(layout, dec_idx, slens[dec_idx], dec_rows)
             else:
                 self._groups.append(self._plan_group(layout, dec_idx, qlens[dec_idx], slens[dec_idx], dec_rows))
-            self._groups += self._plan_extends(layout, ext_idx, qlens, slens, ext_rows)
+            rest = self._take_packed_extends(layout, ext_idx, qlens, slens)
+            if rest.numel() == ext_idx.numel():
+                self._groups += self._plan_extends(layout, ext_idx, qlens, slens, ext_rows)
+            elif rest.numel():
+                self._groups += self._plan_extends(layout, rest, qlens, slens, _rows_of(rest, qlens))
         # One scratch for the step: the decode gathers side by side, each extend group's gather
         # from the start (run one after another, each consumed before the next one).
         need = [g.num_seqs * g.num_ctx_blocks * self.block_size * self.num_kv_heads * self.head_dim
@@ -317,6 +339,8 @@ class TorchAttentionBackend(AttentionBackend):
         if self._decode is not None:  # the prefixes' rows after the others, for when they are not kept
             rows = int(self._decode.gather_rows.shape[0]) + (c.prefix.num_rows if c is not None else 0)
             need.append(rows * self.head_dim)
+        if self._packed_extends is not None:  # their prefixes not kept packed, gathered from the start
+            need.append(self._packed_extends.prefix.num_rows * self.head_dim)
         # Only slots really written invalidate kept prefixes (a recomputed hit's cached ones are not).
         # Asked per step: tests and the start-up timing turn the tiles off for a while.
         self._cascade_tiles = (c is not None and self.packed_prefixes is not None
@@ -327,10 +351,31 @@ class TorchAttentionBackend(AttentionBackend):
             self.prefix_store.begin_step(c.prefix_key, c.prefix_blocks, self._write_slots, self.block_size)
         else:
             self.prefix_store.begin_step(None, None, self._write_slots, self.block_size)
-        numel = max(need)
+        numel = max(need, default=0)
         if self._k_scratch is None or self._k_scratch.numel() < numel:
             self._k_scratch = torch.empty(numel, dtype=self.dtype, device=self.device)
             self._v_scratch = torch.empty(numel, dtype=self.dtype, device=self.device)
+
+    def _take_packed_extends(self, layout: BatchLayout, seq_idx: torch.Tensor, qlens: torch.Tensor,
+                             slens: torch.Tensor) -> torch.Tensor:
+        """Plans, as `self._packed_extends`, the extend sequences `seq_idx` that attend over their
+        cached prefix packed for the AMX tiles (bf16 where the tiles run, a prefix of whole blocks,
+        at least PACKED_EXTEND_MIN_BLOCKS, and no cached token recomputed in the step); returns the
+        others."""
+        if self.packed_prefixes is None or self._written is not None or not native.cascade_on_tiles(self.head_dim):
+            return seq_idx
+        prefix = slens[seq_idx] - qlens[seq_idx]  # [n] cached tokens
+        bs = self.block_size
+        take = (prefix >= PACKED_EXTEND_MIN_BLOCKS * bs) & (prefix % bs == 0)
+        if not bool(take.any()):
+            return seq_idx
+        seqs, lengths = seq_idx[take], prefix[take]
+        tables = layout.block_tables.index_select(0, seqs.to(layout.block_tables.device)).to("cpu", torch.long)
+        gather = self._row_gather(tables, torch.zeros_like(lengths), lengths)
+        blocks = [tuple(row[:n // bs]) for row, n in zip(tables.tolist(), lengths.tolist(), strict=True)]
+        starts = (torch.cumsum(qlens, 0) - qlens)[seqs]
+        self._packed_extends = _PackedExtends(starts.contiguous(), qlens[seqs].contiguous(), gather, blocks)
+        return seq_idx[~take]
 
     def _plan_extends(self, layout: BatchLayout, seq_idx: torch.Tensor, qlens: torch.Tensor,
                       slens: torch.Tensor, rows: torch.Tensor | None = None) -> list[_Group]:
@@ -572,9 +617,10 @@ class TorchAttentionBackend(AttentionBackend):
         if self.packed_prefixes is not None:
             self.packed_prefixes.after_write(k_cache, v_cache)
 
-        if d is not None and not self._groups:
+        packed = self._packed_extends
+        if d is not None and not self._groups and packed is None:
             return self._attend_decode(d, q, k_cache, v_cache, scale, stored)
-        if d is None and len(self._groups) == 1:
+        if d is None and len(self._groups) == 1 and packed is None:
             return self._attend(self._groups[0], q, k, v, k_cache, v_cache, scale)
         out = q.new_empty(q.shape[0], self.num_q_heads, self.head_dim)  # [num_tokens, Hq, D]
         if d is not None:
@@ -589,6 +635,11 @@ class TorchAttentionBackend(AttentionBackend):
             else:  # reads K/V from the cache
                 gk, gv = k, v
             out.index_copy_(0, rows, self._attend(group, q.index_select(0, rows), gk, gv, k_cache, v_cache, scale))
+        if packed is not None:  # last: its gather takes the scratch from the start
+            assert self.packed_prefixes is not None
+            tiles = self.packed_prefixes.tiles(k_cache, v_cache, packed.prefix_blocks, packed.prefix.lengths,
+                                               self._prefix_gather(packed.prefix, k_cache, v_cache))
+            native.attend_extends_tiles(q, k, v, packed.starts, packed.lens, tiles, packed.prefix.lengths, scale, out)
         return out
 
     def _attend_decode(self, d: _Decode, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -710,20 +761,25 @@ class TorchAttentionBackend(AttentionBackend):
     def _prefix_tiles(self, c: _Cascade, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[torch.Tensor]:
         """Each group's prefix packed for the AMX tiles (`PackedPrefixes`): kept copies, the others
         gathered into the scratch and packed."""
-        g = c.prefix
         assert self.packed_prefixes is not None
+        return self.packed_prefixes.tiles(k_cache, v_cache, c.group_blocks, c.prefix.lengths,
+                                          self._prefix_gather(c.prefix, k_cache, v_cache))
 
-        def gather(groups: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prefix_gather(self, g: _RowGather, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor) -> Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]:
+        """PackedPrefixes' gather of some of g's segments: their K/V [m, Hkv, kv_len, D] in the
+        scratch from g's offset."""
+        def gather(segs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
             assert self._k_scratch is not None and self._v_scratch is not None
-            rows = g.rows.view(g.num_segs, -1)[groups].reshape(-1)
-            shape = (len(groups), self.num_kv_heads, g.kv_len, self.head_dim)
+            rows = g.rows.view(g.num_segs, -1)[segs].reshape(-1)
+            shape = (len(segs), self.num_kv_heads, g.kv_len, self.head_dim)
             lo, hi = g.offset * self.head_dim, (g.offset + rows.numel()) * self.head_dim
             pk, pv = self._k_scratch[lo:hi].view(shape), self._v_scratch[lo:hi].view(shape)
             torch.index_select(k_cache.view(-1, self.head_dim), 0, rows, out=pk.view(-1, self.head_dim))
             torch.index_select(v_cache.view(-1, self.head_dim), 0, rows, out=pv.view(-1, self.head_dim))
             return pk, pv
 
-        return self.packed_prefixes.tiles(k_cache, v_cache, c.group_blocks, g.lengths, gather)
+        return gather
 
     def _attend_plain(self, g: _RowGather, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       scale: float) -> torch.Tensor:
@@ -798,6 +854,14 @@ class TorchAttentionBackend(AttentionBackend):
         if g.out_index is not None:
             out = out.index_select(0, g.out_index)  # [group_tokens, Hq, D]
         return out
+
+
+def _rows_of(seqs: torch.Tensor, qlens: torch.Tensor) -> torch.Tensor:
+    """The packed tokens of sequences `seqs` (ascending) of a step whose query lengths are `qlens`."""
+    token_seq, _ = segments(qlens)
+    keep = torch.zeros(qlens.shape[0], dtype=torch.bool)
+    keep[seqs] = True
+    return torch.nonzero(keep[token_seq]).flatten()
 
 
 def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

@@ -109,6 +109,17 @@ def attend_cascade_tiles(q: torch.Tensor, prefix_tiles: list[torch.Tensor], pref
                                                   block_tables, starts, kv_lens, scale)
 
 
+def attend_extends_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
+                         lens: torch.Tensor, prefix_tiles: list[torch.Tensor], prefix_lens: torch.Tensor, scale: float,
+                         out: torch.Tensor) -> None:
+    """Chunks of new tokens after cached prefixes that `pack_prefix_tiles` packed (one int32 [Hkv,
+    2, words] per sequence), on AMX tiles: sequence b's lens[b] new tokens are rows starts[b] ..
+    of q [T, Hq, D] and k, v [T, Hkv, D] (bfloat16, last dimension contiguous; int64 [B] each);
+    each attends over its whole prefix of prefix_lens[b] keys and its new tokens up to itself.
+    Writes those rows of out [T, Hq, D], in one pass (no partial results merged)."""
+    torch.ops.radixkv.attend_extends_tiles(q, k, v, starts, lens, prefix_tiles, prefix_lens, scale, out)
+
+
 def cascade_on_tiles(head_dim: int) -> bool:
     """Whether bfloat16 cascade prefixes of this head_dim run on AMX tiles here (and so may be
     packed once with `pack_prefix_tiles`)."""

@@ -1257,6 +1257,53 @@ std::tuple<at::Tensor, at::Tensor> attend_cascade_tiles(const at::Tensor& q, at:
   return launch_cascade(call, q, nullptr, nullptr, k_cache, v_cache);
 }
 
+// Chunks of new tokens whose cached prefixes pack_prefix_tiles packed (one tensor per sequence, as
+// attend_cascade_tiles takes them): sequence b's lens[b] new tokens are rows starts[b] .. of q
+// [T, Hq, D], k, v [T, Hkv, D] (bfloat16, last dimension contiguous); each attends over its whole
+// prefix (prefix_lens[b] keys) and its new tokens up to itself, on AMX tiles, into the same rows of
+// out [T, Hq, D] (other rows untouched).
+void attend_extends_tiles(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& starts,
+                          const at::Tensor& lens, at::TensorList prefix_tiles, const at::Tensor& prefix_lens,
+                          double scale, at::Tensor& out) {
+  auto rows = [](const at::Tensor& t) {
+    return t.dim() == 3 && t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.stride(2) == 1;
+  };
+  TORCH_CHECK(rows(q) && rows(k) && rows(v) && rows(out), "q, k, v and out must be bfloat16 CPU [T, heads, D] "
+              "with the last dimension contiguous");
+  const int64_t T = q.size(0), Hq = q.size(1), Hkv = k.size(1), D = q.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == T && k.size(2) == D && out.sizes() == q.sizes(),
+              "k, v must be [", T, ", Hkv, ", D, "] and out q's shape");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(radixkv::tiles_run(D), "attend_extends_tiles: attention on AMX tiles does not run here for head_dim ", D);
+  const int64_t B = static_cast<int64_t>(prefix_tiles.size());
+  for (const at::Tensor* t : {&starts, &lens, &prefix_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1 && t->numel() == B,
+                "starts, lens and prefix_lens must be contiguous int64 [", B, "] (one per prefix_tiles)");
+  const int64_t *st = starts.data_ptr<int64_t>(), *ln = lens.data_ptr<int64_t>(), *pl = prefix_lens.data_ptr<int64_t>();
+  const int64_t block_words = radixkv::prefix_tile_words(1, D);
+  std::vector<const uint32_t*> tiles(B);
+  std::vector<int64_t> words(B);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ln[b] >= 1 && st[b] >= 0 && st[b] <= T - ln[b], "sequence ", b, ": rows ", st[b], " + ", ln[b],
+                " not within q's ", T);
+    const at::Tensor& t = prefix_tiles[b];
+    TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous() && t.device().is_cpu() && t.dim() == 3 &&
+                    t.size(0) == Hkv && t.size(1) == 2 && t.size(2) > 0 && t.size(2) % block_words == 0,
+                "prefix_tiles[", b, "] must be pack_prefix_tiles' int32 [", Hkv, ", 2, a multiple of ", block_words,
+                "] for one prefix");
+    TORCH_CHECK(pl[b] >= 0 && pl[b] <= t.size(2) / block_words * 64, "prefix_lens[", b, "]=", pl[b],
+                " is not within what prefix_tiles[", b, "] holds");
+    tiles[b] = reinterpret_cast<const uint32_t*>(t.data_ptr<int32_t>());
+    words[b] = t.size(2);
+  }
+  if (B == 0) return;
+  radixkv::ExtendProblem P{B, Hq, Hkv, D, st, ln, pl, tiles.data(), words.data(),
+                           {q.stride(0), q.stride(1)}, {k.stride(0), k.stride(1)}, {v.stride(0), v.stride(1)},
+                           {out.stride(0), out.stride(1)}, static_cast<float>(scale)};
+  using BF = c10::BFloat16;
+  radixkv::attend_extends_tiles(P, q.data_ptr<BF>(), k.data_ptr<BF>(), v.data_ptr<BF>(), out.data_ptr<BF>());
+}
+
 // Whether bfloat16 inputs may take the AVX512-BF16 path (tests turn it off to check the other one);
 // returns the previous setting.
 bool set_bf16_dot_products(bool enabled) { return allow_bf16_dot_products.exchange(enabled); }
@@ -1278,6 +1325,9 @@ TORCH_LIBRARY(radixkv, m) {
   m.def("attend_cascade_tiles(Tensor q, Tensor[] prefix_tiles, Tensor prefix_lens, Tensor members, Tensor k_cache, "
         "Tensor v_cache, Tensor block_tables, Tensor starts, Tensor kv_lens, float scale) -> (Tensor, Tensor)");
   m.impl("attend_cascade_tiles", c10::DispatchKey::CPU, TORCH_FN(attend_cascade_tiles));
+  m.def("attend_extends_tiles(Tensor q, Tensor k, Tensor v, Tensor starts, Tensor lens, Tensor[] prefix_tiles, "
+        "Tensor prefix_lens, float scale, Tensor(a!) out) -> ()");
+  m.impl("attend_extends_tiles", c10::DispatchKey::CPU, TORCH_FN(attend_extends_tiles));
   m.def("set_bf16_dot_products(bool enabled) -> bool", set_bf16_dot_products);
   m.def("has_bf16_dot_products() -> bool", radixkv::has_bf16_dot_products);
 }

@@ -34,11 +34,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 namespace {
 
@@ -254,12 +256,21 @@ RADIXKV_AMX inline void softmax_block(Scratch& w, const int64_t* limits, int64_t
 // The online softmax of the 16 rows in w.q over packed K/V (kp, vp): row i sees keys [0,
 // limits[i]). Leaves O unnormalized in w.o, the maxima m (base 2, of scale2 * S) and each row's 16
 // partial sums in l.
+RADIXKV_AMX void tile_rows_on(Scratch& w, const uint32_t* kp, const uint32_t* vp, int64_t D,
+                                const int64_t* limits, float scale2, float* m, float* l);
+
 RADIXKV_AMX void tile_rows(Scratch& w, const uint32_t* kp, const uint32_t* vp, int64_t D,
                              const int64_t* limits, float scale2, float* m, float* l) {
-  alignas(64) float alpha[TILE_ROWS];
   std::fill(w.o, w.o + TILE_ROWS * D, 0.0f);
   std::fill(m, m + TILE_ROWS, FLOOR);
   std::fill(l, l + TILE_ROWS * LANES, 0.0f);
+  tile_rows_on(w, kp, vp, D, limits, scale2, m, l);
+}
+
+// tile_rows' loop: carries the online softmax state (w.o, m, l) on over more packed keys.
+RADIXKV_AMX void tile_rows_on(Scratch& w, const uint32_t* kp, const uint32_t* vp, int64_t D,
+                                const int64_t* limits, float scale2, float* m, float* l) {
+  alignas(64) float alpha[TILE_ROWS];
   const int64_t last = *std::max_element(limits, limits + TILE_ROWS);
   for (int64_t n0 = 0; n0 < last; n0 += KB) {
     scores(w, kp, D, n0, w.s);
@@ -302,6 +313,40 @@ RADIXKV_AMX void attend_item(const radixkv::TileProblem& P, const c10::BFloat16*
     for (int64_t d = 0; d < D; d += LANES)
       radixkv::store_bf16(orow + d, _mm512_mul_ps(_mm512_load_ps(w.o + i * D + d), inv));
     lse[out_rows[i]] = m[i] * static_cast<float>(M_LN2) + std::log(sum);
+  }
+}
+
+// One item of attend_extends_tiles: rows f0 .. f0 + 15 (fewer at the end) of KV head h of
+// sequence b, folded as attend_item folds them (row f: new token f % n of query head h * r + f / n,
+// n = its new tokens), over its packed prefix (every key) and then its own new keys (causal).
+RADIXKV_AMX void extend_item(const radixkv::ExtendProblem& P, const c10::BFloat16* q, const uint32_t* own_kp,
+                             const uint32_t* own_vp, c10::BFloat16* o, int64_t b, int64_t h, int64_t f0, Scratch& w) {
+  const int64_t D = P.D, r = P.Hq / P.Hkv, n = P.lens[b], R = std::min<int64_t>(TILE_ROWS, r * n - f0);
+  int64_t prefix_limits[TILE_ROWS], own_limits[TILE_ROWS], out_rows[TILE_ROWS];
+  for (int64_t i = 0; i < TILE_ROWS; ++i) {
+    if (i >= R) {
+      prefix_limits[i] = own_limits[i] = 0;
+      std::memset(w.q + i * D, 0, D * 2);
+      continue;
+    }
+    const int64_t hq = h * r + (f0 + i) / n, pos = (f0 + i) % n, token = P.starts[b] + pos;
+    prefix_limits[i] = P.prefix_lens[b];
+    own_limits[i] = pos + 1;
+    out_rows[i] = token * P.os[0] + hq * P.os[1];
+    std::memcpy(w.q + i * D, q + token * P.qs[0] + hq * P.qs[1], D * 2);
+  }
+  const float scale2 = P.scale * static_cast<float>(M_LOG2E);
+  alignas(64) float m[TILE_ROWS], l[TILE_ROWS * LANES];
+  const int64_t words = P.words[b];
+  const uint32_t* kp = P.tiles[b] + h * 2 * words;
+  tile_rows(w, kp, kp + words, D, prefix_limits, scale2, m, l);
+  tile_rows_on(w, own_kp, own_vp, D, own_limits, scale2, m, l);
+  for (int64_t i = 0; i < R; ++i) {
+    const float sum = _mm512_reduce_add_ps(_mm512_load_ps(l + i * LANES));
+    const __m512 inv = _mm512_set1_ps(1.0f / sum);
+    auto* orow = reinterpret_cast<uint16_t*>(o + out_rows[i]);
+    for (int64_t d = 0; d < D; d += LANES)
+      radixkv::store_bf16(orow + d, _mm512_mul_ps(_mm512_load_ps(w.o + i * D + d), inv));
   }
 }
 
@@ -412,6 +457,42 @@ void attend_tiles(const TileProblem& P, const c10::BFloat16* q, const c10::BFloa
   });
 }
 
+void attend_extends_tiles(const ExtendProblem& P, const c10::BFloat16* q, const c10::BFloat16* k,
+                          const c10::BFloat16* v, c10::BFloat16* o) {
+  const int64_t D = P.D, r = P.Hq / P.Hkv;
+  // Each (sequence, KV head)'s new K and V packed as attend_tiles packs a context.
+  std::vector<int64_t> offset(P.B + 1, 0);
+  for (int64_t b = 0; b < P.B; ++b) offset[b + 1] = offset[b] + prefix_tile_words(P.lens[b], D);
+  thread_local ThreadBuffer packed;  // the calling thread's; its workers read it
+  auto* own = static_cast<uint32_t*>(packed.get(2 * P.Hkv * offset[P.B] * 4));
+  auto own_k = [&](int64_t b, int64_t h) { return own + 2 * (P.Hkv * offset[b] + h * (offset[b + 1] - offset[b])); };
+  at::parallel_for(0, P.B * P.Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / P.Hkv, h = bh % P.Hkv, words = offset[b + 1] - offset[b];
+      pack_keys(k + P.starts[b] * P.ks[0] + h * P.ks[1], P.ks[0], P.lens[b], D, own_k(b, h));
+      pack_values(v + P.starts[b] * P.vs[0] + h * P.vs[1], P.vs[0], P.lens[b], D, own_k(b, h) + words);
+    }
+  });
+  std::vector<std::array<int64_t, 3>> items;  // (sequence, KV head, first folded row)
+  for (int64_t b = 0; b < P.B; ++b)
+    for (int64_t f0 = 0; f0 < r * P.lens[b]; f0 += TILE_ROWS)
+      for (int64_t h = 0; h < P.Hkv; ++h) items.push_back({b, h, f0});
+  std::atomic<int64_t> next{0};
+  const int64_t count = static_cast<int64_t>(items.size());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    Scratch* w = thread_scratch();
+    configure_tiles();
+    for (int64_t worker = begin; worker < end; ++worker)
+      for (int64_t idx = next.fetch_add(1); idx < count; idx = next.fetch_add(1)) {
+        const auto [b, h, f0] = items[idx];
+        const uint32_t* kp = own_k(b, h);
+        extend_item(P, q, kp, kp + (offset[b + 1] - offset[b]), o, b, h, f0, *w);
+      }
+    release_tiles();
+  });
+}
+
 }  // namespace radixkv
 
 #else  // a compiler without AMX (build.py): the tiles never take a call
@@ -433,6 +514,10 @@ void attend_prefix_tiles(const c10::BFloat16* const*, int64_t, const c10::BFloat
 }
 void attend_tiles(const TileProblem&, const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*,
                   c10::BFloat16*, float*) {
+  std::abort();
+}
+void attend_extends_tiles(const ExtendProblem&, const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*,
+                          c10::BFloat16*) {
   std::abort();
 }
 }  // namespace radixkv

@@ -51,4 +51,23 @@ void attend_packed_prefix_tiles(const c10::BFloat16* const* queries, int64_t row
 void attend_tiles(const TileProblem& P, const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v,
                   c10::BFloat16* o, float* lse);
 
+// Chunks of new tokens after cached prefixes packed once (pack_prefix_tiles): sequence b's lens[b]
+// new tokens are rows starts[b] .. of q [T, Hq, D], k, v [T, Hkv, D] (token and head strides
+// qs, ks, vs; the last dimension contiguous), its prefix of prefix_lens[b] keys is tiles[b]
+// ([Hkv][2][words[b]] words); each new token attends over the whole prefix and the new tokens up
+// to itself. o: rows starts[b] + i of a [T, Hq, D] output (strides os), the others untouched.
+struct ExtendProblem {
+  int64_t B, Hq, Hkv, D;
+  const int64_t* starts;
+  const int64_t* lens;
+  const int64_t* prefix_lens;
+  const uint32_t* const* tiles;
+  const int64_t* words;
+  int64_t qs[2], ks[2], vs[2], os[2];
+  float scale;
+};
+
+void attend_extends_tiles(const ExtendProblem& P, const c10::BFloat16* q, const c10::BFloat16* k,
+                          const c10::BFloat16* v, c10::BFloat16* o);
+
 }  // namespace radixkv

@@ -147,3 +147,36 @@ def test_inference_mode_caches_keep_nothing():
         store.begin_step(torch.tensor([0]))
         tiles = _packed(store, caches, [(5, 3)])
     assert len(tiles) == 1 and store.num_bytes == 0
+
+
+def test_chunks_after_a_cached_prefix_attend_over_it_packed_and_share_it_with_the_cascade():
+    """A mixed bf16 step: a decode group, a chunk after exactly that group's prefix (packed once
+    for both), a chunk after a prefix of its own, and chunks that keep the gathered path (a fresh
+    prompt, a prefix under PACKED_EXTEND_MIN_BLOCKS blocks, one that ends inside a block); every
+    token is dense attention within bf16 rounding, and again a step later from the kept copies."""
+    from model_service.attention.torch_backend import PACKED_EXTEND_MIN_BLOCKS
+    from tests.model_service.attention.paged_case import make_case
+
+    bs = 16
+    big, small = PACKED_EXTEND_MIN_BLOCKS + 1, PACKED_EXTEND_MIN_BLOCKS
+    seqs = [  # (seq_len, query_len, group)
+        (big * bs + 3, 1, 0), (big * bs + 9, 1, 0), (big * bs + 20, 20, 0),
+        (small * bs + 7, 7, 1),
+        (30, 30, -1), ((small - 2) * bs + 8, 8, -1), (small * bs + 10, 5, -1), (50, 1, -1)]
+    case = make_case([s for s, _, _ in seqs], [q for _, q, _ in seqs], block_size=bs, dtype=torch.bfloat16,
+                     group_of=[g for _, _, g in seqs], shared_blocks=[big, small], seed=3, **SMOLLM2)
+    backend = TorchAttentionBackend(SMOLLM2["num_q_heads"], HKV, D, bs, torch.bfloat16, torch.device("cpu"),
+                                    cascade="always")
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    for _ in range(2):
+        backend.plan(case.layout)
+        assert backend._packed_extends is not None and len(backend._packed_extends.prefix_blocks) == 2
+        out = backend.forward(case.q, case.k, case.v, k_cache, v_cache, SCALE)
+        torch.testing.assert_close(out.double(), reference_attention(case, SCALE), rtol=2 ** -7, atol=2 ** -7)
+    store = backend.packed_prefixes
+    assert store.misses == 2 and store.hits == 1 + 3  # step 1: group 0's prefix packed once for both
+    with native.without_attention_tiles():  # the gathered paths: the same answer
+        backend.plan(case.layout)
+        assert backend._packed_extends is None
+        out = backend.forward(case.q, case.k, case.v, k_cache, v_cache, SCALE)
+    torch.testing.assert_close(out.double(), reference_attention(case, SCALE), rtol=2 ** -7, atol=2 ** -7)

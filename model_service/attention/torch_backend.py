@@ -45,7 +45,10 @@ gathered block by block. A single sequence without cached prefix attends over it
 K/V with `is_causal=True`, exactly the call dense attention makes (in bf16 through the native
 kernel, or torch's SDPA where a timing run at start found it faster: prompt_timing.py; bf16
 chunks after a cached prefix likewise, timed apart). bf16 prompts and chunks of 16 or more
-queries per head take the native kernel wherever it runs them on AMX tiles.
+queries per head take the native kernel wherever it runs them on AMX tiles. There, a chunk after
+a cached prefix of PACKED_EXTEND_MIN_BLOCKS+ whole blocks attends over that prefix packed for the
+tiles instead (`PackedPrefixes`, the cascade's copies: a cache hit joining its group reads the
+group's packed prefix), then over its own new K/V, in one call (`native.attend_extends_tiles`).
 
 Tokens recomputed over a cache hit (`BatchLayout.written_rows` leaves them out) keep their
 cached K/V: only the other rows are written, and only those slots invalidate kept prefix

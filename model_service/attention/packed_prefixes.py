@@ -93,26 +93,34 @@ class PackedPrefixes:
         budget allows."""
         key = (k_cache.data_ptr(), v_cache.data_ptr())
         layer = self._layers.get(key)
-        found = [None if layer is None else layer.prefixes.get(p) for p in prefixes]
-        missing = [i for i, t in enumerate(found) if t is None]
+        found: dict[Blocks, torch.Tensor] = {}
+        missing: list[int] = []  # the first index of each prefix not kept (one may be asked twice)
+        asked: set[Blocks] = set()
+        for i, p in enumerate(prefixes):
+            if p in asked:
+                continue
+            asked.add(p)
+            tiles = None if layer is None else layer.prefixes.get(p)
+            if tiles is None:
+                missing.append(i)
+            else:
+                found[p] = tiles
+                self._last_read[p] = self._step
         self.hits += len(prefixes) - len(missing)
         self.misses += len(missing)
-        for p in prefixes:
-            if p in self._last_read:
-                self._last_read[p] = self._step
-        if not missing:
-            return found
-        k, v = gather(missing)
-        packed = native.pack_prefix_tiles(k, v, lengths[missing].contiguous())  # [m, Hkv, 2, words]
-        k_version, v_version = tracked_version(k_cache), tracked_version(v_cache)
-        for i, tiles in zip(missing, packed, strict=True):
-            found[i] = tiles
-            if k_version is None or v_version is None or not self._room(tiles.numel() * tiles.element_size()):
-                continue
-            if layer is None:
-                layer = self._layers[key] = _LayerCopies(k_version, v_version, k_cache, v_cache)
-            self._keep(layer, prefixes[i], tiles)
-        return found
+        if missing:
+            k, v = gather(missing)  # [m, Hkv, len, D] each
+            k_version, v_version = tracked_version(k_cache), tracked_version(v_cache)
+            for j, i in enumerate(missing):
+                # One packing per prefix: a copy owns its memory, so the budget counts what is held.
+                tiles = native.pack_prefix_tiles(k[j:j + 1], v[j:j + 1], lengths[i:i + 1].contiguous())[0]
+                found[prefixes[i]] = tiles
+                if k_version is None or v_version is None or not self._room(tiles.numel() * tiles.element_size()):
+                    continue
+                if layer is None:
+                    layer = self._layers[key] = _LayerCopies(k_version, v_version, k_cache, v_cache)
+                self._keep(layer, prefixes[i], tiles)
+        return [found[p] for p in prefixes]
 
     def clear(self) -> None:
         self._layers.clear()
@@ -121,6 +129,7 @@ class PackedPrefixes:
         self.num_bytes = 0
 
     def _keep(self, layer: _LayerCopies, prefix: Blocks, tiles: torch.Tensor) -> None:
+        assert prefix not in layer.prefixes
         layer.prefixes[prefix] = tiles
         self.num_bytes += tiles.numel() * tiles.element_size()
         if prefix not in self._last_read:

@@ -180,3 +180,15 @@ def test_chunks_after_a_cached_prefix_attend_over_it_packed_and_share_it_with_th
         assert backend._packed_extends is None
         out = backend.forward(case.q, case.k, case.v, k_cache, v_cache, SCALE)
     torch.testing.assert_close(out.double(), reference_attention(case, SCALE), rtol=2 ** -7, atol=2 ** -7)
+
+
+def test_a_prefix_asked_twice_in_a_step_is_packed_once_and_counted_once():
+    """Two cache hits of one prefix in a step: one packing, one copy in the budget, and the
+    budget back to nothing once the copy is dropped (no bytes counted that nothing holds)."""
+    store, caches = PackedPrefixes(BS), _caches()
+    store.begin_step(torch.tensor([0]))
+    first, second = _packed(store, caches, [(5, 3), (5, 3)])
+    assert first is second and store.misses == 1 and store.hits == 1
+    assert store.num_bytes == first.numel() * first.element_size() == first.untyped_storage().nbytes()
+    store.begin_step(torch.tensor([3 * BS]))  # block 3 written: the copy goes
+    assert store.num_bytes == 0

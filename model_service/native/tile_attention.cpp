@@ -372,6 +372,21 @@ Scratch* thread_scratch() {
   return static_cast<Scratch*>(scratch.get(sizeof(Scratch)));
 }
 
+// Runs fn(idx, scratch) for every idx in [0, count) on torch's threads with the tiles configured,
+// handing items out one at a time (they differ in size).
+template <typename Fn>
+void tile_items(int64_t count, Fn&& fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    Scratch* w = thread_scratch();
+    configure_tiles();
+    for (int64_t worker = begin; worker < end; ++worker)
+      for (int64_t idx = next.fetch_add(1); idx < count; idx = next.fetch_add(1)) fn(idx, *w);
+    release_tiles();
+  });
+}
+
 }  // namespace
 
 namespace radixkv {
@@ -441,19 +456,10 @@ void attend_tiles(const TileProblem& P, const c10::BFloat16* q, const c10::BFloa
   // Items (16 rows of a KV head's folded queries) handed out one at a time from the last folded
   // rows back: within a query head its latest queries, which under a causal mask read the most
   // keys, go first, and the first head's earliest (the cheapest) last.
-  const int64_t tiles = (r * P.M + TILE_ROWS - 1) / TILE_ROWS, count = tiles * P.B * P.Hkv;
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    Scratch* w = thread_scratch();
-    configure_tiles();
-    for (int64_t worker = begin; worker < end; ++worker)
-      for (int64_t idx = next.fetch_add(1); idx < count; idx = next.fetch_add(1)) {
-        const int64_t t = tiles - 1 - idx / (P.B * P.Hkv), bh = idx % (P.B * P.Hkv);
-        attend_item(P, q, kp + bh * per_head, vp + bh * per_head, o, lse, bh / P.Hkv, bh % P.Hkv,
-                    t * TILE_ROWS, *w);
-      }
-    release_tiles();
+  const int64_t tiles = (r * P.M + TILE_ROWS - 1) / TILE_ROWS;
+  tile_items(tiles * P.B * P.Hkv, [&](int64_t idx, Scratch& w) {
+    const int64_t t = tiles - 1 - idx / (P.B * P.Hkv), bh = idx % (P.B * P.Hkv);
+    attend_item(P, q, kp + bh * per_head, vp + bh * per_head, o, lse, bh / P.Hkv, bh % P.Hkv, t * TILE_ROWS, w);
   });
 }
 
@@ -477,19 +483,10 @@ void attend_extends_tiles(const ExtendProblem& P, const c10::BFloat16* q, const 
   for (int64_t b = 0; b < P.B; ++b)
     for (int64_t f0 = 0; f0 < r * P.lens[b]; f0 += TILE_ROWS)
       for (int64_t h = 0; h < P.Hkv; ++h) items.push_back({b, h, f0});
-  std::atomic<int64_t> next{0};
-  const int64_t count = static_cast<int64_t>(items.size());
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    Scratch* w = thread_scratch();
-    configure_tiles();
-    for (int64_t worker = begin; worker < end; ++worker)
-      for (int64_t idx = next.fetch_add(1); idx < count; idx = next.fetch_add(1)) {
-        const auto [b, h, f0] = items[idx];
-        const uint32_t* kp = own_k(b, h);
-        extend_item(P, q, kp, kp + (offset[b + 1] - offset[b]), o, b, h, f0, *w);
-      }
-    release_tiles();
+  tile_items(static_cast<int64_t>(items.size()), [&](int64_t idx, Scratch& w) {
+    const auto [b, h, f0] = items[idx];
+    const uint32_t* kp = own_k(b, h);
+    extend_item(P, q, kp, kp + (offset[b + 1] - offset[b]), o, b, h, f0, w);
   });
 }
 

@@ -267,23 +267,28 @@ RADIXKV_AMX void tile_rows(Scratch& w, const uint32_t* kp, const uint32_t* vp, i
   tile_rows_on(w, kp, vp, D, limits, scale2, m, l);
 }
 
+// One 64-key block (keys n0 ..) for the 16 rows in w: S, the online softmax, P V, and O rescaled
+// plus P V.
+RADIXKV_AMX inline void tile_block(Scratch& w, const uint32_t* kp, const uint32_t* vp, int64_t D,
+                                   const int64_t* limits, int64_t n0, float scale2, float* m, float* l) {
+  alignas(64) float alpha[TILE_ROWS];
+  scores(w, kp, D, n0, w.s);
+  softmax_block(w, limits, n0, scale2, m, l, alpha);
+  weighted_values(w, vp + (n0 / 2) * D, D, w.pv);
+  for (int i = 0; i < TILE_ROWS; ++i) {
+    const __m512 a = _mm512_set1_ps(alpha[i]);
+    float* orow = w.o + i * D;
+    const float* prow = w.pv + i * D;
+    for (int64_t d = 0; d < D; d += LANES)
+      _mm512_store_ps(orow + d, _mm512_fmadd_ps(_mm512_load_ps(orow + d), a, _mm512_load_ps(prow + d)));
+  }
+}
+
 // tile_rows' loop: carries the online softmax state (w.o, m, l) on over more packed keys.
 RADIXKV_AMX void tile_rows_on(Scratch& w, const uint32_t* kp, const uint32_t* vp, int64_t D,
                                 const int64_t* limits, float scale2, float* m, float* l) {
-  alignas(64) float alpha[TILE_ROWS];
   const int64_t last = *std::max_element(limits, limits + TILE_ROWS);
-  for (int64_t n0 = 0; n0 < last; n0 += KB) {
-    scores(w, kp, D, n0, w.s);
-    softmax_block(w, limits, n0, scale2, m, l, alpha);
-    weighted_values(w, vp + (n0 / 2) * D, D, w.pv);
-    for (int i = 0; i < TILE_ROWS; ++i) {
-      const __m512 a = _mm512_set1_ps(alpha[i]);
-      float* orow = w.o + i * D;
-      const float* prow = w.pv + i * D;
-      for (int64_t d = 0; d < D; d += LANES)
-        _mm512_store_ps(orow + d, _mm512_fmadd_ps(_mm512_load_ps(orow + d), a, _mm512_load_ps(prow + d)));
-    }
-  }
+  for (int64_t n0 = 0; n0 < last; n0 += KB) tile_block(w, kp, vp, D, limits, n0, scale2, m, l);
 }
 
 // One item: rows f0 .. f0 + 15 (fewer at the end) of KV head h of sequence b, where row f is query
@@ -316,37 +321,53 @@ RADIXKV_AMX void attend_item(const radixkv::TileProblem& P, const c10::BFloat16*
   }
 }
 
-// One item of attend_extends_tiles: rows f0 .. f0 + 15 (fewer at the end) of KV head h of
-// sequence b, folded as attend_item folds them (row f: new token f % n of query head h * r + f / n,
-// n = its new tokens), over its packed prefix (every key) and then its own new keys (causal).
+constexpr int64_t EXTEND_TILES = 4;  // row tiles per attend_extends_tiles item (a prefix block read once for all)
+
+// One item of attend_extends_tiles: folded rows f0 .. f0 + 16 * tiles - 1 (fewer at the end) of
+// KV head h of sequence b (row f: new token f % n of query head h * r + f / n, n = its new tokens,
+// as attend_item folds them), in up to EXTEND_TILES row tiles ws[t]: over its packed prefix, every
+// 64-key block once for all the tiles (every key), then over its own new keys (causal).
 RADIXKV_AMX void extend_item(const radixkv::ExtendProblem& P, const c10::BFloat16* q, const uint32_t* own_kp,
-                             const uint32_t* own_vp, c10::BFloat16* o, int64_t b, int64_t h, int64_t f0, Scratch& w) {
-  const int64_t D = P.D, r = P.Hq / P.Hkv, n = P.lens[b], R = std::min<int64_t>(TILE_ROWS, r * n - f0);
-  int64_t prefix_limits[TILE_ROWS], own_limits[TILE_ROWS], out_rows[TILE_ROWS];
-  for (int64_t i = 0; i < TILE_ROWS; ++i) {
-    if (i >= R) {
-      prefix_limits[i] = own_limits[i] = 0;
-      std::memset(w.q + i * D, 0, D * 2);
-      continue;
+                             const uint32_t* own_vp, c10::BFloat16* o, int64_t b, int64_t h, int64_t f0,
+                             int64_t tiles, Scratch* ws) {
+  const int64_t D = P.D, r = P.Hq / P.Hkv, n = P.lens[b];
+  const int64_t rows = std::min<int64_t>(tiles * TILE_ROWS, r * n - f0);
+  tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+  int64_t prefix_limits[EXTEND_TILES][TILE_ROWS], own_limits[EXTEND_TILES][TILE_ROWS], out_rows[EXTEND_TILES][TILE_ROWS];
+  alignas(64) float m[EXTEND_TILES][TILE_ROWS], l[EXTEND_TILES][TILE_ROWS * LANES];
+  for (int64_t t = 0; t < tiles; ++t) {
+    Scratch& w = ws[t];
+    for (int64_t i = 0; i < TILE_ROWS; ++i) {
+      const int64_t f = t * TILE_ROWS + i;
+      if (f >= rows) {
+        prefix_limits[t][i] = own_limits[t][i] = 0;
+        std::memset(w.q + i * D, 0, D * 2);
+        continue;
+      }
+      const int64_t hq = h * r + (f0 + f) / n, pos = (f0 + f) % n, token = P.starts[b] + pos;
+      prefix_limits[t][i] = P.prefix_lens[b];
+      own_limits[t][i] = pos + 1;
+      out_rows[t][i] = token * P.os[0] + hq * P.os[1];
+      std::memcpy(w.q + i * D, q + token * P.qs[0] + hq * P.qs[1], D * 2);
     }
-    const int64_t hq = h * r + (f0 + i) / n, pos = (f0 + i) % n, token = P.starts[b] + pos;
-    prefix_limits[i] = P.prefix_lens[b];
-    own_limits[i] = pos + 1;
-    out_rows[i] = token * P.os[0] + hq * P.os[1];
-    std::memcpy(w.q + i * D, q + token * P.qs[0] + hq * P.qs[1], D * 2);
+    std::fill(w.o, w.o + TILE_ROWS * D, 0.0f);
+    std::fill(m[t], m[t] + TILE_ROWS, FLOOR);
+    std::fill(l[t], l[t] + TILE_ROWS * LANES, 0.0f);
   }
   const float scale2 = P.scale * static_cast<float>(M_LOG2E);
-  alignas(64) float m[TILE_ROWS], l[TILE_ROWS * LANES];
   const int64_t words = P.words[b];
   const uint32_t* kp = P.tiles[b] + h * 2 * words;
-  tile_rows(w, kp, kp + words, D, prefix_limits, scale2, m, l);
-  tile_rows_on(w, own_kp, own_vp, D, own_limits, scale2, m, l);
-  for (int64_t i = 0; i < R; ++i) {
-    const float sum = _mm512_reduce_add_ps(_mm512_load_ps(l + i * LANES));
-    const __m512 inv = _mm512_set1_ps(1.0f / sum);
-    auto* orow = reinterpret_cast<uint16_t*>(o + out_rows[i]);
-    for (int64_t d = 0; d < D; d += LANES)
-      radixkv::store_bf16(orow + d, _mm512_mul_ps(_mm512_load_ps(w.o + i * D + d), inv));
+  for (int64_t n0 = 0; n0 < P.prefix_lens[b]; n0 += KB)
+    for (int64_t t = 0; t < tiles; ++t) tile_block(ws[t], kp, kp + words, D, prefix_limits[t], n0, scale2, m[t], l[t]);
+  for (int64_t t = 0; t < tiles; ++t) {
+    tile_rows_on(ws[t], own_kp, own_vp, D, own_limits[t], scale2, m[t], l[t]);
+    for (int64_t i = 0; i < TILE_ROWS && t * TILE_ROWS + i < rows; ++i) {
+      const float sum = _mm512_reduce_add_ps(_mm512_load_ps(l[t] + i * LANES));
+      const __m512 inv = _mm512_set1_ps(1.0f / sum);
+      auto* orow = reinterpret_cast<uint16_t*>(o + out_rows[t][i]);
+      for (int64_t d = 0; d < D; d += LANES)
+        radixkv::store_bf16(orow + d, _mm512_mul_ps(_mm512_load_ps(ws[t].o + i * D + d), inv));
+    }
   }
 }
 
@@ -370,6 +391,12 @@ struct ThreadBuffer {
 Scratch* thread_scratch() {
   thread_local ThreadBuffer scratch;
   return static_cast<Scratch*>(scratch.get(sizeof(Scratch)));
+}
+
+// The calling thread's EXTEND_TILES Scratch (extend_item's row tiles).
+Scratch* extend_scratch() {
+  thread_local ThreadBuffer scratch;
+  return static_cast<Scratch*>(scratch.get(EXTEND_TILES * sizeof(Scratch)));
 }
 
 // Runs fn(idx, scratch) for every idx in [0, count) on torch's threads with the tiles configured,
@@ -479,14 +506,19 @@ void attend_extends_tiles(const ExtendProblem& P, const c10::BFloat16* q, const 
       pack_values(v + P.starts[b] * P.vs[0] + h * P.vs[1], P.vs[0], P.lens[b], D, own_k(b, h) + words);
     }
   });
+  // Items of up to EXTEND_TILES row tiles (each prefix block read once for them), fewer where that
+  // would leave the threads fewer than two items each.
+  int64_t row_tiles = 0;
+  for (int64_t b = 0; b < P.B; ++b) row_tiles += (r * P.lens[b] + TILE_ROWS - 1) / TILE_ROWS * P.Hkv;
+  const int64_t per_item = std::clamp<int64_t>(row_tiles / (2 * at::get_num_threads()), 1, EXTEND_TILES);
   std::vector<std::array<int64_t, 3>> items;  // (sequence, KV head, first folded row)
   for (int64_t b = 0; b < P.B; ++b)
-    for (int64_t f0 = 0; f0 < r * P.lens[b]; f0 += TILE_ROWS)
+    for (int64_t f0 = 0; f0 < r * P.lens[b]; f0 += per_item * TILE_ROWS)
       for (int64_t h = 0; h < P.Hkv; ++h) items.push_back({b, h, f0});
-  tile_items(static_cast<int64_t>(items.size()), [&](int64_t idx, Scratch& w) {
+  tile_items(static_cast<int64_t>(items.size()), [&](int64_t idx, Scratch&) {
     const auto [b, h, f0] = items[idx];
     const uint32_t* kp = own_k(b, h);
-    extend_item(P, q, kp, kp + (offset[b + 1] - offset[b]), o, b, h, f0, w);
+    extend_item(P, q, kp, kp + (offset[b + 1] - offset[b]), o, b, h, f0, per_item, extend_scratch());
   });
 }
 

@@ -101,24 +101,27 @@ def _functions_using(instructions: re.Pattern) -> set[str]:
     return holders
 
 
+# tile_attention.cpp's functions compiled for AMX (RADIXKV_AMX): the row loops and the items.
+TILE_ATTENTION = {"tile_rows", "tile_rows_on", "tile_block", "attend_item", "extend_item"}
+
+
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
 def test_bf16_instructions_only_in_the_dot_product_entry_points():
     """A CPU with AVX-512 and no AVX512-BF16 never runs them: they sit only in attend_rows_dp,
     attend_small_dp, cascade_rows_dp, dot_linear's stripes and tile_stripes and the tile attention's
-    tile_rows (compiled with the target attribute), which run where the CPU has them."""
+    row loops and items (compiled with the target attribute), which run where the CPU has them."""
     skip_unless_native("attention")
     holders = _functions_using(BF16_INSTRUCTIONS)
     # the tile paths are absent where the compiler cannot target AMX (RADIXKV_NO_AMX)
-    assert holders - {"tile_stripes", "tile_rows", "attend_item"} == {"attend_rows_dp", "attend_small_dp",
-                                                                      "cascade_rows_dp", "stripes"}
+    assert holders - TILE_ATTENTION - {"tile_stripes"} == {"attend_rows_dp", "attend_small_dp", "cascade_rows_dp",
+                                                           "stripes"}
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
 def test_amx_instructions_only_in_the_tile_entry_points():
     """A CPU without AMX never runs them: they sit only in dot_linear's tile_stripes and the tile
-    attention's row loop and items (compiled with the AMX target attributes; attend_item where the
-    compiler does not inline tile_rows into it), which run only where has_amx_tiles() found the
-    tiles usable."""
+    attention's row loops and items (compiled with the AMX target attributes; an item where the
+    compiler inlines a loop into it), which run only where has_amx_tiles() found the tiles usable."""
     skip_unless_native("attention")
-    tile_code = {"tile_stripes", "tile_rows", "attend_item", "configure_tiles", "release_tiles"}
+    tile_code = {"tile_stripes", "configure_tiles", "release_tiles"} | TILE_ATTENTION
     assert _functions_using(AMX_INSTRUCTIONS) <= tile_code  # none where the compiler has no AMX

@@ -75,9 +75,11 @@ class PackedPrefixes:
         layer = self._layers.get((k_cache.data_ptr(), v_cache.data_ptr()))
         if layer is not None and (layer.k_version != tracked_version(k_cache)
                                   or layer.v_version != tracked_version(v_cache)):
-            for prefix in list(layer.prefixes):
-                self._forget(layer, prefix)
             del self._layers[(k_cache.data_ptr(), v_cache.data_ptr())]
+            for prefix, tiles in layer.prefixes.items():
+                self.num_bytes -= tiles.numel() * tiles.element_size()
+                if not any(prefix in other.prefixes for other in self._layers.values()):
+                    self._untrack(prefix)
 
     def after_write(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Call after this step's write of the layer: our write moved the version counters."""
@@ -122,12 +124,6 @@ class PackedPrefixes:
                 self._keep(layer, prefixes[i], tiles)
         return [found[p] for p in prefixes]
 
-    def clear(self) -> None:
-        self._layers.clear()
-        self._holders.clear()
-        self._last_read.clear()
-        self.num_bytes = 0
-
     def _keep(self, layer: _LayerCopies, prefix: Blocks, tiles: torch.Tensor) -> None:
         assert prefix not in layer.prefixes
         layer.prefixes[prefix] = tiles
@@ -152,14 +148,13 @@ class PackedPrefixes:
     def _drop(self, prefix: Blocks) -> None:
         """Drops every layer's copy of `prefix`."""
         for layer in self._layers.values():
-            if prefix in layer.prefixes:
-                self._forget(layer, prefix)
+            tiles = layer.prefixes.pop(prefix, None)
+            if tiles is not None:
+                self.num_bytes -= tiles.numel() * tiles.element_size()
+        self._untrack(prefix)
 
-    def _forget(self, layer: _LayerCopies, prefix: Blocks) -> None:
-        tiles = layer.prefixes.pop(prefix)
-        self.num_bytes -= tiles.numel() * tiles.element_size()
-        if any(prefix in other.prefixes for other in self._layers.values()):
-            return
+    def _untrack(self, prefix: Blocks) -> None:
+        """Forgets `prefix`'s blocks and last read; call when no layer holds a copy of it."""
         self._last_read.pop(prefix, None)
         for block in set(prefix):
             holders = self._holders.get(block)

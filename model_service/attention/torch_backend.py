@@ -280,7 +280,7 @@ class TorchAttentionBackend(AttentionBackend):
         # bf16 on AMX tiles: cascade prefixes kept packed for the tiles, prefix by prefix.
         self.packed_prefixes = (PackedPrefixes(block_size, prefix_store_bytes)
                                 if self.bf16_tiles_from is not None else None)
-        self._cascade_tiles = False  # this step's cascade reads packed prefixes (set by plan())
+        self._packed_tiles = False  # this step reads prefixes packed for the tiles (set by plan())
 
     # ------------------------------------------------------------------ plan
     def plan(self, layout: BatchLayout) -> None:
@@ -306,17 +306,15 @@ class TorchAttentionBackend(AttentionBackend):
         num_decode = int(is_decode.sum())
         batch = len(query_lens)
         self._decode, self._groups, self._packed_extends = None, [], None
+        # Asked per step: tests and the start-up timing turn the tiles off for a while.
+        self._packed_tiles = self.packed_prefixes is not None and native.cascade_on_tiles(self.head_dim)
         if num_decode == batch or num_decode == 0:
             if num_decode and self.decode_gather == "rows":
                 self._decode = self._plan_decode(layout, None, slens, None)
             elif num_decode:
                 self._groups = [self._plan_group(layout, None, qlens, slens)]
             else:
-                rest = self._take_packed_extends(layout, torch.arange(batch), qlens, slens)
-                if rest.numel() == batch:
-                    self._groups = self._plan_extends(layout, rest, qlens, slens)
-                elif rest.numel():
-                    self._groups = self._plan_extends(layout, rest, qlens, slens, _rows_of(rest, qlens))
+                self._groups = self._plan_extends(layout, torch.arange(batch), qlens, slens)
         else:
             # Mixed step: decode rows and extend rows are attended separately.
             starts = torch.cumsum(qlens, 0) - qlens  # [batch]
@@ -329,11 +327,7 @@ class TorchAttentionBackend(AttentionBackend):
                 self._decode = self._plan_decode(layout, dec_idx, slens[dec_idx], dec_rows)
             else:
                 self._groups.append(self._plan_group(layout, dec_idx, qlens[dec_idx], slens[dec_idx], dec_rows))
-            rest = self._take_packed_extends(layout, ext_idx, qlens, slens)
-            if rest.numel() == ext_idx.numel():
-                self._groups += self._plan_extends(layout, ext_idx, qlens, slens, ext_rows)
-            elif rest.numel():
-                self._groups += self._plan_extends(layout, rest, qlens, slens, _rows_of(rest, qlens))
+            self._groups += self._plan_extends(layout, ext_idx, qlens, slens, ext_rows)
         # One scratch for the step: the decode gathers side by side, each extend group's gather
         # from the start (run one after another, each consumed before the next one).
         need = [g.num_seqs * g.num_ctx_blocks * self.block_size * self.num_kv_heads * self.head_dim
@@ -345,12 +339,9 @@ class TorchAttentionBackend(AttentionBackend):
         if self._packed_extends is not None:  # their prefixes not kept packed, gathered from the start
             need.append(self._packed_extends.prefix.num_rows * self.head_dim)
         # Only slots really written invalidate kept prefixes (a recomputed hit's cached ones are not).
-        # Asked per step: tests and the start-up timing turn the tiles off for a while.
-        self._cascade_tiles = (c is not None and self.packed_prefixes is not None
-                               and native.cascade_on_tiles(self.head_dim))
         if self.packed_prefixes is not None:
             self.packed_prefixes.begin_step(self._write_slots)
-        if c is not None and not self._cascade_tiles:
+        if c is not None and not self._packed_tiles:
             self.prefix_store.begin_step(c.prefix_key, c.prefix_blocks, self._write_slots, self.block_size)
         else:
             self.prefix_store.begin_step(None, None, self._write_slots, self.block_size)
@@ -365,7 +356,7 @@ class TorchAttentionBackend(AttentionBackend):
         cached prefix packed for the AMX tiles (bf16 where the tiles run, a prefix of whole blocks,
         at least PACKED_EXTEND_MIN_BLOCKS, and no cached token recomputed in the step); returns the
         others."""
-        if self.packed_prefixes is None or self._written is not None or not native.cascade_on_tiles(self.head_dim):
+        if not self._packed_tiles or self._written is not None:
             return seq_idx
         prefix = slens[seq_idx] - qlens[seq_idx]  # [n] cached tokens
         bs = self.block_size
@@ -384,7 +375,13 @@ class TorchAttentionBackend(AttentionBackend):
                       slens: torch.Tensor, rows: torch.Tensor | None = None) -> list[_Group]:
         """SDPA calls for the extend sequences `seq_idx` (of all `qlens`/`slens`; `rows`: their
         packed tokens, None when they are all the step's tokens): one padded call for the chunks
-        under EXTEND_ALONE_TOKENS, one call each for the longer ones."""
+        under EXTEND_ALONE_TOKENS, one call each for the longer ones. Those that attend over a
+        prefix packed for the AMX tiles are planned apart first (`_take_packed_extends`)."""
+        rest = self._take_packed_extends(layout, seq_idx, qlens, slens)
+        if rest.numel() == 0:
+            return []
+        if rest.numel() < seq_idx.numel():
+            seq_idx, rows = rest, _rows_of(rest, qlens)
         q = qlens[seq_idx]
         alone = q >= EXTEND_ALONE_TOKENS
         num_calls = int(alone.sum()) + int(not bool(alone.all()))
@@ -602,7 +599,7 @@ class TorchAttentionBackend(AttentionBackend):
             raise ValueError(f"q has {q.shape[0]} tokens, the plan has {self._num_tokens}")
         d = self._decode
         stored = None
-        if d is not None and d.cascade is not None and not self._cascade_tiles:
+        if d is not None and d.cascade is not None and not self._packed_tiles:
             stored = self.prefix_store.lookup(k_cache, v_cache)  # before this step's write
         if self.packed_prefixes is not None:
             self.packed_prefixes.before_write(k_cache, v_cache)
@@ -679,7 +676,7 @@ class TorchAttentionBackend(AttentionBackend):
             out, _ = attend_rows(d.plain, q.reshape(-1, hkv, r, hd))
             return out.reshape(q.shape)
         if paged and r <= native.MAX_CASCADE_GROUP:  # one fused call: prefixes, own blocks, ungrouped
-            if self._cascade_tiles:
+            if self._packed_tiles:
                 tiles = self._prefix_tiles(c, k_cache, v_cache)
                 out, _ = native.attend_cascade_tiles(q.contiguous(), tiles, c.prefix.lengths, c.group_members,
                                                      k_cache, v_cache, c.seq_tables, c.seq_starts, c.seq_lens, scale)

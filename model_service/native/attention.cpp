@@ -1221,6 +1221,18 @@ at::Tensor pack_prefix_tiles(const at::Tensor& prefix_k, const at::Tensor& prefi
   return tiles;
 }
 
+// prefix_tiles[i] checked to be pack_prefix_tiles' int32 [Hkv, 2, words] for one prefix; returns
+// how many keys it holds (words in whole 64-key blocks).
+int64_t packed_prefix_keys(at::TensorList prefix_tiles, int64_t i, int64_t Hkv, int64_t D) {
+  const at::Tensor& t = prefix_tiles[i];
+  const int64_t block_words = radixkv::prefix_tile_words(1, D);  // one 64-key block
+  TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous() && t.device().is_cpu() && t.dim() == 3 &&
+                  t.size(0) == Hkv && t.size(1) == 2 && t.size(2) > 0 && t.size(2) % block_words == 0,
+              "prefix_tiles[", i, "] must be pack_prefix_tiles' int32 [", Hkv, ", 2, a multiple of ", block_words,
+              "] for one prefix");
+  return t.size(2) / block_words * 64;
+}
+
 // attend_cascade over prefixes pack_prefix_tiles packed, one tensor per group (prefix_tiles[g]:
 // int32 [Hkv, 2, words], words at least prefix_tile_words(prefix_lens[g], D), e.g. a group's slice
 // of pack_prefix_tiles' result): bit for bit the result attend_cascade gives on the tiles for the
@@ -1235,24 +1247,16 @@ std::tuple<at::Tensor, at::Tensor> attend_cascade_tiles(const at::Tensor& q, at:
   check_caches(q, k_cache, v_cache);
   const int64_t D = q.size(2), Hkv = k_cache.size(2), G = static_cast<int64_t>(prefix_tiles.size());
   TORCH_CHECK(radixkv::tiles_run(D), "attend_cascade_tiles: attention on AMX tiles does not run here for head_dim ", D);
-  const int64_t block_words = radixkv::prefix_tile_words(1, D);  // one 64-key block
+  std::vector<int64_t> holds(G);  // keys each prefix's packing holds
   int64_t Lp = 1;
-  for (int64_t g = 0; g < G; ++g) {
-    const at::Tensor& t = prefix_tiles[g];
-    TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous() && t.device().is_cpu() && t.dim() == 3 &&
-                    t.size(0) == Hkv && t.size(1) == 2 && t.size(2) > 0 && t.size(2) % block_words == 0,
-                "prefix_tiles[", g, "] must be pack_prefix_tiles' int32 [", Hkv, ", 2, a multiple of ", block_words,
-                "] for one group");
-    Lp = std::max(Lp, t.size(2) / block_words * 64);
-  }
+  for (int64_t g = 0; g < G; ++g) Lp = std::max(Lp, holds[g] = packed_prefix_keys(prefix_tiles, g, Hkv, D));
   CascadeCall call = cascade_call(q, G, Lp, prefix_lens, members, k_cache, v_cache, block_tables, starts, kv_lens,
                                   scale);
   for (int64_t g = 0; g < G; ++g) {
-    const at::Tensor& t = prefix_tiles[g];
-    TORCH_CHECK(call.C.prefix_lens[g] <= t.size(2) / block_words * 64, "prefix_lens[", g, "]=", call.C.prefix_lens[g],
+    TORCH_CHECK(call.C.prefix_lens[g] <= holds[g], "prefix_lens[", g, "]=", call.C.prefix_lens[g],
                 " is longer than prefix_tiles[", g, "] holds");
-    call.C.tiles.push_back(reinterpret_cast<const uint32_t*>(t.data_ptr<int32_t>()));
-    call.C.tile_words.push_back(t.size(2));
+    call.C.tiles.push_back(reinterpret_cast<const uint32_t*>(prefix_tiles[g].data_ptr<int32_t>()));
+    call.C.tile_words.push_back(prefix_tiles[g].size(2));
   }
   return launch_cascade(call, q, nullptr, nullptr, k_cache, v_cache);
 }
@@ -1280,21 +1284,15 @@ void attend_extends_tiles(const at::Tensor& q, const at::Tensor& k, const at::Te
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1 && t->numel() == B,
                 "starts, lens and prefix_lens must be contiguous int64 [", B, "] (one per prefix_tiles)");
   const int64_t *st = starts.data_ptr<int64_t>(), *ln = lens.data_ptr<int64_t>(), *pl = prefix_lens.data_ptr<int64_t>();
-  const int64_t block_words = radixkv::prefix_tile_words(1, D);
   std::vector<const uint32_t*> tiles(B);
   std::vector<int64_t> words(B);
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(ln[b] >= 1 && st[b] >= 0 && st[b] <= T - ln[b], "sequence ", b, ": rows ", st[b], " + ", ln[b],
                 " not within q's ", T);
-    const at::Tensor& t = prefix_tiles[b];
-    TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous() && t.device().is_cpu() && t.dim() == 3 &&
-                    t.size(0) == Hkv && t.size(1) == 2 && t.size(2) > 0 && t.size(2) % block_words == 0,
-                "prefix_tiles[", b, "] must be pack_prefix_tiles' int32 [", Hkv, ", 2, a multiple of ", block_words,
-                "] for one prefix");
-    TORCH_CHECK(pl[b] >= 0 && pl[b] <= t.size(2) / block_words * 64, "prefix_lens[", b, "]=", pl[b],
+    TORCH_CHECK(pl[b] >= 0 && pl[b] <= packed_prefix_keys(prefix_tiles, b, Hkv, D), "prefix_lens[", b, "]=", pl[b],
                 " is not within what prefix_tiles[", b, "] holds");
-    tiles[b] = reinterpret_cast<const uint32_t*>(t.data_ptr<int32_t>());
-    words[b] = t.size(2);
+    tiles[b] = reinterpret_cast<const uint32_t*>(prefix_tiles[b].data_ptr<int32_t>());
+    words[b] = prefix_tiles[b].size(2);
   }
   if (B == 0) return;
   radixkv::ExtendProblem P{B, Hq, Hkv, D, st, ln, pl, tiles.data(), words.data(),

@@ -291,6 +291,17 @@ RADIXKV_AMX void tile_rows_on(Scratch& w, const uint32_t* kp, const uint32_t* vp
   for (int64_t n0 = 0; n0 < last; n0 += KB) tile_block(w, kp, vp, D, limits, n0, scale2, m, l);
 }
 
+// Row i of a finished tile: its O (w.o) over the sum of its 16 partial sums (l) into out as
+// bfloat16; returns the sum.
+RADIXKV_AMX inline float store_row(const Scratch& w, const float* l, int64_t i, int64_t D, c10::BFloat16* out) {
+  const float sum = _mm512_reduce_add_ps(_mm512_load_ps(l + i * LANES));
+  const __m512 inv = _mm512_set1_ps(1.0f / sum);
+  auto* orow = reinterpret_cast<uint16_t*>(out);
+  for (int64_t d = 0; d < D; d += LANES)
+    radixkv::store_bf16(orow + d, _mm512_mul_ps(_mm512_load_ps(w.o + i * D + d), inv));
+  return sum;
+}
+
 // One item: rows f0 .. f0 + 15 (fewer at the end) of KV head h of sequence b, where row f is query
 // f % M of query head h * r + f / M (the r query heads sharing the KV head, folded into rows).
 RADIXKV_AMX void attend_item(const radixkv::TileProblem& P, const c10::BFloat16* q, const uint32_t* kp,
@@ -312,11 +323,7 @@ RADIXKV_AMX void attend_item(const radixkv::TileProblem& P, const c10::BFloat16*
   alignas(64) float m[TILE_ROWS], l[TILE_ROWS * LANES];
   tile_rows(w, kp, vp, D, limits, P.scale * static_cast<float>(M_LOG2E), m, l);
   for (int64_t i = 0; i < R; ++i) {
-    const float sum = _mm512_reduce_add_ps(_mm512_load_ps(l + i * LANES));
-    const __m512 inv = _mm512_set1_ps(1.0f / sum);
-    auto* orow = reinterpret_cast<uint16_t*>(o + out_rows[i] * D);
-    for (int64_t d = 0; d < D; d += LANES)
-      radixkv::store_bf16(orow + d, _mm512_mul_ps(_mm512_load_ps(w.o + i * D + d), inv));
+    const float sum = store_row(w, l, i, D, o + out_rows[i] * D);
     lse[out_rows[i]] = m[i] * static_cast<float>(M_LN2) + std::log(sum);
   }
 }
@@ -361,13 +368,8 @@ RADIXKV_AMX void extend_item(const radixkv::ExtendProblem& P, const c10::BFloat1
     for (int64_t t = 0; t < tiles; ++t) tile_block(ws[t], kp, kp + words, D, prefix_limits[t], n0, scale2, m[t], l[t]);
   for (int64_t t = 0; t < tiles; ++t) {
     tile_rows_on(ws[t], own_kp, own_vp, D, own_limits[t], scale2, m[t], l[t]);
-    for (int64_t i = 0; i < TILE_ROWS && t * TILE_ROWS + i < rows; ++i) {
-      const float sum = _mm512_reduce_add_ps(_mm512_load_ps(l[t] + i * LANES));
-      const __m512 inv = _mm512_set1_ps(1.0f / sum);
-      auto* orow = reinterpret_cast<uint16_t*>(o + out_rows[t][i]);
-      for (int64_t d = 0; d < D; d += LANES)
-        radixkv::store_bf16(orow + d, _mm512_mul_ps(_mm512_load_ps(ws[t].o + i * D + d), inv));
-    }
+    for (int64_t i = 0; i < TILE_ROWS && t * TILE_ROWS + i < rows; ++i)
+      store_row(ws[t], l[t], i, D, o + out_rows[t][i]);
   }
 }
 

@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "for float32 with --fp32-gemm mkl, fast otherwise (bf16, --fp32-gemm onednn)")
     p.add_argument("--max-batch-tokens", type=positive_int, default=2048,
                    help="token budget per scheduler step (longer prompts are prefilled in chunks)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=64, help="most requests running at once")
+    p.add_argument("--max-num-seqs", type=positive_int, default=128,
+                   help="most requests running at once (vLLM's default on CPU)")
     p.add_argument("--max-waiting", type=positive_int, default=1024,
                    help="waiting queue bound; beyond it Generate fails with RESOURCE_EXHAUSTED")
     p.add_argument("--worker-id", default=None, help="pool name at the cache manager (default model-HOST-PORT)")

@@ -136,7 +136,7 @@ class ScheduledBatch(NamedTuple):
 class SchedulerConfig:
     block_size: int
     max_batch_tokens: int = 2048
-    max_num_seqs: int = 64
+    max_num_seqs: int = 128
     max_waiting: int = 1024
     # A waiting request that shares at least this many leading tokens with one being prefilled
     # right now, whose pages are not cached yet, waits for that request's commit and then hits

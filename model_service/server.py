@@ -73,7 +73,7 @@ class ModelServiceConfig:
     # where MKL is slow, e.g. AMD; greedy output may part from transformers' at near ties).
     fp32_gemm: str = "mkl"
     max_batch_tokens: int = 2048
-    max_num_seqs: int = 64
+    max_num_seqs: int = 128
     max_waiting: int = 1024
     metrics_port: int | None = None
     metrics_host: str = DEFAULT_METRICS_HOST  # not `host`: the token-less metrics stay private by default

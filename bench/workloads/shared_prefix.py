@@ -233,7 +233,7 @@ def run(ctx: Context, deadline: float, large: bool) -> Json:
     with_variants = ctx.dtype == "float32" and not large
     ideal = (g * (n - 1) * (cfg["prefix"] // BLOCK_SIZE) * BLOCK_SIZE) / sum(len(p) for p in prompts)
     detail: Json = {"config": {**cfg, "requests": g * n, "sent": "all at once", "dtype": ctx.dtype, "reps_vs_vllm": _reps(ctx),
-                               "radixkv": {"num_blocks": ctx.services.num_blocks, "max_num_seqs": 64,
+                               "radixkv": {"num_blocks": ctx.services.num_blocks, "max_num_seqs": 128,
                                            "max_batch_tokens": 2048, "block_size": 16},
                                "hf_static_batch": n},
                     "ideal_hit_rate": ideal}

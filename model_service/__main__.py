@@ -31,6 +31,7 @@ from model_service.attention import KERNEL_MODES
 from model_service.linear import MODES as LINEAR_MODES
 from model_service.linear.packed import FP32_GEMMS
 from model_service.malloc_tuning import keep_freed_memory
+from model_service.scheduler import DEFAULT_MAX_NUM_SEQS
 from model_service.server import DEFAULT_LOOKAHEAD_BLOCKS, DTYPES, ModelServiceConfig, serve
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
@@ -117,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "for float32 with --fp32-gemm mkl, fast otherwise (bf16, --fp32-gemm onednn)")
     p.add_argument("--max-batch-tokens", type=positive_int, default=2048,
                    help="token budget per scheduler step (longer prompts are prefilled in chunks)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=128,
-                   help="most requests running at once (vLLM's default on CPU)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=DEFAULT_MAX_NUM_SEQS,
+                   help=f"most requests running at once (default {DEFAULT_MAX_NUM_SEQS}, vLLM's on CPU)")
     p.add_argument("--max-waiting", type=positive_int, default=1024,
                    help="waiting queue bound; beyond it Generate fails with RESOURCE_EXHAUSTED")
     p.add_argument("--worker-id", default=None, help="pool name at the cache manager (default model-HOST-PORT)")

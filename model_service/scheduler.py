@@ -27,6 +27,8 @@ from model_service.request import FinishReason, MissBreakdown, Request, RequestS
 # Most prompt positions one step scores for a request's prompt_logprobs (their logits rows,
 # [positions, vocab] in float32, are kept until the step's end).
 MAX_SCORED_TOKENS = 512
+# Most requests running at once unless configured: vLLM's default for a CPU server.
+DEFAULT_MAX_NUM_SEQS = 128
 
 
 class QueueFullError(Exception):
@@ -136,7 +138,7 @@ class ScheduledBatch(NamedTuple):
 class SchedulerConfig:
     block_size: int
     max_batch_tokens: int = 2048
-    max_num_seqs: int = 128
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_waiting: int = 1024
     # A waiting request that shares at least this many leading tokens with one being prefilled
     # right now, whose pages are not cached yet, waits for that request's commit and then hits

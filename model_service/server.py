@@ -35,7 +35,7 @@ from model_service.metrics import ModelMetrics
 from model_service.model_loader import load_model
 from model_service.model_runner import ModelRunner
 from model_service.sampler import Sampler
-from model_service.scheduler import Scheduler, SchedulerConfig
+from model_service.scheduler import DEFAULT_MAX_NUM_SEQS, Scheduler, SchedulerConfig
 from model_service.servicer import METHOD_ROLES, ModelServicer, ServingInfo
 from model_service.tiers.copier import TierCopier
 from model_service.tiers.disk_tier import DiskTier
@@ -73,7 +73,7 @@ class ModelServiceConfig:
     # where MKL is slow, e.g. AMD; greedy output may part from transformers' at near ties).
     fp32_gemm: str = "mkl"
     max_batch_tokens: int = 2048
-    max_num_seqs: int = 128
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_waiting: int = 1024
     metrics_port: int | None = None
     metrics_host: str = DEFAULT_METRICS_HOST  # not `host`: the token-less metrics stay private by default

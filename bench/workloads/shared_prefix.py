@@ -59,6 +59,7 @@ from bench.harness import (
     time_split,
 )
 from bench.workloads.base import Context, Workload, num
+from model_service.scheduler import DEFAULT_MAX_NUM_SEQS
 
 
 def sizes(ctx: Context, large: bool) -> Json:
@@ -233,7 +234,7 @@ def run(ctx: Context, deadline: float, large: bool) -> Json:
     with_variants = ctx.dtype == "float32" and not large
     ideal = (g * (n - 1) * (cfg["prefix"] // BLOCK_SIZE) * BLOCK_SIZE) / sum(len(p) for p in prompts)
     detail: Json = {"config": {**cfg, "requests": g * n, "sent": "all at once", "dtype": ctx.dtype, "reps_vs_vllm": _reps(ctx),
-                               "radixkv": {"num_blocks": ctx.services.num_blocks, "max_num_seqs": 128,
+                               "radixkv": {"num_blocks": ctx.services.num_blocks, "max_num_seqs": DEFAULT_MAX_NUM_SEQS,
                                            "max_batch_tokens": 2048, "block_size": 16},
                                "hf_static_batch": n},
                     "ideal_hit_rate": ideal}

@@ -32,7 +32,7 @@ from cache_service.schema import (
 )
 from cache_service.tiers.pool_tiers import POLICY_EVICT, POLICY_WRITE_THROUGH
 from common.limits import quote_id
-from common.token_bytes import unpack_tokens
+from common.token_bytes import TOKEN_BYTES, unpack_tokens
 from protos import cache_pb2, kv_transfer_pb2
 
 
@@ -221,8 +221,27 @@ def route_query(msg: cache_pb2.RouteRequest, all_namespaces: bool) -> RouteQuery
     defaults = RouteWeights()
     weights = RouteWeights(msg.prefill_weight or defaults.prefill_weight, msg.queue_weight or defaults.queue_weight,
                            msg.running_weight or defaults.running_weight)
-    return RouteQuery(tuple(msg.token_ids), tuple(msg.page_hashes), msg.namespace, msg.model_fingerprint,
+    return RouteQuery(route_tokens(msg), tuple(msg.page_hashes), msg.namespace, msg.model_fingerprint,
                       msg.request_id, msg.reserve_ms, msg.max_candidates, msg.dry_run, weights, all_namespaces)
+
+
+def route_tokens(msg: cache_pb2.RouteRequest) -> Sequence[int]:
+    """The prompt of a Route: packed_token_ids as an array('I'), else token_ids as a tuple.
+    Raises InvalidArgument when both are set or the packed length is not whole ids."""
+    packed = msg.packed_token_ids
+    if not packed:
+        return tuple(msg.token_ids)
+    if msg.token_ids:
+        raise InvalidArgument("set token_ids or packed_token_ids, not both")
+    try:
+        return unpack_tokens(packed)
+    except ValueError as err:
+        raise InvalidArgument(f"packed_token_ids: {err} (each a little-endian uint32)") from None
+
+
+def route_size(msg: cache_pb2.RouteRequest) -> tuple[int, int]:
+    """(token ids, page hashes) a Route carries, read without copying the prompt out."""
+    return len(msg.token_ids) or len(msg.packed_token_ids) // TOKEN_BYTES, len(msg.page_hashes)
 
 
 def route_response(result: RouteResult) -> cache_pb2.RouteResponse:

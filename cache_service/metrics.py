@@ -153,6 +153,14 @@ class Metrics(MetricsServer):
             buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25),
             registry=self.registry,
         )
+        self.steps = Counter(
+            "radixkv_cache_steps", "Steps served, by transport: a unary Step call or a StepStream message",
+            ["transport"], registry=self.registry,
+        )
+        self.routes = Counter(
+            "radixkv_cache_routes", "Routes asked, by transport: a unary Route call or a RouteStream message",
+            ["transport"], registry=self.registry,
+        )
         self.rpc_errors = Counter(
             "radixkv_cache_rpc_errors", "RPCs answered with an error status", ["method", "code"],
             registry=self.registry,

@@ -74,7 +74,7 @@ class RouteWeights:
 
 @dataclass(slots=True)
 class RouteQuery:
-    token_ids: tuple[int, ...] = ()
+    token_ids: Sequence[int] = ()  # a tuple, or an array('I') from packed_token_ids
     page_hashes: tuple[int, ...] = ()  # instead of token_ids: the prompt's page hash chain
     namespace: str = ""
     model_fingerprint: str = ""
@@ -149,7 +149,8 @@ def route(groups: Sequence[ModelPages], query: RouteQuery, now: float) -> RouteR
     pools = [p for g in groups for p in g.pools.values() if now < p.lease_deadline]
     check_route_size(pools, len(query.token_ids), len(query.page_hashes))
     if bool(query.token_ids) == bool(query.page_hashes):
-        raise InvalidArgument("give either token_ids or page_hashes (exactly one of them, non-empty)")
+        raise InvalidArgument("give either token_ids or page_hashes (exactly one of them, non-empty; "
+                              "packed_token_ids are token_ids)")
     if query.reserve_ms < 0 or query.reserve_ms > MAX_RESERVE_MS:
         raise InvalidArgument(f"reserve_ms must be in [0, {MAX_RESERVE_MS}]")
     if query.reserve_ms and not query.request_id:

@@ -6,6 +6,7 @@ locks and no call interleaves with another.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -36,14 +37,19 @@ SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheManager"].full_name
 METHOD_ROLES: dict[str, str] = {
     "RegisterPool": "replica",
     "Step": "replica",
+    "StepStream": "replica",
     "Heartbeat": "replica",
     "Match": "reader",
     "Stats": "reader",
     "WatchEvents": "reader",
     "Route": "reader",
+    "RouteStream": "reader",
     "Evict": "admin",
     "Clear": "admin",
 }
+
+# RouteStream: replies answered ahead of their writes, at most this many waiting (see RouteStream).
+ROUTE_REPLIES_AHEAD = 64
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -93,6 +99,20 @@ def _registering_owner(worker_id: str, auth_context, worker_san_check: bool) -> 
     return owner_key(principal, auth_context)
 
 
+def _refusal(name: str, err: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status and message a call ends with for `err` raised while serving it: a core error's
+    own code and message; anything else (a bug) INTERNAL, logged, its message not leaked."""
+    if isinstance(err, CacheError):
+        code = _status(err)
+        if code != grpc.StatusCode.INTERNAL:
+            log.info("%s rejected code=%s %s", name, code.name, err)
+            return code, str(err)
+        log.error("%s failed with an internal error", name, exc_info=err)
+    else:
+        log.error("%s failed unexpectedly", name, exc_info=err)
+    return grpc.StatusCode.INTERNAL, "internal error"
+
+
 def _rpc(method: Handler) -> Handler:
     """Map core errors to status codes; hide unexpected exceptions behind INTERNAL."""
     name = method.__name__
@@ -101,17 +121,8 @@ def _rpc(method: Handler) -> Handler:
     async def wrapper(self: CacheManagerServicer, request, context: grpc.aio.ServicerContext):
         try:
             return await method(self, request, context)
-        except CacheError as err:
-            code = _status(err)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("%s failed with an internal error", name)
-                message = "internal error"
-            else:
-                log.info("%s rejected code=%s %s", name, code.name, err)
-                message = str(err)
-        except Exception:  # a bug: log it, do not leak its message
-            log.exception("%s failed unexpectedly", name)
-            code, message = grpc.StatusCode.INTERNAL, "internal error"
+        except Exception as err:
+            code, message = _refusal(name, err)
         self._count_error(name, code)
         return end_call(context, code, message)
 
@@ -156,7 +167,26 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
 
     @_rpc
     async def Step(self, request: cache_pb2.StepRequest, context) -> cache_pb2.StepResponse:
+        return self._step(request, "unary")
+
+    async def StepStream(self, requests: AsyncIterator[cache_pb2.StepRequest],
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[cache_pb2.StepResponse]:
+        """Step for each request of the stream, in order, one reply each; the first refused one
+        ends the stream with Step's status for it."""
+        async for request in requests:
+            try:
+                reply = self._step(request, "stream")
+            except Exception as err:
+                code, message = _refusal("StepStream", err)
+                self._count_error("StepStream", code)
+                end_call(context, code, message)
+                return
+            yield reply
+
+    def _step(self, request: cache_pb2.StepRequest, transport: str) -> cache_pb2.StepResponse:
         start = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.steps.labels(transport).inc()
         try:
             pool = self.registry.get(request.pool_id, request.epoch)
             result = pool.step(convert.step_input(request))
@@ -193,10 +223,50 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
 
     @_rpc
     async def Route(self, request: cache_pb2.RouteRequest, context) -> cache_pb2.RouteResponse:
+        return self._route(request, "unary")
+
+    async def RouteStream(self, requests: AsyncIterator[cache_pb2.RouteRequest],
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[cache_pb2.RouteStreamReply]:
+        """Route for each request of the stream, in order, one reply each; a refused one is
+        answered with its status code and message, and the stream goes on.
+
+        Requests are read and answered ahead of the writes: a router's concurrent Routes share
+        one stream, and waiting for each reply's write to complete before reading the next
+        request would queue them behind one another. At most ROUTE_REPLIES_AHEAD replies wait
+        to be written (then reading pauses: flow control holds the client back)."""
+        replies: asyncio.Queue = asyncio.Queue(ROUTE_REPLIES_AHEAD)
+
+        async def answer() -> None:
+            try:
+                async for request in requests:
+                    await replies.put(self._route_reply(request))
+            except Exception:  # noqa: BLE001 (the client went away mid-read: the call is over)
+                log.debug("RouteStream reader ended", exc_info=True)
+            finally:
+                await replies.put(None)
+
+        reader = asyncio.get_running_loop().create_task(answer())
+        try:
+            while (reply := await replies.get()) is not None:
+                yield reply
+        finally:
+            reader.cancel()
+
+    def _route_reply(self, request: cache_pb2.RouteRequest) -> cache_pb2.RouteStreamReply:
+        try:
+            return cache_pb2.RouteStreamReply(response=self._route(request, "stream"))
+        except Exception as err:
+            code, message = _refusal("RouteStream", err)
+            self._count_error("RouteStream", code)
+            return cache_pb2.RouteStreamReply(code=code.value[0], message=message)
+
+    def _route(self, request: cache_pb2.RouteRequest, transport: str) -> cache_pb2.RouteResponse:
+        if self.metrics is not None:
+            self.metrics.routes.labels(transport).inc()
         _check_namespace(request.namespace)
         _check_route_records(request)
         # Before the prompt is copied out of the message: an oversized one costs nothing more.
-        self.registry.check_route_size(request.model_fingerprint, len(request.token_ids), len(request.page_hashes))
+        self.registry.check_route_size(request.model_fingerprint, *convert.route_size(request))
         return convert.route_response(self.registry.route(convert.route_query(request, _sees_all_namespaces())))
 
     @_rpc

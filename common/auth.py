@@ -146,6 +146,7 @@ class TokenStore:
         self.path = Path(path) if path is not None else None
         self._entries: list[tuple[bytes, Principal]] = []
         self._limited_namespaces: frozenset[str] = frozenset()
+        self.generation = 0  # how many times the tokens were set (load and reloads)
         # Called after every reload that replaced the tokens (before any call can use a new one).
         self.on_reload: list[Callable[[], None]] = []
         if tokens is not None:
@@ -166,6 +167,7 @@ class TokenStore:
 
     def _set(self, tokens: Mapping[str, Principal]) -> None:
         self._entries = [(_digest(t), p) for t, p in tokens.items()]
+        self.generation += 1  # a stream authorized before a reload checks its token again
         self._limited_namespaces = frozenset(ns for p in tokens.values() if p.namespaces is not None
                                              for ns in p.namespaces)
 
@@ -208,6 +210,18 @@ class TokenStore:
         if role is not None and not principal.has_role(role):
             raise AuthError(PERMISSION_DENIED, f"{what} needs a token with the '{role}' role")
         return principal
+
+
+    def reauthorize(self, principal: Principal, role: str | None, what: str = "this call") -> Principal:
+        """The principal as the tokens now stand (found by its key: a reload may have changed its
+        line), for a stream authorized before a reload; AuthError as authorize() would raise it
+        when the token was removed or lost `role`."""
+        found = next((p for _, p in self._entries if p.key == principal.key), None)
+        if found is None:
+            raise AuthError(UNAUTHENTICATED, "the bearer token was revoked (the server's token file was reloaded)")
+        if role is not None and not found.has_role(role):
+            raise AuthError(PERMISSION_DENIED, f"{what} needs a token with the '{role}' role")
+        return found
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -289,14 +303,34 @@ def _denied(handler: grpc.RpcMethodHandler, error: AuthError) -> grpc.RpcMethodH
     return _rebuild(handler, deny)
 
 
-def _as(handler: grpc.RpcMethodHandler, principal: Principal) -> grpc.RpcMethodHandler:
-    """The handler, run with current_principal() = principal (each RPC runs in its own task)."""
+def _as(handler: grpc.RpcMethodHandler, principal: Principal,
+        recheck: Callable[[Principal], Principal]) -> grpc.RpcMethodHandler:
+    """The handler, run with current_principal() = principal (each RPC runs in its own task). A
+    stream of requests passes each of them through `recheck` (the token as the token file now
+    stands): one that fails ends the call with its AuthError, the requests before it served."""
     _, attr = _HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]
     behavior = getattr(handler, attr)
+
+    async def checked(requests, context):
+        async for request in requests:
+            try:
+                _PRINCIPAL.set(recheck(_PRINCIPAL.get() or principal))
+            except AuthError as e:
+                log.info("refused a stream's next message: %s %s", e.code, e.message)
+                end_call(context, grpc.StatusCode[e.code], e.message)
+                return
+            yield request
+
+    def inputs(request, context):
+        if handler.request_streaming:
+            return contextlib.aclosing(checked(request, context))
+        return contextlib.nullcontext(request)
+
     if inspect.isasyncgenfunction(behavior):
         async def stream(request, context):
             _PRINCIPAL.set(principal)
-            async with contextlib.aclosing(behavior(request, context)) as messages:  # its finally runs here
+            async with inputs(request, context) as given, \
+                    contextlib.aclosing(behavior(given, context)) as messages:  # its finally runs here
                 async for message in messages:
                     yield message
 
@@ -304,8 +338,9 @@ def _as(handler: grpc.RpcMethodHandler, principal: Principal) -> grpc.RpcMethodH
 
     async def call(request, context):
         _PRINCIPAL.set(principal)
-        result = behavior(request, context)
-        return await result if inspect.isawaitable(result) else result
+        async with inputs(request, context) as given:
+            result = behavior(given, context)
+            return await result if inspect.isawaitable(result) else result
 
     return _rebuild(handler, call)
 
@@ -345,7 +380,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         except AuthError as e:
             log.info("refused %s: %s %s", method, e.code, e.message)
             return _denied(handler, e)
-        return _as(handler, principal)
+        generation = self.store.generation
+
+        def recheck(current: Principal) -> Principal:
+            if self.store.generation == generation:
+                return current
+            return self.store.reauthorize(current, role, method)
+
+        return _as(handler, principal, recheck)
 
 
 def add_auth_args(parser: argparse.ArgumentParser) -> None:

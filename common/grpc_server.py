@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
 from google.protobuf import message_factory
@@ -96,7 +96,8 @@ def servicer_handler(servicer: object, service, check=None) -> grpc.GenericRpcHa
     requests arrive as raw bytes and are parsed in the handler: bytes that are not the request
     message (invalid UTF-8 in a string, corrupt varint, garbage), or that `check(message)`
     names a reason against (e.g. common.limits.id_error), end with INVALID_ARGUMENT instead of
-    grpc's UNKNOWN plus a logged traceback. A servicer may return (or yield) a response already
+    grpc's UNKNOWN plus a logged traceback (in a stream of requests: at the first such message,
+    the ones before it served). A servicer may return (or yield) a response already
     serialized, as bytes. Method names and kinds are those of the descriptor,
     so interceptors (common/auth.py) see the usual '/pkg.Service/Method'."""
     handlers = {}
@@ -106,7 +107,10 @@ def servicer_handler(servicer: object, service, check=None) -> grpc.GenericRpcHa
         behavior = getattr(servicer, method.name)
         parse = _parser(request_class, check)
         serialize = _serializer(response_class)
-        if method.server_streaming:
+        if method.client_streaming and method.server_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                _bidi(behavior, parse), request_deserializer=None, response_serializer=serialize)
+        elif method.server_streaming:
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
                 _streaming(behavior, parse), request_deserializer=None, response_serializer=serialize)
         else:
@@ -150,6 +154,27 @@ def _streaming(behavior, parse):
             end_call(context, grpc.StatusCode.INVALID_ARGUMENT, why)
             return
         async with contextlib.aclosing(behavior(request, context)) as messages:
+            async for message in messages:
+                yield message
+
+    return stream
+
+
+def _bidi(behavior, parse):
+    """A stream of requests: each parsed as it arrives, `request_bytes` set to its bytes while the
+    servicer handles it (the servicer reads the next one only after answering this one)."""
+    async def stream(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext):
+        async def parsed():
+            async for data in requests:
+                request, why = parse(data)
+                if request is None:
+                    end_call(context, grpc.StatusCode.INVALID_ARGUMENT, why)
+                    return
+                request_bytes.set(data)  # generators run in their caller's context: the handler's
+                yield request
+
+        async with contextlib.aclosing(parsed()) as inputs, \
+                contextlib.aclosing(behavior(inputs, context)) as messages:
             async for message in messages:
                 yield message
 

@@ -446,6 +446,7 @@ def test_metrics_endpoint(start_server) -> None:
     assert 'radixkv_cache_requests_finished_total{pool="m"} 1.0' in text
     assert 'radixkv_cache_queried_tokens_total{pool="m"} 9.0' in text
     assert "radixkv_cache_step_seconds_count 3.0" in text
+    assert 'radixkv_cache_steps_total{transport="unary"} 3.0' in text
     assert 'radixkv_cache_rpc_errors_total{code="FAILED_PRECONDITION",method="Step"} 1.0' in text
 
 

@@ -128,8 +128,10 @@ def test_role_tables_cover_every_method():
     cache_methods = {m.name for m in pb.DESCRIPTOR.services_by_name["CacheManager"].methods}
     assert set(METHOD_ROLES) == cache_methods
     assert set(METHOD_ROLES.values()) <= ROLES
-    assert {m for m, r in METHOD_ROLES.items() if r == "replica"} == {"RegisterPool", "Step", "Heartbeat"}
-    assert {m for m, r in METHOD_ROLES.items() if r == "reader"} == {"Match", "Stats", "WatchEvents", "Route"}
+    assert {m for m, r in METHOD_ROLES.items() if r == "replica"} == {"RegisterPool", "Step", "StepStream",
+                                                                             "Heartbeat"}
+    assert {m for m, r in METHOD_ROLES.items() if r == "reader"} == {"Match", "Stats", "WatchEvents", "Route",
+                                                                            "RouteStream"}
     assert {m for m, r in METHOD_ROLES.items() if r == "admin"} == {"Evict", "Clear"}
     model_methods = {m.name for m in model_pb2.DESCRIPTOR.services_by_name["ModelService"].methods}
     assert ROUTER_ROLES == dict.fromkeys(model_methods, "client")

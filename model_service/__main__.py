@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-pipeline", choices=["on", "off"], default="on",
                    help="on: each cache Step is in flight while the previous forward pass runs (the cache "
                         "manager's latency is off the critical path); off: wait for it before each step")
+    p.add_argument("--cache-steps", choices=["stream", "unary"], default="stream",
+                   help="stream: the cache Steps go over one long-lived StepStream (a message each; unary "
+                        "calls from the first UNIMPLEMENTED on, for an older cache manager); unary: a call each")
     p.add_argument("--lookahead-blocks", type=non_negative_int, default=DEFAULT_LOOKAHEAD_BLOCKS,
                    help="with the pipeline on: spare blocks a running request may hold beyond its need, so "
                         "extensions are asked for well before they are needed "
@@ -191,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         max_waiting=args.max_waiting, metrics_port=args.metrics_port,
         metrics_host=args.metrics_host, worker_id=args.worker_id,
         cache_timeout=args.cache_timeout, cache_pipeline=args.cache_pipeline == "on",
+        cache_step_stream=args.cache_steps == "stream",
         lookahead_blocks=args.lookahead_blocks, advertise_addr=args.advertise_addr, tls=tls, tokens=tokens,
         cache_tls=cache_tls, cache_token=cache_token, limits=limits, request_limits=request_limits,
         grace_seconds=grace_from_args(args, parser), host_cache_bytes=int(args.host_cache_gib * 2**30),

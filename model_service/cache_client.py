@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
 from typing import NamedTuple
 
 import grpc
@@ -29,6 +30,7 @@ from model_service.scheduler import (
     FinishRecord,
     ReplicaLoad,
 )
+from model_service.step_stream import StepStream, StepStreamError
 from protos import cache_pb2, cache_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,11 @@ class CachePoolLost(Exception):
 class CacheClient:
     def __init__(self, address: str, worker_id: str, num_blocks: int, block_size: int,
                  model_fingerprint: str, vocab_size: int, timeout: float = 10.0, serving_addr: str = "",
-                 credentials: grpc.ChannelCredentials | None = None, token: ClientToken | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, token: ClientToken | None = None,
+                 step_stream: bool = True) -> None:
+        """`step_stream`: send Steps over one StepStream (model_service/step_stream.py) rather than
+        a unary call each; a cache manager without StepStream gets unary calls from its first
+        UNIMPLEMENTED on."""
         self.address = address
         self.worker_id = worker_id
         self.num_blocks = num_blocks
@@ -90,12 +96,16 @@ class CacheClient:
         self._channel = open_channel(address, credentials, options=[
             ("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)])
         self._stub = cache_pb2_grpc.CacheManagerStub(self._channel)
+        self.step_stream = step_stream
+        self._stream: StepStream | None = None
 
     @property
     def registered(self) -> bool:
         return bool(self.pool_id)
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
         self._channel.close()
 
     def register(self) -> Registration:
@@ -128,15 +138,35 @@ class CacheClient:
         return Registration(reply.restored, held)
 
     def step(self, plan: CachePlan) -> CacheReply:
-        """One Step RPC, waited for. Raises CachePoolLost on failure."""
-        reply = self._call(self._stub.Step, self._step_request(plan))
-        self.num_steps_acknowledged += 1
-        return _step_reply(reply)
+        """One Step, waited for. Raises CachePoolLost on failure."""
+        return self.step_async(plan).result()
 
     def step_async(self, plan: CachePlan) -> StepCall:
-        """Sends one Step RPC and returns at once; `StepCall.result()` waits for its reply."""
-        future = self._stub.Step.future(self._step_request(plan), timeout=self.timeout, metadata=self.token.metadata)
-        return StepCall(self, future)
+        """Sends one Step and returns at once; `StepCall.result()` waits for its reply."""
+        request = self._step_request(plan)
+        if self.step_stream:
+            return StepCall(self, self._open_stream().send(request), request, streamed=True)
+        return StepCall(self, self._unary_step(request), request, streamed=False)
+
+    def _unary_step(self, request: cache_pb2.StepRequest) -> grpc.Future:
+        return self._stub.Step.future(request, timeout=self.timeout, metadata=self.token.metadata)
+
+    def _open_stream(self) -> StepStream:
+        """The Step stream, opened anew when there is none, it failed, or the token was reloaded."""
+        metadata = self.token.metadata
+        stream = self._stream
+        if stream is None or stream.failed or stream.metadata is not metadata:
+            if stream is not None:
+                stream.close()
+            stream = self._stream = StepStream(
+                lambda requests, md: self._stub.StepStream(requests, metadata=md), metadata)
+        return stream
+
+    def drop_stream(self) -> None:
+        """Closes the Step stream (whatever waits on it fails); the next Step opens a new one."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
 
     def _step_request(self, plan: CachePlan) -> cache_pb2.StepRequest:
         return cache_pb2.StepRequest(
@@ -200,18 +230,21 @@ class CacheClient:
 
 
 class StepCall:
-    """A Step RPC in flight (`CacheClient.step_async`)."""
+    """A Step in flight (`CacheClient.step_async`): a message on the Step stream, or a unary call."""
 
-    __slots__ = ("_client", "_future", "_sent", "elapsed")
+    __slots__ = ("_client", "_future", "_request", "_streamed", "_sent", "elapsed")
 
-    def __init__(self, client: CacheClient, future: grpc.Future) -> None:
+    def __init__(self, client: CacheClient, future: grpc.Future | Future, request: cache_pb2.StepRequest,
+                 streamed: bool) -> None:
         self._client = client
         self._future = future
+        self._request = request
+        self._streamed = streamed
         self._sent = time.perf_counter()
         self.elapsed: float | None = None  # seconds from send to reply, once it arrived
         future.add_done_callback(self._on_done)
 
-    def _on_done(self, _future: grpc.Future) -> None:
+    def _on_done(self, _future) -> None:
         self.elapsed = time.perf_counter() - self._sent
 
     def done(self) -> bool:
@@ -222,16 +255,31 @@ class StepCall:
 
     def result(self) -> CacheReply:
         """Waits for the reply. Raises CachePoolLost on failure (the client is then unregistered)."""
+        client = self._client
         try:
-            reply = self._future.result()
+            # A unary call carries its own deadline; a stream message's wait has this one.
+            reply = self._future.result(timeout=client.timeout if self._streamed else None)
+        except StepStreamError as e:
+            if e.code != grpc.StatusCode.UNIMPLEMENTED:
+                client.pool_id = ""
+                raise CachePoolLost(f"Step: {e}") from e
+            # A cache manager without StepStream: unary Steps from now on, this one too (unapplied).
+            log.warning("the cache manager at %s has no StepStream: unary Step calls from now on", client.address)
+            client.step_stream = False
+            client.drop_stream()
+            reply = client._call(client._stub.Step, self._request)
+        except TimeoutError as e:
+            client.drop_stream()
+            client.pool_id = ""
+            raise CachePoolLost(f"no Step reply within {client.timeout:g}s") from e
         except grpc.RpcError as e:  # the future raises the call itself, an RpcError
-            self._client.pool_id = ""
+            client.pool_id = ""
             raise CachePoolLost(f"{e.code().name}: {e.details()}") from e
-        except grpc.FutureCancelledError as e:
-            self._client.pool_id = ""
+        except (grpc.FutureCancelledError, CancelledError) as e:
+            client.pool_id = ""
             raise CachePoolLost("Step cancelled") from e
-        self._client.last_call = time.monotonic()
-        self._client.num_steps_acknowledged += 1
+        client.last_call = time.monotonic()
+        client.num_steps_acknowledged += 1
         return _step_reply(reply)
 
 

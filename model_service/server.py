@@ -81,6 +81,7 @@ class ModelServiceConfig:
     cache_timeout: float = 10.0
     # Overlap each cache Step with the previous forward pass; lookahead blocks per request then.
     cache_pipeline: bool = True
+    cache_step_stream: bool = True  # Steps over one StepStream (--cache-steps stream), not a call each
     lookahead_blocks: int = DEFAULT_LOOKAHEAD_BLOCKS
     # Address clients dial to reach this replica (reported to the cache manager and in
     # ModelInfo). None: host:port, with the port actually bound when port is 0.
@@ -188,7 +189,7 @@ def build_engine(config: ModelServiceConfig, worker_id: str) -> tuple[Engine, Mo
     cache = CacheClient(cache_addr, worker_id, num_blocks, config.block_size, loaded.fingerprint,
                         loaded.vocab_size, timeout=config.cache_timeout,
                         credentials=config.cache_tls.credentials() if config.cache_tls is not None else None,
-                        token=config.cache_token)
+                        token=config.cache_token, step_stream=config.cache_step_stream)
     metrics = ModelMetrics()
     metrics.set_linear_plan(runner.linears.plans)
     tiers = build_tiers(config, kv_cache, loaded.fingerprint, metrics)

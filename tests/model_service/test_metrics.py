@@ -102,6 +102,10 @@ def test_hit_tokens_grow_on_a_repeated_prefix_and_locks_return_to_zero(services:
                - value(before_cache, "radixkv_cache_queried_tokens_total", pool=POOL))
     assert prompt_tokens == queried == 82
     assert value(after_cache, "radixkv_cache_blocks", pool=POOL, state="cached") > 0
+    # The replica's Steps went over its StepStream (--cache-steps stream, the default), none as calls.
+    assert (value(after_cache, "radixkv_cache_steps_total", transport="stream")
+            > value(before_cache, "radixkv_cache_steps_total", transport="stream"))
+    assert value(after_cache, "radixkv_cache_steps_total", transport="unary") == 0
 
 
 def test_preemptions_are_counted_under_a_small_pool(services: Services) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from common.limits import quote_id
+from common.token_bytes import encode_tokens
 from protos import cache_pb2, model_pb2
 from router import errors
 from router.errors import RETRYABLE_BEFORE_FIRST_MESSAGE, RouterError, UpstreamError
@@ -231,8 +232,9 @@ class RouterCore:
             return RoutePlan(least_loaded(live, self._rotation), LEAST_LOADED)
         if self._clock() >= self._cache_skip_until:
             request = cache_pb2.RouteRequest(
-                token_ids=token_ids, namespace=namespace, model_fingerprint=self.replicas.fingerprint,
-                reserve_ms=self.config.reserve_ms, request_id=request_id, max_candidates=self.config.route_candidates)
+                packed_token_ids=encode_tokens(token_ids), namespace=namespace,
+                model_fingerprint=self.replicas.fingerprint, reserve_ms=self.config.reserve_ms, request_id=request_id,
+                max_candidates=self.config.route_candidates)
             try:
                 response = await self.cache.route(request, self._timeout(deadline, self.config.route_timeout_s))
             except UpstreamError as e:

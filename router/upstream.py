@@ -8,7 +8,9 @@ to a fixed name); an address a --replica-dns name resolved to is verified agains
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 import grpc
@@ -19,7 +21,10 @@ from common.security import open_aio_channel
 from protos import cache_pb2, cache_pb2_grpc, model_pb2, model_pb2_grpc
 from router import errors
 from router.errors import UpstreamError
+from router.route_stream import RouteStream
 from router.trust import ReplicaTrust
+
+log = logging.getLogger(__name__)
 
 # Fail fast (no waitForReady), no gRPC retries (the router retries on other replicas itself), and
 # reconnect quickly to a replica or cache manager that comes back (gRPC's default backoff grows
@@ -119,17 +124,45 @@ class ReplicaClients:
 
 class CacheManagerClient:
     def __init__(self, addr: str, credentials: grpc.ChannelCredentials | None = None,
-                 token: ClientToken | None = None) -> None:
+                 token: ClientToken | None = None, route_stream: bool = True) -> None:
+        """`route_stream`: Routes over one RouteStream (router/route_stream.py) rather than a unary
+        call each; a cache manager without RouteStream gets unary calls from its first
+        UNIMPLEMENTED on."""
         self.addr = addr
         self.token = token if token is not None else ClientToken(None)
         self._channel = open_aio_channel(addr, credentials, CHANNEL_OPTIONS)
         self._stub = cache_pb2_grpc.CacheManagerStub(self._channel)
+        self.route_stream = route_stream
+        self._stream: RouteStream | None = None
 
     async def route(self, request: cache_pb2.RouteRequest, timeout: float | None) -> cache_pb2.RouteResponse:
+        if self.route_stream:
+            try:
+                return await self._open_stream().ask(request, timeout)
+            except UpstreamError as e:
+                if e.code != "UNIMPLEMENTED":
+                    raise
+                log.warning("the cache manager at %s has no RouteStream: unary Route calls from now on", self.addr)
+                self.route_stream = False
+                await self._close_stream()
         try:
             return await self._stub.Route(request, timeout=timeout, metadata=self.token.metadata)
         except grpc.aio.AioRpcError as e:
             raise _error(e) from None
+
+    def _open_stream(self) -> RouteStream:
+        """The Route stream, opened anew when there is none, it failed, or the token was reloaded."""
+        stream = self._stream
+        if stream is None or stream.failed is not None or stream.metadata is not self.token.metadata:
+            if stream is not None:
+                asyncio.get_running_loop().create_task(stream.close())
+            stream = self._stream = RouteStream(self._stub, self.token.metadata)
+        return stream
+
+    async def _close_stream(self) -> None:
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await stream.close()
 
     async def stats(self, timeout: float | None) -> cache_pb2.StatsResponse:
         try:
@@ -138,5 +171,6 @@ class CacheManagerClient:
             raise _error(e) from None
 
     async def close(self) -> None:
+        await self._close_stream()
         with contextlib.suppress(Exception):
             await self._channel.close()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from common.auth import Principal
+from common.token_bytes import unpack_tokens
 from protos import cache_pb2, model_pb2
 from router import errors
 from router.core import CoreConfig, RouterCore
@@ -228,11 +229,11 @@ def test_kv_policy_routes_by_route_and_forwards_token_ids_and_id() -> None:
     assert out[-1].usage.served_by == B
     assert all(m.request_id == "r1" for m in out)  # the client's id, whatever the upstream one
     route = cache.routes[0]
-    assert list(route.token_ids) == [ord(c) for c in "hey"]
+    assert list(unpack_tokens(route.packed_token_ids)) == [ord(c) for c in "hey"] and not route.token_ids
     assert (route.namespace, route.reserve_ms) == ("ns", 2000)
     kind, addr, sent = fakes.calls[-1]
     assert (kind, addr) == ("Generate", B)
-    assert sent.WhichOneof("input") == "token_ids" and list(sent.token_ids.ids) == list(route.token_ids)
+    assert sent.WhichOneof("input") == "token_ids" and list(sent.token_ids.ids) == list(unpack_tokens(route.packed_token_ids))
     # Upstream, a fresh id of the router's (shared by Route and the replica), never the client's.
     assert sent.request_id == route.request_id and sent.request_id != "r1" and len(sent.request_id) == 32
     assert sent.namespace == "ns" and sent.sampling.max_tokens == 2

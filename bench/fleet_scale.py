@@ -5,13 +5,15 @@ generator, a separate process on CPU 1, plays N replicas (and their router's Rou
 the model service and the router talk to the cache manager:
 
 - every replica plans a scheduler step every `step_ms` (GPU-class: 20 ms) and sends one batched
-  Step for it: up to `batch` running requests decoding one token per step (an Extend whenever a
+  Step for it, on its StepStream as the model service does (`--unary`: a call each): up to `batch` running requests decoding one token per step (an Extend whenever a
   request crosses into a new block, with `lookahead` tokens of lookahead), up to
   `admits_per_step` new prompts (packed, 1-2k tokens, ~70% of them a prefix shared fleet-wide),
   a Commit of each prompt the step after its admission (its prefill is done), and a Finish with
   the output tokens when a request has produced its 200-500 tokens;
-- before a replica admits a prompt, the router asks Route for it (token ids, request id,
-  reserve_ms and max_candidates as the router's defaults);
+- every new prompt is routed first: the router asks Route for it, on its RouteStream through the
+  router's own client (router/upstream.py; token ids, request id, reserve_ms and max_candidates as
+  the router's defaults) while the replica goes on stepping, and
+  the replica may admit it once that Route answered (a step later at the earliest);
 - pools are sized so that they fill: in the measured window every new block is an eviction.
 
 A step that waits past its slot for the reply delays the replica's next one (its GPU idles):
@@ -64,6 +66,8 @@ class SimConfig:
     output_tokens: tuple[int, int] = (200, 500)
     num_blocks: int = 10240
     route: bool = True
+    step_stream: bool = True  # Steps over one StepStream per replica, as the model service sends them
+    route_stream: bool = True  # Routes over the router's RouteStream, as the router asks them
     reserve_ms: int = CoreConfig().reserve_ms  # as the router asks
     route_candidates: int = CoreConfig().route_candidates
 
@@ -79,7 +83,7 @@ class SimRequest:
     generated: int = 0
     committed: bool = False
     resumed: bool = False
-    routed: bool = False  # Route was asked for it (once: a retried admission is not routed again)
+    arrived: bool = True  # at the replica: its Route (the router's, before it sends it there) answered
 
 
 @dataclass(slots=True)
@@ -128,8 +132,10 @@ class Replica:
         self.running: dict[str, SimRequest] = {}
         self.waiting: list[SimRequest] = []
         self.prefilled: list[SimRequest] = []  # admitted last step: commit now, decode from now
+        self.preempted: list[tuple[pb.Finish, SimRequest]] = []  # released in the next Step, admitted after it
         self.measuring = False
         self.num_requests = 0
+        self.routing: set[asyncio.Task] = set()  # Route calls in flight
 
     async def register(self) -> None:
         reply = await self.stub.RegisterPool(pb.RegisterPoolRequest(
@@ -156,26 +162,26 @@ class Replica:
                 return
 
     async def _route(self, req: SimRequest) -> None:
-        req.routed = True
+        """The router's Route for a new prompt; the prompt reaches the replica when it answers."""
         t0 = time.perf_counter()
         try:
             await self.route(pb.RouteRequest(
-                token_ids=req.prompt.tolist(), model_fingerprint=FINGERPRINT, request_id=req.rid,
+                packed_token_ids=req.packed, model_fingerprint=FINGERPRINT, request_id=req.rid,
                 reserve_ms=self.cfg.reserve_ms, max_candidates=self.cfg.route_candidates))
         except (grpc.aio.AioRpcError, UpstreamError):
             self.stats.errors += self.measuring
-            return
-        if self.measuring:
-            self.stats.route_ms.append(1e3 * (time.perf_counter() - t0))
+        else:
+            if self.measuring:
+                self.stats.route_ms.append(1e3 * (time.perf_counter() - t0))
+        finally:
+            req.arrived = True
 
     def _plan(self) -> tuple[pb.StepRequest, list[SimRequest]]:
         """The next step's Step: commits of last step's prompts, decode (extends, finishes), admits."""
         cfg, bs = self.cfg, self.cfg.block_size
         step = pb.StepRequest(pool_id=self.pool_id, epoch=self.epoch)
         for req in self.prefilled:
-            step.commits.add(request_id=req.rid, num_computed_tokens=len(req.prompt))
             req.committed = True
-        self.prefilled = []
         finished = []
         for req in list(self.running.values()):
             if not req.committed:
@@ -190,11 +196,28 @@ class Replica:
                 step.extends.add(request_id=req.rid, num_tokens=total + 1, num_lookahead_tokens=cfg.lookahead)
         for req in finished:
             del self.running[req.rid]
+        for req in self.prefilled:  # a request that finishes in its first decode step is not committed too
+            if req.rid in self.running:
+                step.commits.add(request_id=req.rid, num_computed_tokens=len(req.prompt))
+        self.prefilled = []
         room = min(cfg.admits_per_step, cfg.batch - len(self.running))
-        while len(self.waiting) < room:
-            self.waiting.append(self.work.request(self.name, first=self.num_requests < cfg.batch))
+        # New prompts are routed a step ahead of their admission (the router's Route, concurrent
+        # with the replica's steps: a slow Route delays its prompt, not the replica's step).
+        while len(self.waiting) < room + cfg.admits_per_step:
+            req = self.work.request(self.name, first=self.num_requests < cfg.batch)
             self.num_requests += 1
-        admits = self.waiting[:room]
+            self.waiting.append(req)
+            if cfg.route:
+                req.arrived = False
+                task = asyncio.create_task(self._route(req))
+                self.routing.add(task)
+                task.add_done_callback(self.routing.discard)
+        admits = [req for req in self.waiting if req.arrived][:room]
+        # Preempted requests are released in this Step and wait from the next one on (an id may
+        # appear once in a Step: not released and re-admitted together).
+        step.releases.extend(release for release, _ in self.preempted)
+        self.waiting[:0] = [req for _, req in self.preempted]
+        self.preempted = []
         for req in admits:
             step.admits.add(request_id=req.rid, packed_token_ids=req.packed, num_lookahead_tokens=cfg.lookahead,
                             resumed=req.resumed)
@@ -203,8 +226,8 @@ class Replica:
         load.num_waiting_requests = len(self.waiting)
         return step, admits
 
-    def _apply(self, reply: pb.StepResponse, admits: list[SimRequest]) -> list[pb.Finish]:
-        """Take the reply in; returns the releases of requests it could not extend (preempted)."""
+    def _apply(self, reply: pb.StepResponse, admits: list[SimRequest]) -> None:
+        """Take the reply in; the requests it could not extend are preempted (released next Step)."""
         by_id = {req.rid: req for req in admits}
         for result in reply.admits:
             req = by_id[result.request_id]
@@ -216,24 +239,39 @@ class Replica:
             self.running[req.rid] = req
             self.prefilled.append(req)
             self.stats.admitted += self.measuring
-        releases = []
         for result in reply.extends:
             req = self.running[result.request_id]
             if result.ok:
                 req.num_blocks += len(result.new_block_ids)
                 continue
             del self.running[req.rid]
-            releases.append(pb.Finish(request_id=req.rid, output_token_ids=req.outputs[:req.generated],
-                                      num_computed_tokens=len(req.prompt) + req.generated - 1))
+            self.preempted.append((pb.Finish(request_id=req.rid, output_token_ids=req.outputs[:req.generated],
+                                             num_computed_tokens=len(req.prompt) + req.generated - 1), req))
             req.generated, req.committed, req.resumed, req.num_blocks = 0, False, True, 0
-            self.waiting.insert(0, req)
             self.stats.preempted += self.measuring
-        return releases
 
     async def run(self, start: float, end: float) -> None:
+        stream = self.stub.StepStream() if self.cfg.step_stream else None
+        try:
+            await self._run(start, end, stream)
+        finally:
+            if stream is not None:
+                stream.cancel()
+            for task in list(self.routing):
+                task.cancel()
+
+    async def _step(self, step: pb.StepRequest, stream) -> pb.StepResponse:
+        if stream is None:
+            return await self.stub.Step(step, timeout=30)
+        await stream.write(step)
+        reply = await stream.read()
+        if reply is grpc.aio.EOF:  # the server ended the stream: its status says why
+            raise RuntimeError(f"the Step stream ended: {(await stream.code()).name}: {await stream.details()}")
+        return reply
+
+    async def _run(self, start: float, end: float, stream) -> None:
         period = self.cfg.step_ms / 1e3
         slot = start
-        releases: list[pb.Finish] = []
         while True:
             now = time.perf_counter()
             if now >= end:
@@ -241,21 +279,17 @@ class Replica:
             if slot > now:
                 await asyncio.sleep(slot - now)
             step, admits = self._plan()
-            step.releases.extend(releases)
-            if self.cfg.route:
-                for req in admits:
-                    if not req.routed:
-                        await self._route(req)
             t0 = time.perf_counter()
             try:
-                reply = await self.stub.Step(step, timeout=30)
+                reply = await self._step(step, stream)
             except grpc.aio.AioRpcError as err:
                 self.stats.errors += 1
-                if err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
-                    raise
+                if stream is not None or err.code() in (grpc.StatusCode.FAILED_PRECONDITION,
+                                                         grpc.StatusCode.NOT_FOUND):
+                    raise  # a refused message ends its stream: the replica would re-register
                 continue
             done = time.perf_counter()
-            releases = self._apply(reply, admits)
+            self._apply(reply, admits)
             if self.measuring:
                 self.stats.step_ms.append(1e3 * (done - t0))
                 self.stats.steps_served += 1
@@ -282,16 +316,14 @@ async def drive(addresses: list[str], replicas: int, warmup_s: float, measure_s:
     work = Workload(cfg, seed)
     per_shard = max(1, (replicas // len(addresses) + 7) // 8)
     channels = {addr: [grpc.aio.insecure_channel(addr) for _ in range(per_shard)] for addr in addresses}
-    router_view = ShardedCache([CacheManagerClient(addr) for addr in addresses])
+    router_view = ShardedCache([CacheManagerClient(addr, route_stream=cfg.route_stream) for addr in addresses])
     try:
         fleet = []
         for i in range(replicas):
             name = f"sim-{i}"
             shard = channels[shard_for(name, addresses)]
             stub = cache_pb2_grpc.CacheManagerStub(shard[i % len(shard)])
-            route = ((lambda request, stub=stub: stub.Route(request, timeout=10)) if len(addresses) == 1
-                     else (lambda request: router_view.route(request, 10.0)))
-            fleet.append(Replica(name, cfg, work, stub, route, stats))
+            fleet.append(Replica(name, cfg, work, stub, lambda request: router_view.route(request, 10.0), stats))
         for replica in fleet:
             await replica.register()
         await asyncio.gather(*(replica.fill() for replica in fleet))
@@ -385,10 +417,11 @@ def series(sizes: Sequence[int], warmup: float, seconds: float, cfg: SimConfig, 
 
 
 def run(quick: bool, echo: Callable[[str], object] = print, sizes: Sequence[int] | None = None,
-        shards: int = 1) -> dict:
-    """One shard's series; then two shards' when the machine has a CPU for each and one for the
-    load generator (the two-shard target: 1.8x one shard's knee). Tables go to `echo`."""
-    cfg = SimConfig()
+        shards: int = 1, streams: bool = True) -> dict:
+    """One shard's series; then (one shard, streams, not quick) the same with unary Step and Route
+    calls at 16-32 replicas, for comparison; then two shards' when the machine has a CPU for each and
+    one for the load generator (the two-shard target: 1.8x one shard's knee). Tables go to `echo`."""
+    cfg = SimConfig(step_stream=streams, route_stream=streams)
     sizes = list(sizes or ((8, 16, 32) if quick else (8, 12, 16, 24, 32, 48, 64)))
     warmup, seconds = (4.0, 6.0) if quick else (8.0, 15.0)
     from bench.harness import machine_info  # torch and transformers: the generator's child needs neither
@@ -400,6 +433,12 @@ def run(quick: bool, echo: Callable[[str], object] = print, sizes: Sequence[int]
     result: dict = {"config": asdict(cfg), "shards": shards, "rows": rows, "knee_replicas": knee(rows),
                     "p99_target_ms": P99_TARGET_MS}
     echo(f"knee: {result['knee_replicas']} replicas with Step p99 < {P99_TARGET_MS:.0f} ms (target: 48 on one shard)")
+    if shards == 1 and streams and not quick:
+        echo("== the same with a unary call per Step and per Route (before StepStream and RouteStream)")
+        unary = series([n for n in sizes if 16 <= n <= 32], warmup, seconds,
+                       SimConfig(step_stream=False, route_stream=False), 1, echo)
+        result["unary_steps"] = {"rows": unary, "knee_replicas": knee(unary)}
+        echo(f"unary calls: knee {knee(unary)} replicas")
     if shards == 1 and cpus >= 3:
         echo("== two shards, a CPU each, the load generator on a third")
         two = series([n * 2 for n in sizes], warmup, seconds, cfg, 2, echo)
@@ -423,6 +462,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=15.0, help=argparse.SUPPRESS)
     parser.add_argument("--shards", type=int, default=1, help="cache-manager shards (one CPU each, and one for "
                         "the load generator)")
+    parser.add_argument("--unary", action="store_true", help="a unary call per Step and per Route, not a message "
+                        "on StepStream and RouteStream (what replicas and routers sent before them)")
     parser.add_argument("--server-pids", default="", help=argparse.SUPPRESS)
     parser.add_argument("--config", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -433,7 +474,8 @@ def main() -> None:
                                 [int(pid) for pid in args.server_pids.split(",")]))
         print(json.dumps(row))
         return
-    print(json.dumps(run(args.quick, sizes=args.sizes, shards=args.shards), indent=2))
+    print(json.dumps(run(args.quick, sizes=args.sizes, shards=args.shards, streams=not args.unary),
+                     indent=2))
 
 
 if __name__ == "__main__":

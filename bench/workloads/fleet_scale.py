@@ -20,6 +20,12 @@ def flat_fleet_scale(d: Json) -> Json:
         n = row["replicas"]
         for key in ("steps_served_per_s", "step_p99_ms", "step_p999_ms", "route_p99_ms", "server_cpu"):
             out[f"fleet_scale_{n}_{key}"] = row[key]
+    unary = r.get("unary_steps")
+    if unary:
+        out["fleet_scale_unary_knee_replicas"] = unary["knee_replicas"]
+        for row in unary["rows"]:
+            out[f"fleet_scale_unary_{row['replicas']}_steps_served_per_s"] = row["steps_served_per_s"]
+            out[f"fleet_scale_unary_{row['replicas']}_step_p99_ms"] = row["step_p99_ms"]
     return out
 
 
@@ -28,5 +34,5 @@ def report_fleet_scale(d: Json) -> str:
 
 
 FLEET_SCALE = Workload(name="fleet_scale", help="one cache manager under 8-64 simulated GPU replicas: Step/Route latency, knee",
-                       run=run_fleet_scale, flat=flat_fleet_scale, report=report_fleet_scale, cap_s=300.0,
+                       run=run_fleet_scale, flat=flat_fleet_scale, report=report_fleet_scale, cap_s=420.0,
                        runs=lambda ctx: 1, needs_services=False, needs_model=False)

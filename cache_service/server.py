@@ -13,6 +13,7 @@ from cache_service.collector import keep_full_collections_rare
 from cache_service.durable import DEFAULT_FSYNC_SECONDS, DEFAULT_SNAPSHOT_BYTES, DurableState
 from cache_service.events import DEFAULT_BUFFER_BYTES, EventLog
 from cache_service.metrics import Metrics
+from cache_service.open_streams import OpenStreams
 from cache_service.peer_pulls import DEFAULT_PIN_SECONDS
 from cache_service.pool_registry import DEFAULT_MAX_PINNED_FRACTION, PoolRegistry
 from cache_service.registry_limits import RegistryLimits
@@ -42,13 +43,15 @@ async def create_server(
     durable: DurableState | None = None,
     worker_san_check: bool = False,
     max_watch_streams: int = DEFAULT_MAX_WATCH_STREAMS,
+    streams: OpenStreams | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Build (not start) a server bound to `address`; returns it and the bound port.
 
     Port 0 picks a free port. `credentials`: TLS (plaintext when None); `tokens`: require a
     bearer token with the method's role (common/auth.py) on every call but health.
     `worker_san_check` (mutual TLS only): RegisterPool's worker id must be a DNS or URI subject
-    alternative name of the client's certificate. Raises RuntimeError when the address cannot be bound (in use).
+    alternative name of the client's certificate. `streams`: where the servicer keeps its open
+    StepStream / RouteStream calls (stop_with_streams ends them). Raises RuntimeError when the address cannot be bound (in use).
     Call from inside a running event loop.
     """
     registry = registry if registry is not None else PoolRegistry()
@@ -58,7 +61,7 @@ async def create_server(
     # handler: bytes that are not the message, or ids over MAX_ID_BYTES, are INVALID_ARGUMENT.
     server = new_server(limits or ServerLimits(), server_interceptors(tokens, {SERVICE_NAME: METHOD_ROLES}))
     servicer = CacheManagerServicer(registry, metrics, watch_queue_size, durable, worker_san_check,
-                                    max_watch_streams=max_watch_streams)
+                                    max_watch_streams=max_watch_streams, streams=streams)
     if tokens is not None:  # number the views of ns= tokens (after a durable recovery: it replays them)
         follow_token_namespaces(registry.events, tokens, durable)
     add_servicer(server, servicer, cache_pb2.DESCRIPTOR.services_by_name["CacheManager"], id_error)
@@ -66,6 +69,15 @@ async def create_server(
     await set_health(health_servicer, [SERVICE_NAME])
     port = add_port(server, address, credentials)
     return server, port
+
+
+async def stop_with_streams(server: grpc.aio.Server, grace_seconds: float, streams: OpenStreams) -> None:
+    """server.stop(grace), the open streams ended at once once new calls are refused (they never
+    finish by themselves: each would hold the stop for the whole grace period)."""
+    stopping = asyncio.get_running_loop().create_task(server.stop(grace_seconds))
+    await asyncio.sleep(0)  # stop() runs up to its first wait: new calls are refused from here
+    streams.end_all()
+    await stopping
 
 
 async def expire_leases_forever(registry: PoolRegistry, interval: float) -> None:
@@ -123,6 +135,7 @@ async def serve(
             return 1
     metrics = Metrics(registry, durable) if metrics_port is not None else None
     health_servicer = health.aio.HealthServicer()
+    streams = OpenStreams()
     expiry: asyncio.Task | None = None
     syncer: asyncio.Task | None = None
     collector: asyncio.Task | None = None
@@ -156,9 +169,10 @@ async def serve(
         lambda: create_server(address, registry, metrics, health_servicer,
                               credentials=tls.credentials() if tls is not None else None, tokens=tokens,
                               limits=limits, durable=durable, worker_san_check=worker_san_check,
-                              max_watch_streams=max_watch_streams),
+                              max_watch_streams=max_watch_streams, streams=streams),
         health_servicer, lambda bound: f"cache_service listening on {format_address(host, bound)}",
-        hooks=ServerHooks(starting=starting, started=started, stopping=stopping, stopped=stopped),
+        hooks=ServerHooks(starting=starting, started=started, stopping=stopping, stopped=stopped,
+                          stop_server=lambda server, grace: stop_with_streams(server, grace, streams)),
         grace_seconds=grace_seconds, metrics=metrics, metrics_port=metrics_port, metrics_host=metrics_host,
         tokens=tokens)
 

@@ -7,6 +7,7 @@ locks and no call interleaves with another.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -19,6 +20,7 @@ from cache_service import convert
 from cache_service.durable import DurableState
 from cache_service.errors import CacheError, InvalidArgument, PermissionDenied
 from cache_service.metrics import Metrics
+from cache_service.open_streams import SHUTTING_DOWN, OpenStreams
 from cache_service.pool_registry import PoolRegistry
 from cache_service.replica_identity import certificate_names, owner_key
 from cache_service.stream_slots import DEFAULT_MAX_WATCH_STREAMS, StreamSlots
@@ -132,8 +134,10 @@ def _rpc(method: Handler) -> Handler:
 class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
     def __init__(self, registry: PoolRegistry, metrics: Metrics | None = None, watch_queue_size: int = 65536,
                  durable: DurableState | None = None, worker_san_check: bool = False,
-                 max_watch_streams: int = DEFAULT_MAX_WATCH_STREAMS):
+                 max_watch_streams: int = DEFAULT_MAX_WATCH_STREAMS, streams: OpenStreams | None = None):
         self.registry = registry
+        # StepStream and RouteStream calls, ended at once when the server stops (open_streams.py).
+        self.streams = streams if streams is not None else OpenStreams()
         self.metrics = metrics
         self.watch_queue_size = watch_queue_size
         self.watch_slots = StreamSlots(max_watch_streams)  # per principal (--max-watch-streams)
@@ -173,15 +177,21 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
                          context: grpc.aio.ServicerContext) -> AsyncIterator[cache_pb2.StepResponse]:
         """Step for each request of the stream, in order, one reply each; the first refused one
         ends the stream with Step's status for it."""
-        async for request in requests:
+        with self.streams.hold():
             try:
-                reply = self._step(request, "stream")
-            except Exception as err:
-                code, message = _refusal("StepStream", err)
-                self._count_error("StepStream", code)
-                end_call(context, code, message)
-                return
-            yield reply
+                async for request in requests:
+                    try:
+                        reply = self._step(request, "stream")
+                    except Exception as err:
+                        code, message = _refusal("StepStream", err)
+                        self._count_error("StepStream", code)
+                        end_call(context, code, message)
+                        return
+                    yield reply
+            except asyncio.CancelledError as err:
+                if not self.streams.ending(err):
+                    raise
+                end_call(context, grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
 
     def _step(self, request: cache_pb2.StepRequest, transport: str) -> cache_pb2.StepResponse:
         start = time.perf_counter()
@@ -246,11 +256,18 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
                 await replies.put(None)
 
         reader = asyncio.get_running_loop().create_task(answer())
-        try:
-            while (reply := await replies.get()) is not None:
-                yield reply
-        finally:
-            reader.cancel()
+        with self.streams.hold():
+            try:
+                while (reply := await replies.get()) is not None:
+                    yield reply
+            except asyncio.CancelledError as err:
+                if not self.streams.ending(err):
+                    raise
+                end_call(context, grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+            finally:
+                reader.cancel()  # and waited for: it may be inside `requests`, which is closed next
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
 
     def _route_reply(self, request: cache_pb2.RouteRequest) -> cache_pb2.RouteStreamReply:
         try:

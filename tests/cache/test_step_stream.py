@@ -160,3 +160,21 @@ def test_a_streams_steps_are_journaled(start_server, tmp_path: Path) -> None:
     restarted = start_server("--port", str(server.port), "--state-dir", str(state_dir))
     again = register(restarted, "w", incarnation="inc-1")
     assert again.restored and again.num_cached_blocks == len(PROMPT) // BS
+
+
+def test_a_stop_ends_open_streams_at_once_with_unavailable(start_server) -> None:
+    server = start_server("--grace-seconds", "30")
+    reg = register(server, "w")
+    steps, routes = Stream(server), Stream(server, method="RouteStream")
+    try:
+        assert steps.ask(pb.StepRequest(pool_id=reg.pool_id, epoch=reg.epoch)).num_free_blocks == 64
+        assert routes.ask(pb.RouteRequest(token_ids=PROMPT, dry_run=True)).code == 0
+        server.proc.send_signal(signal.SIGTERM)
+        # Neither stream holds the stop for its 30 s grace period: both end now, as UNAVAILABLE.
+        assert server.proc.wait(timeout=10) == 0
+        for stream in (steps, routes):
+            err = stream.error()
+            assert err.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.details()
+    finally:
+        steps.close()
+        routes.close()

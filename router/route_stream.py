@@ -36,6 +36,7 @@ class RouteStream:
         self._write = asyncio.Lock()  # one write at a time, in the order asks joined the line
         self.failed: UpstreamError | None = None
         self._sends: set[asyncio.Task] = set()
+        self.answered = 0  # replies received
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     async def ask(self, request: cache_pb2.RouteRequest, timeout: float | None) -> cache_pb2.RouteResponse:
@@ -89,6 +90,7 @@ class RouteStream:
                     error = UpstreamError("INTERNAL", "a RouteStream reply without a request")
                     break
                 waiter = self._waiting.popleft()
+                self.answered += 1
                 if not waiter.done():
                     waiter.set_result(reply)
         except grpc.aio.AioRpcError as e:

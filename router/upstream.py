@@ -137,14 +137,20 @@ class CacheManagerClient:
 
     async def route(self, request: cache_pb2.RouteRequest, timeout: float | None) -> cache_pb2.RouteResponse:
         if self.route_stream:
+            stream = self._open_stream()
             try:
-                return await self._open_stream().ask(request, timeout)
+                return await stream.ask(request, timeout)
             except UpstreamError as e:
-                if e.code != "UNIMPLEMENTED":
+                if e.code == "UNIMPLEMENTED":
+                    log.warning("the cache manager at %s has no RouteStream: unary Route calls from now on",
+                                self.addr)
+                    self.route_stream = False
+                    await self._close_stream()
+                elif not (e.code == "INTERNAL" and stream.failed is e and not stream.answered):
                     raise
-                log.warning("the cache manager at %s has no RouteStream: unary Route calls from now on", self.addr)
-                self.route_stream = False
-                await self._close_stream()
+                # Else a stream that failed before its first reply as INTERNAL: grpc's client says so
+                # when a write races the refusal of a method an older cache manager lacks. This ask
+                # goes as a call; the next opens a stream again (and learns UNIMPLEMENTED).
         try:
             return await self._stub.Route(request, timeout=timeout, metadata=self.token.metadata)
         except grpc.aio.AioRpcError as e:

@@ -2,7 +2,7 @@
 cache manager process: concurrent asks over one stream each get their own answer, the same as a
 unary call's; a refused Route raises its own error and the stream goes on; an ask that times out
 (the cache manager stopped) leaves the line in order for the next; the cache manager counts the
-Routes per transport; a cache manager without RouteStream gets unary calls."""
+Routes per transport; a cache manager without RouteStream gets unary calls, every ask answered."""
 
 from __future__ import annotations
 
@@ -118,8 +118,11 @@ def test_a_cache_manager_without_route_stream_gets_unary_routes(older_cache_mana
         try:
             first = await client.route(ask(0), 10.0)  # UNIMPLEMENTED on the stream, then a call
             assert first.candidates[0].worker_id == "a" and first.candidates[0].matched_tokens == BS
+            # grpc's client now and then reports such a stream as INTERNAL (a write raced the
+            # refusal): that ask goes as a call too, and a later one learns UNIMPLEMENTED.
+            for _ in range(5):
+                assert (await client.route(ask(0), 10.0)) == first
             assert not client.route_stream
-            assert (await client.route(ask(0), 10.0)) == first
         finally:
             await client.close()
 

@@ -12,34 +12,36 @@ import asyncio
 import contextlib
 from collections.abc import Iterator
 
+import grpc
+
+from common.grpc_server import end_call
+
 SHUTTING_DOWN = "the cache manager is shutting down"
 
 
 class OpenStreams:
-    """The handler tasks of the open streams; `end_all()` cancels them (the handlers then end
-    their call with UNAVAILABLE: see `ending`)."""
+    """The handler tasks of the open streams; `end_all()` cancels them, and each then ends its
+    call with UNAVAILABLE (`hold`)."""
 
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task] = set()
         self.closing = False
 
-    def __len__(self) -> int:
-        return len(self._tasks)
-
     @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
-        """While the current handler task serves a stream."""
+    def hold(self, context: grpc.aio.ServicerContext) -> Iterator[None]:
+        """While the current handler task serves the stream of `context`; end_all's cancellation
+        ends it there with UNAVAILABLE (any other propagates)."""
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
         try:
             yield
+        except asyncio.CancelledError:
+            if not self.closing:
+                raise
+            end_call(context, grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         finally:
             self._tasks.discard(task)
-
-    def ending(self, error: BaseException) -> bool:
-        """Whether `error` (a CancelledError in a held handler) is end_all's doing."""
-        return self.closing and isinstance(error, asyncio.CancelledError)
 
     def end_all(self) -> None:
         self.closing = True

@@ -20,7 +20,7 @@ from cache_service import convert
 from cache_service.durable import DurableState
 from cache_service.errors import CacheError, InvalidArgument, PermissionDenied
 from cache_service.metrics import Metrics
-from cache_service.open_streams import SHUTTING_DOWN, OpenStreams
+from cache_service.open_streams import OpenStreams
 from cache_service.pool_registry import PoolRegistry
 from cache_service.replica_identity import certificate_names, owner_key
 from cache_service.stream_slots import DEFAULT_MAX_WATCH_STREAMS, StreamSlots
@@ -177,21 +177,16 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
                          context: grpc.aio.ServicerContext) -> AsyncIterator[cache_pb2.StepResponse]:
         """Step for each request of the stream, in order, one reply each; the first refused one
         ends the stream with Step's status for it."""
-        with self.streams.hold():
-            try:
-                async for request in requests:
-                    try:
-                        reply = self._step(request, "stream")
-                    except Exception as err:
-                        code, message = _refusal("StepStream", err)
-                        self._count_error("StepStream", code)
-                        end_call(context, code, message)
-                        return
-                    yield reply
-            except asyncio.CancelledError as err:
-                if not self.streams.ending(err):
-                    raise
-                end_call(context, grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+        with self.streams.hold(context):
+            async for request in requests:
+                try:
+                    reply = self._step(request, "stream")
+                except Exception as err:
+                    code, message = _refusal("StepStream", err)
+                    self._count_error("StepStream", code)
+                    end_call(context, code, message)
+                    return
+                yield reply
 
     def _step(self, request: cache_pb2.StepRequest, transport: str) -> cache_pb2.StepResponse:
         start = time.perf_counter()
@@ -256,14 +251,10 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
                 await replies.put(None)
 
         reader = asyncio.get_running_loop().create_task(answer())
-        with self.streams.hold():
+        with self.streams.hold(context):
             try:
                 while (reply := await replies.get()) is not None:
                     yield reply
-            except asyncio.CancelledError as err:
-                if not self.streams.ending(err):
-                    raise
-                end_call(context, grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
             finally:
                 reader.cancel()  # and waited for: it may be inside `requests`, which is closed next
                 with contextlib.suppress(asyncio.CancelledError):

@@ -57,20 +57,24 @@ def replica_load_proto(load: ReplicaLoad) -> cache_pb2.ReplicaLoad:
                                  peer_load_cost=load.peer_load_cost)
 
 
-def _admit_tokens(msg: cache_pb2.Admit) -> Sequence[int]:
-    """The prompt of an Admit: packed_token_ids as an array('I') (one copy), else token_ids as a
-    tuple. Raises InvalidArgument when both are set or the packed length is not whole ids."""
+def _prompt_tokens(msg: cache_pb2.Admit | cache_pb2.RouteRequest, where: str = "") -> Sequence[int]:
+    """The prompt of an Admit or a Route: packed_token_ids as an array('I') (one copy), else
+    token_ids as a tuple. Raises InvalidArgument (its message after `where`) when both are set or
+    the packed length is not whole ids."""
     packed = msg.packed_token_ids
     if not packed:
         return tuple(msg.token_ids)
     if msg.token_ids:
-        raise InvalidArgument(f"request {quote_id(msg.request_id)}: set token_ids or packed_token_ids, not both")
+        raise InvalidArgument(f"{where}set token_ids or packed_token_ids, not both")
     try:
         return unpack_tokens(packed)
     except ValueError as err:
-        raise InvalidArgument(
-            f"request {quote_id(msg.request_id)}: packed_token_ids: {err} (each a little-endian uint32)"
-        ) from None
+        raise InvalidArgument(f"{where}packed_token_ids: {err} (each a little-endian uint32)") from None
+
+
+def _admit_tokens(msg: cache_pb2.Admit) -> Sequence[int]:
+    """The prompt of an Admit (`_prompt_tokens`, errors naming the request)."""
+    return _prompt_tokens(msg, f"request {quote_id(msg.request_id)}: ")
 
 
 def step_input(msg: cache_pb2.StepRequest) -> StepInput:
@@ -221,22 +225,8 @@ def route_query(msg: cache_pb2.RouteRequest, all_namespaces: bool) -> RouteQuery
     defaults = RouteWeights()
     weights = RouteWeights(msg.prefill_weight or defaults.prefill_weight, msg.queue_weight or defaults.queue_weight,
                            msg.running_weight or defaults.running_weight)
-    return RouteQuery(route_tokens(msg), tuple(msg.page_hashes), msg.namespace, msg.model_fingerprint,
+    return RouteQuery(_prompt_tokens(msg), tuple(msg.page_hashes), msg.namespace, msg.model_fingerprint,
                       msg.request_id, msg.reserve_ms, msg.max_candidates, msg.dry_run, weights, all_namespaces)
-
-
-def route_tokens(msg: cache_pb2.RouteRequest) -> Sequence[int]:
-    """The prompt of a Route: packed_token_ids as an array('I'), else token_ids as a tuple.
-    Raises InvalidArgument when both are set or the packed length is not whole ids."""
-    packed = msg.packed_token_ids
-    if not packed:
-        return tuple(msg.token_ids)
-    if msg.token_ids:
-        raise InvalidArgument("set token_ids or packed_token_ids, not both")
-    try:
-        return unpack_tokens(packed)
-    except ValueError as err:
-        raise InvalidArgument(f"packed_token_ids: {err} (each a little-endian uint32)") from None
 
 
 def route_size(msg: cache_pb2.RouteRequest) -> tuple[int, int]:

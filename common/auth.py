@@ -211,7 +211,6 @@ class TokenStore:
             raise AuthError(PERMISSION_DENIED, f"{what} needs a token with the '{role}' role")
         return principal
 
-
     def reauthorize(self, principal: Principal, role: str | None, what: str = "this call") -> Principal:
         """The principal as the tokens now stand (found by its key: a reload may have changed its
         line), for a stream authorized before a reload; AuthError as authorize() would raise it

@@ -146,10 +146,8 @@ class CacheClient:
         request = self._step_request(plan)
         if self.step_stream:
             return StepCall(self, self._open_stream().send(request), request, streamed=True)
-        return StepCall(self, self._unary_step(request), request, streamed=False)
-
-    def _unary_step(self, request: cache_pb2.StepRequest) -> grpc.Future:
-        return self._stub.Step.future(request, timeout=self.timeout, metadata=self.token.metadata)
+        future = self._stub.Step.future(request, timeout=self.timeout, metadata=self.token.metadata)
+        return StepCall(self, future, request, streamed=False)
 
     def _open_stream(self) -> StepStream:
         """The Step stream, opened anew when there is none, it failed, or the token was reloaded."""

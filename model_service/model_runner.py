@@ -19,7 +19,7 @@ from model_service.attention.base import AttentionBackend, BatchLayout
 from model_service.attention.indexing import segments
 from model_service.decoder_forward import DecoderForward, supports
 from model_service.kv_cache import KVCache
-from model_service.linear import plan_model
+from model_service.linear import plan_model, probe_memo
 
 ATTENTION_NAME = "radixkv_paged"
 _CONTEXT_KWARG = "radixkv_context"
@@ -91,7 +91,8 @@ class ModelRunner:
         shape, "fast" takes them and says so in the plan; "auto": exact for float32 with "mkl".
         The plan of every product is `self.linears` (linear/planner.py)."""
         self.model = model
-        self.linears = plan_model(model, mode=linear_mode, fp32_gemm=fp32_gemm, linear_kernels=linear_kernels)
+        with probe_memo.kept():
+            self.linears = plan_model(model, mode=linear_mode, fp32_gemm=fp32_gemm, linear_kernels=linear_kernels)
         self.model.set_attn_implementation(ATTENTION_NAME)
         self.kv_cache = kv_cache
         self.backend = backend

@@ -143,7 +143,7 @@ def find_short_splits(weight: torch.Tensor, packed: torch.Tensor, block: int,
 
 
 # (out, in, threads) -> what the probe found: (block, short_splits), or None (the shape keeps F.linear)
-_blocks: dict[tuple[int, int, int], tuple[int, tuple[int, ...]] | None] = {}
+probed: dict[tuple[int, int, int], tuple[int, tuple[int, ...]] | None] = {}
 
 
 def pack(weight: torch.Tensor) -> BlockedWeight | None:
@@ -153,17 +153,17 @@ def pack(weight: torch.Tensor) -> BlockedWeight | None:
             or min(weight.shape) == 0 or not native.available()):
         return None
     key = (*weight.shape, torch.get_num_threads())
-    if _blocks.get(key, 0) is None:  # this shape was probed and failed: no copy to pack
+    if probed.get(key, 0) is None:  # this shape was probed and failed: no copy to pack
         return None
     packed = pack_weight(weight)
-    if key not in _blocks:
+    if key not in probed:
         with torch.inference_mode():
             generator = torch.Generator().manual_seed(0)
             block = find_block(weight, packed, generator)
-            _blocks[key] = None if block is None else (block, find_short_splits(weight, packed, block, generator))
-        if _blocks[key] is None:
+            probed[key] = None if block is None else (block, find_short_splits(weight, packed, block, generator))
+        if probed[key] is None:
             log.info("float32 %s products: MKL sums in an order not reproduced here; they keep F.linear",
                      tuple(weight.shape))
             return None
-    block, short_splits = _blocks[key]
+    block, short_splits = probed[key]
     return BlockedWeight(packed, weight.shape[0], block, short_splits)

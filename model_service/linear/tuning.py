@@ -40,6 +40,15 @@ DOT_TIMED_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)  # kept up to t
 DOT_TIMING_BYTES = 512 << 20  # bf16 weights timed at most (packed twice more for the run)
 
 
+# What the timing runs found in this process (and, restored by probe_memo.py, earlier starts on
+# this machine), by what they timed: (run, weight shapes, dtype, repeats, threads) -> answer.
+timed: dict[tuple, object] = {}
+
+
+def _timed_key(run: str, weights: list[torch.Tensor], repeats: int) -> tuple:
+    return (run, tuple(tuple(w.shape) for w in weights), weights[0].dtype, repeats, torch.get_num_threads())
+
+
 @dataclass(slots=True, frozen=True)
 class Timing:
     """Which short-input paths the timing run found faster than F.linear here."""
@@ -79,6 +88,10 @@ def time_paths(weights: Iterable[torch.Tensor], repeats: int = REPEATS) -> Timin
     weights = [w.detach() for w in weights if w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu"]
     if not weights:
         return Timing()
+    key = _timed_key("paths", weights, repeats)
+    if isinstance(timed.get(key), Timing):
+        log.info("short-input GEMMs: as timed before on this machine -> %s", timed[key])
+        return timed[key]
     with torch.inference_mode():
         plain = _pass_s(weights, ROWS, F.linear, repeats)
         transposed = _pass_s(weights, ROWS, transposed_linear, repeats)
@@ -88,6 +101,7 @@ def time_paths(weights: Iterable[torch.Tensor], repeats: int = REPEATS) -> Timin
                     split_one_row=split_one < (1 - MIN_GAIN) * plain_one)
     log.info("short-input GEMMs: %d rows %.1f ms F.linear vs %.1f ms transposed; one row %.1f ms vs %.1f ms "
              "split -> %s", ROWS, 1e3 * plain, 1e3 * transposed, 1e3 * plain_one, 1e3 * split_one, timing)
+    timed[key] = timing
     return timing
 
 
@@ -101,13 +115,17 @@ class DotTiming(NamedTuple):
 def time_dot_rows(weights: Iterable[torch.Tensor], repeats: int = 3) -> DotTiming:
     """Up to how many rows dot.py's kernel beats oneDNN's packed product on these bf16 CPU weights
     ([out, in] each): the largest of DOT_TIMED_ROWS at which it, and at every smaller one, saved
-    at least MIN_GAIN of the time. 0 where it never does or either cannot take the weights."""
+    at least MIN_GAIN of the time. 0 where it never does or either cannot take the weights. An
+    answer found before for the same weight shapes is returned without copies."""
+    weights = [w for w in weights if w.dim() == 2 and w.dtype == torch.bfloat16 and w.device.type == "cpu"]
+    key = _timed_key("dot", weights, repeats) if weights else None
+    if key is not None and type(timed.get(key)) is int:
+        log.info("bf16 GEMMs: as timed before on this machine -> radixkv up to %d rows", timed[key])
+        return DotTiming(timed[key], {})
     pairs, size = [], 0
     for w in weights:
         if size >= DOT_TIMING_BYTES:
             break
-        if w.dim() != 2 or w.dtype != torch.bfloat16 or w.device.type != "cpu":
-            continue
         packed, striped = pack_weight(w.detach()), dot.pack(w)
         if packed is None or striped is None:
             continue
@@ -128,4 +146,5 @@ def time_dot_rows(weights: Iterable[torch.Tensor], repeats: int = 3) -> DotTimin
             best = rows
     log.info("bf16 GEMMs, ms per pass (oneDNN / radixkv on %s) at rows %s -> radixkv up to %d rows",
              dot.engine(), ", ".join(times), best)
+    timed[key] = best
     return DotTiming(best, by_id)

@@ -29,16 +29,16 @@ class Verifier:
     """Answers whether a path gives F.linear's bits for a weight at some row counts (memoized)."""
 
     def __init__(self) -> None:
-        self._answers: dict[tuple, bool] = {}
+        self.answers: dict[tuple, bool] = {}
 
     def _key(self, path: str, weight: torch.Tensor, bias: torch.Tensor | None, rows: tuple[int, ...]) -> tuple:
         return (path, tuple(weight.shape), weight.dtype, bias is not None, rows, torch.get_num_threads())
 
     def _memo(self, key: tuple, check) -> bool:
-        if key not in self._answers:
+        if key not in self.answers:
             with torch.inference_mode():
-                self._answers[key] = bool(check())
-        return self._answers[key]
+                self.answers[key] = bool(check())
+        return self.answers[key]
 
     @staticmethod
     def _inputs(weight: torch.Tensor, rows: int, seed: int) -> torch.Tensor:

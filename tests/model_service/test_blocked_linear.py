@@ -149,11 +149,11 @@ def test_probed_weights_are_bitwise_f_linear(shape: tuple[int, int]) -> None:
 @needs_native
 def test_probe_rejects_an_order_that_does_not_match(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(blocked_linear, "BLOCK_CANDIDATES", (5,))
-    monkeypatch.setattr(blocked_linear, "_blocks", {})
+    monkeypatch.setattr(blocked_linear, "probed", {})
     weight = _weight(64, 1000, seed=3)  # candidates 5 and 1000 (one chain): MKL blocks k otherwise
     assert blocked_linear.find_block(weight, pack_weight(weight), torch.Generator().manual_seed(0)) is None
     assert pack(weight) is None
-    assert blocked_linear._blocks == {(64, 1000, torch.get_num_threads()): None}
+    assert blocked_linear.probed == {(64, 1000, torch.get_num_threads()): None}
     assert pack(weight) is None  # answered from the probed shapes, nothing packed
 
 

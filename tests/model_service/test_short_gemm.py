@@ -103,6 +103,7 @@ def test_planned_layers_keep_parameters_and_weight_tying() -> None:
 ])
 def test_a_path_is_offered_only_where_it_is_clearly_faster(monkeypatch, times, transposed, split):
     calls = iter(times)
+    monkeypatch.setattr(tuning, "timed", {})  # what earlier timing runs of this process found
     monkeypatch.setattr(tuning, "_pass_s", lambda *args: next(calls))
     monkeypatch.setattr(tuning, "_split_pass_s", lambda *args: next(calls))
     monkeypatch.setattr(tuning, "split_parts", lambda: 2)

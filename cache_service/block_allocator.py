@@ -1,4 +1,10 @@
-"""Block (page) allocator: a free list plus a reference count per block."""
+"""Block (page) allocator: a free list plus a reference count per block.
+
+Both live in uint32 arrays: the refcounts, and a free list of fixed capacity (one slot per block)
+of which the first `num_free_blocks` entries are free. Bulk calls run in the C core where it is
+built (cache_service/native: a few nanoseconds per id), else through numpy views for long id
+lists and Python loops for short ones; all three give the same answers.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from cache_service import native
 from cache_service.errors import AllocationError, IntegrityError
 
 # Calls on at least this many blocks go through numpy views of the same arrays (page size 1
@@ -22,16 +29,22 @@ class BlockAllocator:
     the block back on the free list when the last one goes. Freeing a free block raises.
     Allocation is all-or-nothing. Freed blocks are reused first (LIFO), in any order.
     Block ids must be in range (as every id the allocator handed out is).
+    `native_core`: run the bulk calls in the C core (None: where it is built; True: it must be).
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, native_core: bool | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
-        # Reversed so that a fresh allocator hands out 0, 1, 2, ... (pop from the end).
-        self._free = array("I", range(num_blocks - 1, -1, -1))
+        self._ops = native.block_ops() if native_core is None or native_core else None
+        if native_core and self._ops is None:
+            raise RuntimeError(f"the cache manager's C core is unavailable: {native.unavailable_reason()}")
+        # Reversed so that a fresh allocator hands out 0, 1, 2, ... (taken from the end).
+        self._free = array("I", range(num_blocks - 1, -1, -1))  # fixed size: never resize (a view)
+        self._nfree = num_blocks
         self._refcount = array("I", bytes(4 * num_blocks))
         self._rc = np.frombuffer(self._refcount, dtype=np.uint32)  # a view: never resize _refcount
+        self._free_view = np.frombuffer(self._free, dtype=np.uint32)
 
     @classmethod
     def restore(cls, num_blocks: int, free_list: list[int], refcounts: list[int]) -> BlockAllocator:
@@ -40,28 +53,40 @@ class BlockAllocator:
         Raises IntegrityError unless the free list holds exactly the blocks with refcount 0.
         """
         allocator = cls(num_blocks)
-        if len(refcounts) != num_blocks or any(not 0 <= b < num_blocks for b in free_list):
+        if (len(refcounts) != num_blocks or len(free_list) > num_blocks
+                or any(not 0 <= b < num_blocks for b in free_list)):
             raise IntegrityError("restored allocator state does not fit num_blocks")
-        allocator._free = array("I", free_list)
+        allocator._free_view[:len(free_list)] = free_list
+        allocator._nfree = len(free_list)
         allocator._rc[:] = refcounts  # in place: `_rc` must stay a view of `_refcount`
         allocator.check_integrity()
         return allocator
 
     @property
+    def native_core(self) -> bool:
+        """Whether this allocator's bulk calls run in the C core."""
+        return self._ops is not None
+
+    @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._nfree
 
     def can_allocate(self, n: int) -> bool:
-        return 0 <= n <= len(self._free)
+        return 0 <= n <= self._nfree
 
     def allocate(self, n: int) -> list[int]:
         """Take `n` free blocks (refcount 1 each). Raises AllocationError when fewer are free."""
         if not self.can_allocate(n):
-            raise AllocationError(f"cannot allocate {n} blocks, {len(self._free)} free")
+            raise AllocationError(f"cannot allocate {n} blocks, {self._nfree} free")
         if n == 0:
             return []
-        taken = self._free[-n:]
-        del self._free[-n:]
+        nfree = self._nfree
+        if self._ops is not None:
+            blocks = self._ops.take(self._refcount, self._free, nfree, n)
+            self._nfree = nfree - n
+            return blocks
+        taken = self._free[nfree - n:nfree]
+        self._nfree = nfree - n
         taken.reverse()
         if n >= BULK:
             self._rc[np.frombuffer(taken, dtype=np.uint32)] = 1
@@ -76,6 +101,11 @@ class BlockAllocator:
         """Add a reference to blocks that are in use; all or nothing (a free block raises)."""
         if not isinstance(block_ids, list | tuple | array):
             block_ids = list(block_ids)
+        if self._ops is not None:
+            bad = self._ops.incref(self._refcount, block_ids)
+            if bad >= 0:
+                raise AllocationError(f"incref of free block {block_ids[bad]}")
+            return
         if len(block_ids) >= BULK:
             idx = np.frombuffer(array("I", block_ids), dtype=np.uint32)
             rc = self._rc[idx]
@@ -102,24 +132,29 @@ class BlockAllocator:
         All or nothing: if any block would be freed more often than it is referenced (a double
         free), AllocationError is raised and no refcount changes.
         """
-        blocks = block_ids if isinstance(block_ids, list) else list(block_ids)
+        blocks = block_ids if isinstance(block_ids, list | tuple) else list(block_ids)
+        if self._ops is not None:
+            nfree = self._ops.release(self._refcount, self._free, self._nfree, blocks)
+            if nfree < 0:
+                raise AllocationError(f"double free of block {blocks[-nfree - 1]}")
+            self._nfree = nfree
+            return
         if len(blocks) >= BULK and self._free_bulk(blocks):
             return
         refcount = self._refcount
         free_list = self._free
-        freed = 0
+        nfree = self._nfree
         for i, b in enumerate(blocks):
             rc = refcount[b]
             if rc == 0:  # freed more often than referenced (repeats included): undo it all
                 for done in blocks[:i]:
                     refcount[done] += 1
-                if freed:
-                    del free_list[-freed:]
                 raise AllocationError(f"double free of block {b}")
             refcount[b] = rc - 1
             if rc == 1:
-                free_list.append(b)
-                freed += 1
+                free_list[nfree] = b
+                nfree += 1
+        self._nfree = nfree
 
     def _free_bulk(self, blocks: list[int]) -> bool:
         """`free` of distinct blocks with numpy; False (nothing done) when some block repeats."""
@@ -131,7 +166,9 @@ class BlockAllocator:
         if not rc.all():
             raise AllocationError(f"double free of block {idx[rc == 0][0]}")
         self._rc[idx] = rc - 1
-        self._free.frombytes(idx[rc == 1].tobytes())  # in the order given, as the loop would
+        freed = idx[rc == 1]  # in the order given, as the loop would
+        self._free_view[self._nfree:self._nfree + len(freed)] = freed
+        self._nfree += len(freed)
         return True
 
     def refcount(self, block_id: int) -> int:
@@ -141,11 +178,11 @@ class BlockAllocator:
         return self._refcount[block_id] == 0
 
     def free_block_ids(self) -> list[int]:
-        return self._free.tolist()
+        return self._free[:self._nfree].tolist()
 
     def check_integrity(self) -> None:
         """Free list has no duplicates and holds exactly the blocks with refcount 0."""
-        free = self._free.tolist()
+        free = self.free_block_ids()
         free_set = set(free)
         if len(free_set) != len(free):
             raise IntegrityError("a block is on the free list twice")

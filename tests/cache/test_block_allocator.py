@@ -1,4 +1,5 @@
-"""Block allocator: all-or-nothing allocation, refcounts, double free, reuse."""
+"""Block allocator: all-or-nothing allocation, refcounts, double free, reuse. Every test runs
+against the C core (cache_service/native) and the Python code, which must give the same answers."""
 
 from __future__ import annotations
 
@@ -8,8 +9,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cache_service import block_allocator, native
 from cache_service.block_allocator import BULK, BlockAllocator
 from cache_service.errors import AllocationError
+from tests.native_required import SKIP_PREFIX
+
+
+@pytest.fixture(autouse=True, params=["c", "python"])
+def core(request, monkeypatch) -> str:
+    """Which implementation every allocator of the test uses (`restore`'s too)."""
+    if request.param == "c":
+        if native.block_ops() is None:
+            pytest.skip(f"{SKIP_PREFIX}: the cache manager's C core ({native.unavailable_reason()})")
+    else:
+        monkeypatch.setattr(block_allocator.native, "block_ops", lambda: None)
+    return request.param
+
+
+def test_the_core_asked_for_runs(core) -> None:
+    assert BlockAllocator(4).native_core is (core == "c")
 
 
 def test_allocate_all_or_nothing() -> None:
@@ -63,7 +81,8 @@ def test_freed_blocks_are_reused_non_contiguously() -> None:
 def test_integrity_detects_corruption() -> None:
     alloc = BlockAllocator(3)
     alloc.allocate(1)
-    alloc._free.append(2)  # block 2 listed free twice
+    alloc._free[alloc.num_free_blocks] = 2  # block 2 listed free twice
+    alloc._nfree += 1
     with pytest.raises(Exception, match="twice"):
         alloc.check_integrity()
 
@@ -129,7 +148,7 @@ def test_restored_allocator_bulk_calls_update_the_restored_refcounts() -> None:
     restored refcounts, or a restored pool's first large allocation corrupts its accounting."""
     live = BlockAllocator(4 * BULK)
     held = live.allocate(10)
-    restored = BlockAllocator.restore(4 * BULK, list(live._free), [live.refcount(b) for b in range(4 * BULK)])
+    restored = BlockAllocator.restore(4 * BULK, live.free_block_ids(), [live.refcount(b) for b in range(4 * BULK)])
     blocks = restored.allocate(2 * BULK)  # the bulk path
     assert all(restored.refcount(b) == 1 for b in blocks)
     restored.incref(blocks)
@@ -138,3 +157,27 @@ def test_restored_allocator_bulk_calls_update_the_restored_refcounts() -> None:
     restored.free(blocks)
     restored.check_integrity()
     assert restored.num_free_blocks == 4 * BULK - len(held)
+
+
+def test_out_of_range_ids_change_nothing(core) -> None:
+    alloc = BlockAllocator(8)
+    blocks = alloc.allocate(4)
+    # Negative ids: the C core refuses them; Python's arrays would count from the end (the
+    # allocator's callers pass only ids it handed out).
+    bad_lists = [[*blocks, 8], [blocks[0], -1]] if core == "c" else [[*blocks, 8]]
+    for call in (alloc.incref, alloc.free):
+        for bad in bad_lists:
+            with pytest.raises((IndexError, OverflowError)):
+                call(bad)
+    assert all(alloc.refcount(b) == 1 for b in blocks) and alloc.num_free_blocks == 4
+    alloc.check_integrity()
+
+
+def test_a_refused_free_undoes_what_it_freed_before_the_bad_id() -> None:
+    alloc = BlockAllocator(3 * BULK)
+    blocks = alloc.allocate(2 * BULK)
+    free_before = alloc.free_block_ids()
+    with pytest.raises(AllocationError, match=f"double free of block {blocks[7]}"):
+        alloc.free([*blocks, blocks[7]])  # every block reaches 0, then one of them once more
+    assert alloc.free_block_ids() == free_before and all(alloc.refcount(b) == 1 for b in blocks)
+    alloc.check_integrity()

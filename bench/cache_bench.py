@@ -32,6 +32,7 @@ import numpy as np
 
 from bench.grpc_echo import METHOD as ECHO_METHOD
 from bench.sglang_tree import SGLANG_VERSION, SglangTreeDriver, load_sglang_tree
+from cache_service import native
 from cache_service.pool import Pool
 from cache_service.pool_registry import PoolRegistry
 from cache_service.radix_tree import RadixTree
@@ -376,7 +377,10 @@ def run(quick: bool, echo: Callable[[str], object] = print) -> dict:
                       ("build_s", "build s", ".1f"), ("route_us_p50", "route p50 us", ",.0f"),
                       ("route_us_p99", "route p99 us", ",.0f")]))
 
-    echo("\n== 6. tree on issue 12's trace: 100 x 512-token prefixes, 10k requests of 1,024 tokens, 2M slots")
+    core = native.unavailable_reason()
+    results["allocator_core"] = "C" if core is None else "Python"
+    echo("\n== 6. tree on issue 12's trace: 100 x 512-token prefixes, 10k requests of 1,024 tokens, 2M slots; "
+         f"block allocator: {'C core' if core is None else f'Python code ({core})'}")
     peer = load_sglang_tree()
     if isinstance(peer, str):
         echo(f"SGLang's tree is not run: {peer}")

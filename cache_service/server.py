@@ -9,6 +9,7 @@ import sys
 import grpc
 from grpc_health.v1 import health
 
+from cache_service import native
 from cache_service.collector import keep_full_collections_rare
 from cache_service.durable import DEFAULT_FSYNC_SECONDS, DEFAULT_SNAPSHOT_BYTES, DurableState
 from cache_service.events import DEFAULT_BUFFER_BYTES, EventLog
@@ -153,6 +154,8 @@ async def serve(
                  "off" if tokens is None else f"{len(tokens)} tokens", "on" if worker_san_check else "off",
                  registry_limits.max_pools, registry_limits.max_pools_per_owner,
                  registry_limits.max_memory_bytes >> 20)
+        reason = native.unavailable_reason()
+        log.info("block allocator: %s", "C core" if reason is None else f"Python code (C core {reason})")
 
     async def stopping() -> None:  # no lease runs out while the server drains
         await cancel_and_wait(expiry)

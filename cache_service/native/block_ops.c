@@ -34,6 +34,17 @@ static int get_u32(PyObject *obj, U32Buffer *out, const char *what) {
     return 0;
 }
 
+/* The allocator's two buffers; on failure neither is held. */
+static int get_state(PyObject *rc_obj, PyObject *free_obj, U32Buffer *rc, U32Buffer *fl) {
+    if (get_u32(rc_obj, rc, "refcount") < 0)
+        return -1;
+    if (get_u32(free_obj, fl, "free list") < 0) {
+        PyBuffer_Release(&rc->view);
+        return -1;
+    }
+    return 0;
+}
+
 /* The ids of a list or tuple as uint32, range-checked against `limit`; NULL with an exception
  * set otherwise. The caller frees the array with PyMem_Free. */
 static uint32_t *read_ids(PyObject *ids, Py_ssize_t limit, Py_ssize_t *count) {
@@ -76,12 +87,8 @@ static PyObject *take(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOnn", &rc_obj, &free_obj, &nfree, &n))
         return NULL;
     U32Buffer rc, fl;
-    if (get_u32(rc_obj, &rc, "refcount") < 0)
+    if (get_state(rc_obj, free_obj, &rc, &fl) < 0)
         return NULL;
-    if (get_u32(free_obj, &fl, "free list") < 0) {
-        PyBuffer_Release(&rc.view);
-        return NULL;
-    }
     PyObject *out = NULL;
     if (n < 0 || nfree > fl.len || n > nfree) {
         PyErr_SetString(PyExc_ValueError, "take: n must be within the free list");
@@ -152,12 +159,8 @@ static PyObject *release(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOnO", &rc_obj, &free_obj, &nfree, &ids_obj))
         return NULL;
     U32Buffer rc, fl;
-    if (get_u32(rc_obj, &rc, "refcount") < 0)
+    if (get_state(rc_obj, free_obj, &rc, &fl) < 0)
         return NULL;
-    if (get_u32(free_obj, &fl, "free list") < 0) {
-        PyBuffer_Release(&rc.view);
-        return NULL;
-    }
     PyObject *out = NULL;
     Py_ssize_t n = 0;
     uint32_t *ids = NULL;

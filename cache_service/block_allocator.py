@@ -19,6 +19,8 @@ from cache_service.errors import AllocationError, IntegrityError
 # Calls on at least this many blocks go through numpy views of the same arrays (page size 1
 # moves hundreds of blocks per call); fewer are cheaper as plain Python loops.
 BULK = 128
+MAX_REFCOUNT = 2**32 - 1  # refcounts are uint32: one more would wrap a held block to "free"
+REFCOUNT_OVERFLOW = "incref: a block's refcount would exceed 2**32 - 1"
 
 
 class BlockAllocator:
@@ -106,11 +108,16 @@ class BlockAllocator:
             if bad >= 0:
                 raise AllocationError(f"incref of free block {block_ids[bad]}")
             return
+        self._check_range(block_ids)
         if len(block_ids) >= BULK:
             idx = np.frombuffer(array("I", block_ids), dtype=np.uint32)
             rc = self._rc[idx]
             if not rc.all():
                 raise AllocationError(f"incref of free block {idx[rc == 0][0]}")
+            if int(rc.max()) + len(block_ids) > MAX_REFCOUNT:  # rare: only then count the repeats
+                counts = np.unique(idx, return_counts=True)[1]
+                if int((self._rc[np.unique(idx)].astype(np.int64) + counts).max()) > MAX_REFCOUNT:
+                    raise OverflowError(REFCOUNT_OVERFLOW)
             ordered = np.sort(idx)
             if (ordered[1:] == ordered[:-1]).any():
                 np.add.at(self._rc, idx, 1)  # repeated ids: unbuffered (slower) add
@@ -120,9 +127,11 @@ class BlockAllocator:
         refcount = self._refcount
         for i, b in enumerate(block_ids):
             rc = refcount[b]
-            if rc == 0:
+            if rc == 0 or rc == MAX_REFCOUNT:
                 for done in block_ids[:i]:  # undo: all or nothing
                     refcount[done] -= 1
+                if rc:
+                    raise OverflowError(REFCOUNT_OVERFLOW)
                 raise AllocationError(f"incref of free block {b}")
             refcount[b] = rc + 1
 
@@ -139,6 +148,7 @@ class BlockAllocator:
                 raise AllocationError(f"double free of block {blocks[-nfree - 1]}")
             self._nfree = nfree
             return
+        self._check_range(blocks)
         if len(blocks) >= BULK and self._free_bulk(blocks):
             return
         refcount = self._refcount
@@ -155,6 +165,14 @@ class BlockAllocator:
                 free_list[nfree] = b
                 nfree += 1
         self._nfree = nfree
+
+    def _check_range(self, block_ids: list[int] | tuple[int, ...] | array) -> None:
+        """IndexError, before anything changes, for an id outside [0, num_blocks) (as the C core)."""
+        if block_ids:
+            low, high = min(block_ids), max(block_ids)
+            if low < 0 or high >= self.num_blocks:
+                bad = low if low < 0 else high
+                raise IndexError(f"block id {bad} out of range [0, {self.num_blocks})")
 
     def _free_bulk(self, blocks: list[int]) -> bool:
         """`free` of distinct blocks with numpy; False (nothing done) when some block repeats."""

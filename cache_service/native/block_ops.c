@@ -120,7 +120,8 @@ done:
 }
 
 /* incref(refcount, ids) -> int: -1 when every id got one more reference, else the position of
- * the first id whose block is free (nothing changed). */
+ * the first id whose block is free (nothing changed); OverflowError (nothing changed) where a
+ * refcount would pass 2**32 - 1. */
 static PyObject *incref(PyObject *self, PyObject *args) {
     PyObject *rc_obj, *ids_obj;
     if (!PyArg_ParseTuple(args, "OO", &rc_obj, &ids_obj))
@@ -140,9 +141,18 @@ static PyObject *incref(PyObject *self, PyObject *args) {
             break;
         }
     }
-    if (bad < 0)
-        for (Py_ssize_t i = 0; i < n; i++)
+    if (bad < 0) {
+        Py_ssize_t i = 0;
+        for (; i < n && rc.data[ids[i]] < UINT32_MAX; i++)
             rc.data[ids[i]] += 1;
+        if (i < n) {  /* a refcount would wrap to 0 (a held block would look free): undo */
+            while (i-- > 0)
+                rc.data[ids[i]] -= 1;
+            PyErr_SetString(PyExc_OverflowError, "incref: a block's refcount would exceed 2**32 - 1");
+            PyMem_Free(ids);
+            goto done;
+        }
+    }
     out = PyLong_FromSsize_t(bad);
     PyMem_Free(ids);
 done:

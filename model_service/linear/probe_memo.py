@@ -36,8 +36,11 @@ log = logging.getLogger(__name__)
 
 ENV_SWITCH = "RADIXKV_PROBE_MEMO"
 VERSION = 1
-_ENV_PREFIXES = ("MKL_", "DNNL_", "ONEDNN_", "OMP_", "KMP_", "ATEN_CPU_CAPABILITY")
-_CPUINFO_FIELDS = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags")
+# MKL's and oneDNN's dispatch, the OpenMP runtime, and libraries preloaded in front of them.
+_ENV_PREFIXES = ("MKL_", "DNNL_", "ONEDNN_", "OMP_", "KMP_", "GOMP_", "ATEN_CPU_CAPABILITY", "LD_PRELOAD",
+                 "LD_LIBRARY_PATH")
+_CPUINFO_FIELDS = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags", "cpu cores", "siblings",
+                   "cache size")
 
 
 def _tables() -> dict[str, dict]:
@@ -57,18 +60,29 @@ def _cpu() -> str:
 
 
 def _native() -> str:
+    """The native library's content digest (its name digests sources, flags and torch, not the
+    compiler or the build-time ISA fallbacks), or why it is not loaded."""
     from model_service import native  # loading the library is the probes' business anyway
+    from model_service.linear import dot
     from model_service.native.build import library_path
 
-    return library_path().name if native.available() else f"none: {native.unavailable_reason()}"
+    if not native.available():
+        return f"none: {native.unavailable_reason()}"
+    digest = hashlib.sha256(library_path().read_bytes()).hexdigest()
+    return f"{digest} dot engine {dot.engine() if dot.available() else 'none'}"
 
 
 def fingerprint() -> str:
     """A digest of everything the probes' answers depend on but their keys do not say."""
     digest = hashlib.sha256()
     sources = sorted(Path(__file__).parent.glob("*.py"))
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        affinity = -1
     parts = [str(VERSION), _cpu(), torch.__version__, torch.__config__.show(), _native(),
              torch.backends.cpu.get_cpu_capability(), str(torch.get_num_threads()), str(torch.get_num_interop_threads()),
+             f"cpus {os.cpu_count()} affinity {affinity}",
              *sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES))]
     for part in parts:
         digest.update(part.encode())
@@ -113,16 +127,36 @@ def _decode(value: object) -> object:
     raise ValueError(f"not a probe answer: {value!r}")
 
 
+def _is_block_answer(value: object) -> bool:
+    """blocked.probed's value: None, or (block, short splits)."""
+    return value is None or (isinstance(value, tuple) and len(value) == 2 and type(value[0]) is int
+                             and isinstance(value[1], tuple) and all(type(v) is int for v in value[1]))
+
+
+# What each table's keys and values must be (a file that parses but says otherwise is not used).
+_VALID = {
+    "blocked": (lambda k: isinstance(k, tuple) and len(k) == 3 and all(type(v) is int for v in k), _is_block_answer),
+    "verified": (lambda k: isinstance(k, tuple) and len(k) == 6, lambda v: type(v) is bool),
+    "timed": (lambda k: isinstance(k, tuple) and len(k) == 5,
+              lambda v: isinstance(v, tuning.Timing) or type(v) is int),
+}
+
+
 def _read(path: Path) -> dict[str, dict]:
     """The tables in `path` ({} when there is none or it cannot be read as one)."""
     try:
         raw = json.loads(path.read_text())
         if raw.get("version") != VERSION:
             return {}
-        return {name: {_decode(k): _decode(v) for k, v in raw["tables"].get(name, [])} for name in _tables()}
+        tables = {}
+        for name, (key_ok, value_ok) in _VALID.items():
+            table = tables[name] = {_decode(k): _decode(v) for k, v in raw["tables"].get(name, [])}
+            if not all(key_ok(k) and value_ok(v) for k, v in table.items()):
+                raise ValueError(f"a {name} entry of the wrong shape")
+        return tables
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as error:
         log.warning("ignoring the probe memo %s (%s); probing again", path, error)
         return {}
 
@@ -150,21 +184,28 @@ def enabled() -> bool:
 @contextlib.contextmanager
 def kept() -> Iterator[None]:
     """Around a plan: restores the answers earlier starts on this machine found, and writes back
-    (merged with the file as it is then) what the plan added. A memo that cannot be written is
-    logged and otherwise ignored."""
+    (merged with the file as it is then) what the plan added. The memo never fails a start: where
+    it cannot be found, read or written (no home directory, an unwritable folder), that is logged
+    and the plan probes as without it."""
     if not enabled():
         yield
         return
-    path = memo_path()
-    restored = _read(path)
     tables = _tables()
+    try:
+        path = memo_path()
+        restored = _read(path)
+    except Exception as error:  # noqa: BLE001 - whatever it is, the probes still run
+        log.warning("no probe memo this start (%s); probing", error)
+        yield
+        return
     for name, table in tables.items():
         for key, value in restored.get(name, {}).items():
             table.setdefault(key, value)
     before = {name: len(table) for name, table in tables.items()}
-    if restored:
+    count = sum(len(t) for t in restored.values())
+    if count:
         log.info("linear plan: %d probe answers of earlier starts on this machine from %s (%s=off probes afresh)",
-                 sum(len(t) for t in restored.values()), path, ENV_SWITCH)
+                 count, path, ENV_SWITCH)
     yield
     if all(len(table) == before[name] for name, table in tables.items()):
         return

@@ -159,18 +159,17 @@ def test_restored_allocator_bulk_calls_update_the_restored_refcounts() -> None:
     assert restored.num_free_blocks == 4 * BULK - len(held)
 
 
-def test_out_of_range_ids_change_nothing(core) -> None:
-    alloc = BlockAllocator(8)
-    blocks = alloc.allocate(4)
-    # Negative ids: the C core refuses them; Python's arrays would count from the end (the
-    # allocator's callers pass only ids it handed out).
-    bad_lists = [[*blocks, 8], [blocks[0], -1]] if core == "c" else [[*blocks, 8]]
+@pytest.mark.parametrize("many", [False, True])
+def test_out_of_range_ids_change_nothing(many: bool) -> None:
+    alloc = BlockAllocator(4 * BULK)
+    blocks = alloc.allocate(2 * BULK if many else 4)
+    free_before = alloc.free_block_ids()
     for call in (alloc.incref, alloc.free):
-        for bad in bad_lists:
+        for bad in ([*blocks, 4 * BULK], [blocks[0], -1], [blocks[0], 2**32 + blocks[1]]):
             with pytest.raises((IndexError, OverflowError)):
                 call(bad)
-    assert all(alloc.refcount(b) == 1 for b in blocks) and alloc.num_free_blocks == 4
-    alloc.check_integrity()
+            assert all(alloc.refcount(b) == 1 for b in blocks) and alloc.free_block_ids() == free_before
+            alloc.check_integrity()
 
 
 def test_a_refused_free_undoes_what_it_freed_before_the_bad_id() -> None:
@@ -181,3 +180,15 @@ def test_a_refused_free_undoes_what_it_freed_before_the_bad_id() -> None:
         alloc.free([*blocks, blocks[7]])  # every block reaches 0, then one of them once more
     assert alloc.free_block_ids() == free_before and all(alloc.refcount(b) == 1 for b in blocks)
     alloc.check_integrity()
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_a_refcount_never_wraps_to_free(many: bool) -> None:
+    alloc = BlockAllocator(4 * BULK)
+    blocks = alloc.allocate(2 * BULK if many else 4)
+    alloc._refcount[blocks[-1]] = 2**32 - 2  # as if 4 billion holders
+    with pytest.raises(OverflowError):
+        alloc.incref([*blocks, blocks[-1]])  # the last one would reach 2**32
+    assert all(alloc.refcount(b) == 1 for b in blocks[:-1]) and alloc.refcount(blocks[-1]) == 2**32 - 2
+    alloc.incref([blocks[-1]])  # up to 2**32 - 1 is fine
+    assert alloc.refcount(blocks[-1]) == 2**32 - 1

@@ -82,8 +82,12 @@ def test_the_answers_restored_are_the_ones_probed(fresh_memos):
 def test_a_malformed_memo_is_ignored_and_rewritten(fresh_memos):
     path = probe_memo.memo_path()
     path.parent.mkdir(parents=True)
-    for text in ("{not json", json.dumps({"version": 1, "tables": {"verified": [[["x", {"dtype": "os"}], True]]}}),
-                 json.dumps({"version": 1, "tables": {"timed": [[["paths"], {"timing": [1]}]]}})):
+    for text in ("{not json", "[" * 100_000 + "]" * 100_000,
+                 json.dumps({"version": 1, "tables": {"verified": [[["x", {"dtype": "os"}], True]]}}),
+                 json.dumps({"version": 1, "tables": {"timed": [[["paths"], {"timing": [1]}]]}}),
+                 json.dumps({"version": 1, "tables": {"blocked": [[[96, 160, 2], 192]]}}),  # not (block, splits)
+                 json.dumps({"version": 1, "tables": {"verified": [[["transposed", [64, 96], {"dtype": "float32"},
+                                                                     True, [16, 17], 2], "no"]]}})):
         path.write_text(text)
         _clear()
         _plan_table()
@@ -101,6 +105,21 @@ def test_another_version_of_the_file_is_not_read(fresh_memos):
     _clear()
     with probe_memo.kept():
         assert not tuning.timed and not verify.shared.answers
+
+
+def test_a_memo_that_cannot_be_found_never_fails_a_start(fresh_memos, monkeypatch):
+    def no_home(name: str):
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(probe_memo, "local_cache_dir", no_home)
+    assert _plan_table()  # planned, probing as without a memo
+    assert tuning.timed
+    (fresh_memos / "probes").mkdir()
+    (fresh_memos / "probes").chmod(0o500)  # unwritable (as root this still writes: the call must not fail either way)
+    monkeypatch.undo()
+    monkeypatch.setenv("RADIXKV_CACHE_DIR", str(fresh_memos))
+    _clear()
+    assert _plan_table()
 
 
 def test_switched_off_nothing_is_read_or_written(fresh_memos, monkeypatch):

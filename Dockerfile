@@ -31,7 +31,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ \
  && python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
         protos/cache.proto protos/model.proto protos/kv_transfer.proto \
  && python -m model_service.native.build --optional --any-cpu && rm -rf model_service/native/_build/objects \
- && python -m cache_service.native.build --optional \
+ && python -m cache_service.native.build \
  && pip uninstall -y grpcio-tools \
  && apt-get purge -y g++ && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \
  && chmod 0755 /usr/local/bin/radixkv-entrypoint

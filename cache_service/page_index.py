@@ -118,12 +118,13 @@ class PageIndex:
         depth = 0
         for h in hashes:
             deeper = get(h, 0) & held
-            ended = held & ~deeper if depth else 0
-            for bit in bits_of(ended):
-                out[bit] = depth
-            if not deeper:
-                return out
-            held = deeper
+            if deeper != held:  # some holders end here (most pages: none do)
+                if depth:  # holders without the first page are left out
+                    for bit in bits_of(held & ~deeper):
+                        out[bit] = depth
+                if not deeper:
+                    return out
+                held = deeper
             depth += 1
         for bit in bits_of(held if depth else 0):
             out[bit] = depth

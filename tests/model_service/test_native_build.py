@@ -4,6 +4,8 @@ AVX512-BF16 instructions only in the functions compiled for them."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import re
 import shutil
 import subprocess
@@ -75,18 +77,24 @@ def test_any_cpu_builds_for_another_x86_machine_but_not_for_another_architecture
 
 
 @pytest.mark.skipif(shutil.which(build.os.environ.get("CXX", "g++")) is None, reason="needs a C++ compiler")
-@pytest.mark.parametrize("source, flag", [("attention.cpp", build.NO_BF16_FLAG), ("dot_linear.cpp", build.NO_BF16_FLAG),
-                                          ("dot_linear.cpp", build.NO_AMX_FLAG),
-                                          ("tile_attention.cpp", build.NO_BF16_FLAG),
-                                          ("tile_attention.cpp", build.NO_AMX_FLAG)])
-def test_dot_product_kernels_compile_without_avx512_bf16_or_amx(source: str, flag: str):
+def test_dot_product_kernels_compile_without_avx512_bf16_or_amx():
     """What a compiler that cannot target AVX512-BF16 (or AMX) builds (build.py adds RADIXKV_NO_BF16,
-    RADIXKV_NO_AMX)."""
+    RADIXKV_NO_AMX). The five checks run side by side (each parses torch's headers for seconds)."""
     cxx = build.os.environ.get("CXX", "g++")
-    result = subprocess.run([cxx, "-fsyntax-only", *[f for f in build.CXX_FLAGS if f not in ("-shared", "-fPIC")],
-                             flag, *build.include_flags(), str(build.HERE / source)],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    cases = [("attention.cpp", build.NO_BF16_FLAG), ("dot_linear.cpp", build.NO_BF16_FLAG),
+             ("dot_linear.cpp", build.NO_AMX_FLAG), ("tile_attention.cpp", build.NO_BF16_FLAG),
+             ("tile_attention.cpp", build.NO_AMX_FLAG)]
+
+    def compile_one(source: str, flag: str) -> subprocess.CompletedProcess:
+        return subprocess.run([cxx, "-fsyntax-only", *[f for f in build.CXX_FLAGS if f not in ("-shared", "-fPIC")],
+                               flag, *build.include_flags(), str(build.HERE / source)],
+                              capture_output=True, text=True, timeout=300)
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+        results = list(pool.map(lambda case: compile_one(*case), cases))
+    failed = [f"{source} {flag}:\n{r.stderr[-2000:]}" for (source, flag), r in zip(cases, results, strict=True)
+              if r.returncode != 0]
+    assert not failed, "\n".join(failed)
 
 
 def _functions_using(instructions: re.Pattern) -> set[str]:

@@ -377,10 +377,10 @@ def run(quick: bool, echo: Callable[[str], object] = print) -> dict:
                       ("build_s", "build s", ".1f"), ("route_us_p50", "route p50 us", ",.0f"),
                       ("route_us_p99", "route p99 us", ",.0f")]))
 
-    core = native.unavailable_reason()
-    results["allocator_core"] = "C" if core is None else "Python"
+    no_core = native.unavailable_reason()
+    results["allocator_core"] = "C" if no_core is None else "Python"
     echo("\n== 6. tree on issue 12's trace: 100 x 512-token prefixes, 10k requests of 1,024 tokens, 2M slots; "
-         f"block allocator: {'C core' if core is None else f'Python code ({core})'}")
+         f"block allocator: {'C core' if no_core is None else f'Python code ({no_core})'}")
     peer = load_sglang_tree()
     if isinstance(peer, str):
         echo(f"SGLang's tree is not run: {peer}")

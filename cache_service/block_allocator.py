@@ -115,8 +115,8 @@ class BlockAllocator:
             if not rc.all():
                 raise AllocationError(f"incref of free block {idx[rc == 0][0]}")
             if int(rc.max()) + len(block_ids) > MAX_REFCOUNT:  # rare: only then count the repeats
-                counts = np.unique(idx, return_counts=True)[1]
-                if int((self._rc[np.unique(idx)].astype(np.int64) + counts).max()) > MAX_REFCOUNT:
+                distinct, counts = np.unique(idx, return_counts=True)
+                if int((self._rc[distinct].astype(np.int64) + counts).max()) > MAX_REFCOUNT:
                     raise OverflowError(REFCOUNT_OVERFLOW)
             ordered = np.sort(idx)
             if (ordered[1:] == ordered[:-1]).any():

@@ -149,13 +149,12 @@ static PyObject *incref(PyObject *self, PyObject *args) {
             while (i-- > 0)
                 rc.data[ids[i]] -= 1;
             PyErr_SetString(PyExc_OverflowError, "incref: a block's refcount would exceed 2**32 - 1");
-            PyMem_Free(ids);
             goto done;
         }
     }
     out = PyLong_FromSsize_t(bad);
-    PyMem_Free(ids);
 done:
+    PyMem_Free(ids);
     PyBuffer_Release(&rc.view);
     return out;
 }

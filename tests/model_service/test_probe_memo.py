@@ -16,12 +16,11 @@ def fresh_memos(tmp_path, monkeypatch):
     """Empty process memos and a cache dir of the test's own; the process's memos come back after."""
     monkeypatch.setenv("RADIXKV_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(probe_memo.ENV_SWITCH, raising=False)
-    saved = {name: dict(table) for name, table in probe_memo._tables().items()}
-    for table in probe_memo._tables().values():
-        table.clear()
+    saved = _snapshot()
+    _clear()
     yield tmp_path
+    _clear()
     for name, table in probe_memo._tables().items():
-        table.clear()
         table.update(saved[name])
 
 
@@ -33,6 +32,11 @@ def _model(seed: int = 0) -> nn.Module:
 def _clear() -> None:
     for table in probe_memo._tables().values():
         table.clear()
+
+
+def _snapshot() -> dict[str, dict]:
+    """A copy of every process memo the probe memo keeps."""
+    return {name: dict(table) for name, table in probe_memo._tables().items()}
 
 
 def _plan_table(seed: int = 0) -> str:
@@ -50,7 +54,7 @@ def _no_probe(*args, **kwargs):
 
 def test_a_second_start_restores_every_answer_and_plans_alike(fresh_memos, monkeypatch):
     first = _plan_table()
-    found = {name: dict(table) for name, table in probe_memo._tables().items()}
+    found = _snapshot()
     assert found["timed"] and found["verified"]  # the timing run and the bit checks ran
     files = list((fresh_memos / "probes").glob("linear-*.json"))
     assert len(files) == 1
@@ -60,18 +64,18 @@ def test_a_second_start_restores_every_answer_and_plans_alike(fresh_memos, monke
                          (verify.Verifier, "_equals_f_linear")):
         monkeypatch.setattr(module, name, _no_probe)
     with probe_memo.kept():
-        assert {name: dict(table) for name, table in probe_memo._tables().items()} == found
+        assert _snapshot() == found
         second = plan_model(_model(seed=1)).table()  # other values, same shapes: the answers hold
     assert second == first
-    assert {name: dict(table) for name, table in probe_memo._tables().items()} == found  # nothing probed again
+    assert _snapshot() == found  # nothing probed again
 
 
 def test_the_answers_restored_are_the_ones_probed(fresh_memos):
     _plan_table()
-    kept = {name: dict(table) for name, table in probe_memo._tables().items()}
+    kept = _snapshot()
     _clear()
     with probe_memo.kept():
-        restored = {name: dict(table) for name, table in probe_memo._tables().items()}
+        restored = _snapshot()
     assert restored == kept
     if blocked.probed:
         assert all(v is None or (type(v[0]) is int and isinstance(v[1], tuple)) for v in blocked.probed.values())

@@ -22,6 +22,11 @@ MODEL ?=
 RUN_ARGS ?=
 SHARDS ?= 1
 PYTEST_ARGS ?=
+# Test files run on this many workers (pytest-xdist, one file per worker at a time, so a module's
+# fixtures start once): a test mostly waits on its servers, so two workers keep 2 cores busy.
+# PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= 2
+PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadfile
 
 .PHONY: install proto native node run run-fleet test test-fast bench bench-quick bench-peers lint clean
 
@@ -72,15 +77,15 @@ run-fleet: install
 	$(BIN)/python -m scripts.serve_fleet --host $(HOST) --cache-port $(CACHE_PORT) --shards $(SHARDS) \
 		--model-port $(MODEL_PORT) --router-port $(ROUTER_PORT) --http-port $(HTTP_PORT) $(if $(MODEL),--model $(MODEL)) $(RUN_ARGS)
 
-# The full gate (.ci/run): every test, ~14 min on 2 cores (README: Tests).
+# The full gate (.ci/run): every test, ~11 min on 2 cores (README: Tests).
 test: install node
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # The inner loop, about 3.5 min: no bundled model, no model service process, no soak (markers added
 # from fixtures in tests/conftest.py). The variable makes tests/services.py refuse to start a model
 # service, so a test missing its marker fails here instead of quietly slowing the loop down.
 test-fast: install node
-	RADIXKV_TESTS_NO_MODEL_SERVICE=1 $(BIN)/python -m pytest -m "not model and not replica and not soak" $(PYTEST_ARGS)
+	RADIXKV_TESTS_NO_MODEL_SERVICE=1 $(BIN)/python -m pytest $(PYTEST_XDIST) -m "not model and not replica and not soak" $(PYTEST_ARGS)
 
 # The benchmark suite (bench/README.md): spawns the services itself, runs every workload against its
 # baselines, writes bench/results.json and bench/plots/. BENCH_ARGS, e.g. "--only shared_prefix,multiturn".

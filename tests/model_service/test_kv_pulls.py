@@ -257,18 +257,22 @@ def test_pages_the_source_keeps_in_its_host_tier_are_pulled_from_there(pull_flee
     tokens_a, logprobs_a, usage_a = generate(pull_fleet.a.addr, p)  # the reference: a's own hit
     cacheable = (len(p) - 1) // BS * BS
     assert usage_a.cached_device_tokens == cacheable
+    # a's finish reaches the cache manager with its next Step: until then p's blocks are locked and
+    # the Evict below would leave them on the device.
+    wait_unpinned(pull_fleet, "pull-a")
     with grpc.insecure_channel(pull_fleet.cache.addr) as channel:
+        cache = cache_pb2_grpc.CacheManagerStub(channel)
         epoch = pool_stats(pull_fleet)["pull-a"].epoch
-        cache_pb2_grpc.CacheManagerStub(channel).Evict(
-            cache_pb2.EvictRequest(pool_id="pull-a", epoch=epoch, num_blocks=256), metadata=client_md(ADMIN_TOKEN))
-    deadline = time.monotonic() + 20
-    while pool_stats(pull_fleet)["pull-a"].host_tier.num_cached_pages < cacheable // BS:
-        generate(pull_fleet.a.addr, prompt(99, 20), max_tokens=1)  # a's Steps carry the copies down
-        assert time.monotonic() < deadline, pool_stats(pull_fleet)["pull-a"]
-    with grpc.insecure_channel(pull_fleet.cache.addr) as channel:
-        (match,) = cache_pb2_grpc.CacheManagerStub(channel).Match(
-            cache_pb2.MatchRequest(pool_id="pull-a", token_ids=p), metadata=client_md(ADMIN_TOKEN)).matches
-    assert (match.matched_tokens, match.matched_host_tokens) == (0, cacheable)  # only a's host tier holds p
+        cache.Evict(cache_pb2.EvictRequest(pool_id="pull-a", epoch=epoch, num_blocks=256),
+                    metadata=client_md(ADMIN_TOKEN))
+        deadline = time.monotonic() + 20
+        while True:
+            (match,) = cache.Match(cache_pb2.MatchRequest(pool_id="pull-a", token_ids=p),
+                                   metadata=client_md(ADMIN_TOKEN)).matches
+            if (match.matched_tokens, match.matched_host_tokens) == (0, cacheable):
+                break  # only a's host tier holds p
+            assert match.matched_tokens == 0 and time.monotonic() < deadline, (match, pool_stats(pull_fleet)["pull-a"])
+            generate(pull_fleet.a.addr, prompt(99, 20), max_tokens=1)  # a's Steps carry the copies down
     # b has computed no batch of 64 tokens or more (only the tails of pulled prompts): its pull
     # cost is not measured, so it pulls (on the tiny model a measured pull is dearer than computing).
     tokens_b, logprobs_b, usage_b = generate(pull_fleet.b.addr, p)

@@ -81,7 +81,7 @@ run-fleet: install
 test: install node
 	$(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
-# The inner loop, about 3.5 min: no bundled model, no model service process, no soak (markers added
+# The inner loop, about 2.5 min: no bundled model, no model service process, no soak (markers added
 # from fixtures in tests/conftest.py). The variable makes tests/services.py refuse to start a model
 # service, so a test missing its marker fails here instead of quietly slowing the loop down.
 test-fast: install node

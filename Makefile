@@ -77,7 +77,7 @@ run-fleet: install
 	$(BIN)/python -m scripts.serve_fleet --host $(HOST) --cache-port $(CACHE_PORT) --shards $(SHARDS) \
 		--model-port $(MODEL_PORT) --router-port $(ROUTER_PORT) --http-port $(HTTP_PORT) $(if $(MODEL),--model $(MODEL)) $(RUN_ARGS)
 
-# The full gate (.ci/run): every test, ~11 min on 2 cores (README: Tests).
+# The full gate (.ci/run): every test, 11-13 min on 2 cores (README: Tests).
 test: install node
 	$(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 

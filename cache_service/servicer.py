@@ -178,7 +178,11 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
         """Step for each request of the stream, in order, one reply each; the first refused one
         ends the stream with Step's status for it."""
         with self.streams.hold(context):
-            async for request in requests:
+            while True:
+                try:
+                    request = await self.streams.wait(requests.__anext__)
+                except StopAsyncIteration:
+                    return
                 try:
                     reply = self._step(request, "stream")
                 except Exception as err:
@@ -247,13 +251,14 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
                     await replies.put(self._route_reply(request))
             except Exception:  # noqa: BLE001 (the client went away mid-read: the call is over)
                 log.debug("RouteStream reader ended", exc_info=True)
-            finally:
-                await replies.put(None)
+            # The end, after the replies before it. Not when cancelled: the handler is not
+            # reading then, and with the queue full this put would never return.
+            await replies.put(None)
 
         reader = asyncio.get_running_loop().create_task(answer())
         with self.streams.hold(context):
             try:
-                while (reply := await replies.get()) is not None:
+                while (reply := await self.streams.wait(replies.get)) is not None:
                     yield reply
             finally:
                 reader.cancel()  # and waited for: it may be inside `requests`, which is closed next

@@ -10,7 +10,7 @@ PROTO_OUT := protos/cache_pb2.py protos/cache_pb2_grpc.py protos/model_pb2.py pr
 NODE_STAMP := client/node/node_modules/.installed
 NATIVE_SRC := $(wildcard model_service/native/*.cpp model_service/native/*.h) model_service/native/build.py
 NATIVE_STAMP := model_service/native/_build/.built
-CACHE_NATIVE_SRC := cache_service/native/block_ops.c cache_service/native/build.py
+CACHE_NATIVE_SRC := cache_service/native/block_ops.c cache_service/native/page_ops.c cache_service/native/build.py
 CACHE_NATIVE_STAMP := cache_service/native/_build/.built
 
 HOST ?= 127.0.0.1
@@ -54,8 +54,9 @@ $(NATIVE_STAMP): $(NATIVE_SRC) $(STAMP)
 	$(BIN)/python -m model_service.native.build --optional
 	mkdir -p $(dir $(NATIVE_STAMP)) && touch $(NATIVE_STAMP)
 
-# The cache manager's C core (cache_service/native/block_ops.c: the block allocator's bulk calls;
-# one cc call, about a second). Without a compiler it warns and the allocator runs its Python code.
+# The cache manager's C core (cache_service/native: block_ops.c, the block allocator's bulk calls, and
+# page_ops.c, the page index's loops; a cc call each, about a second). Without a compiler it warns and
+# the allocator and the page index run their Python code.
 $(CACHE_NATIVE_STAMP): $(CACHE_NATIVE_SRC) $(STAMP)
 	$(BIN)/python -m cache_service.native.build --optional
 	mkdir -p $(dir $(CACHE_NATIVE_STAMP)) && touch $(CACHE_NATIVE_STAMP)

@@ -13,12 +13,17 @@ Holders: each pool's device tree and its routed-but-not-cached prompts (cache_se
 one bit each, recycled when a pool leaves. Pages are kept per namespace: page hashes are public
 (anyone can compute another namespace's chain), so a walk only ever sees the pages of the
 namespace it names, as each tree's own hash index does (radix_tree.py).
+
+The loops over a chain (add, remove, depths) run in the cache manager's C core where it is built
+(cache_service/native/page_ops.c, on the same dicts and ints), else here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from typing import Protocol
+
+from cache_service import native
 
 
 class PageListener(Protocol):
@@ -44,6 +49,9 @@ class PageHolder:
         if pages is None:
             pages = self._index._pages[namespace] = {}
         bit = self.bit
+        if self._index._ops is not None:
+            self.num_pages += self._index._ops.add(pages, hashes, bit)
+            return
         get = pages.get
         n = 0
         for h in hashes:
@@ -58,6 +66,11 @@ class PageHolder:
         if pages is None:
             return
         keep = ~self.bit
+        if self._index._ops is not None:
+            self.num_pages -= self._index._ops.remove(pages, hashes, keep)
+            if not pages:
+                del self._index._pages[namespace]
+            return
         get = pages.get
         n = 0
         for h in hashes:
@@ -81,9 +94,14 @@ def bits_of(mask: int) -> Iterator[int]:
 
 
 class PageIndex:
-    """Page hash -> holders, per namespace (see the module docstring). Not thread-safe."""
+    """Page hash -> holders, per namespace (see the module docstring). Not thread-safe.
 
-    def __init__(self) -> None:
+    `native_core`: run the loops in the C core (None: where it is built; True: it must be)."""
+
+    def __init__(self, native_core: bool | None = None) -> None:
+        self._ops = native.page_ops() if native_core is None or native_core else None
+        if native_core and self._ops is None:
+            raise RuntimeError(f"the cache manager's C core is unavailable: {native.unavailable_reason()}")
         self._pages: dict[str, dict[int, int]] = {}
         self._free_bits: list[int] = []
         self._next_bit = 1
@@ -113,6 +131,8 @@ class PageIndex:
         out: dict[int, int] = {}
         if not pages:
             return out
+        if self._ops is not None:
+            return self._ops.depths(pages, hashes, mask)
         get = pages.get
         held = mask
         depth = 0

@@ -1,9 +1,11 @@
-"""The cache manager's C core: the block allocator's bulk operations (block_ops.c).
+"""The cache manager's C core: the block allocator's bulk operations (block_ops.c) and the page
+index's loops (page_ops.c).
 
 Built by `make install` (`python -m cache_service.native.build`) and loaded here on first use;
-`block_ops()` is the extension module, or None where it is not built or does not load
-(`unavailable_reason()` says why), and the allocator then runs its Python code, which gives
-the same answers (tests/cache/test_block_allocator.py runs both).
+`block_ops()` and `page_ops()` are the extension modules, or None where they are not built or do
+not load (`unavailable_reason()` says why), and the allocator and the page index then run their
+Python code, which gives the same answers (tests/cache/test_block_allocator.py and
+tests/cache/test_page_index.py run both).
 """
 
 from __future__ import annotations
@@ -14,14 +16,14 @@ from types import ModuleType
 
 
 @functools.cache
-def _load() -> tuple[ModuleType | None, str | None]:
+def _load(name: str) -> tuple[ModuleType | None, str | None]:
     from cache_service.native.build import library_path  # importing build here would shadow `-m ...build`
 
-    path = library_path()
+    path = library_path(name)
     if not path.exists():
         return None, f"not built ({path.name} missing: run `make install` or `python -m cache_service.native.build`)"
     try:
-        spec = importlib.util.spec_from_file_location("_block_ops", path)
+        spec = importlib.util.spec_from_file_location(f"_{name}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     except (OSError, ImportError) as error:
@@ -30,9 +32,17 @@ def _load() -> tuple[ModuleType | None, str | None]:
 
 
 def block_ops() -> ModuleType | None:
-    return _load()[0]
+    return _load("block_ops")[0]
+
+
+def page_ops() -> ModuleType | None:
+    return _load("page_ops")[0]
 
 
 def unavailable_reason() -> str | None:
     """None when the C core is loaded, else why it is not."""
-    return _load()[1]
+    for name in ("block_ops", "page_ops"):
+        why = _load(name)[1]
+        if why is not None:
+            return why
+    return None

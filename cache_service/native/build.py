@@ -1,10 +1,11 @@
-"""Builds the cache manager's C core (block_ops.c: the block allocator's bulk operations) into a
-CPython extension next to this file.
+"""Builds the cache manager's C core into CPython extensions next to this file: block_ops.c (the
+block allocator's bulk operations) and page_ops.c (the page index's loops).
 
-`make install` runs `python -m cache_service.native.build --optional`. The file's name carries a
-hash of the source, the flags and the Python version, so a stale build is never loaded. It needs
+`make install` runs `python -m cache_service.native.build --optional`. Each file's name carries a
+hash of its source, the flags and the Python version, so a stale build is never loaded. It needs
 a C compiler and Python's headers, nothing of torch, and takes about a second; without it the
-allocator runs its Python and numpy code (`cache_service.native.unavailable_reason()` says why).
+allocator and the page index run their Python code (`cache_service.native.unavailable_reason()`
+says why).
 """
 
 from __future__ import annotations
@@ -19,22 +20,26 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "block_ops.c"
+EXTENSIONS = ("block_ops", "page_ops")  # each NAME.c builds the module _NAME
 CFLAGS = ["-O2", "-shared", "-fPIC", "-std=c11", "-Wall", "-Werror=implicit-function-declaration"]
 
 
-def library_path() -> Path:
-    """Where the extension for this source, these flags and this Python lives."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+def library_path(name: str = "block_ops") -> Path:
+    """Where the extension `name` for its source, these flags and this Python lives."""
+    digest = hashlib.sha256((HERE / f"{name}.c").read_bytes())
     digest.update(" ".join(CFLAGS).encode())
     digest.update(sys.version.encode())
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    return HERE / "_build" / f"block_ops_{digest.hexdigest()[:16]}{suffix}"
+    return HERE / "_build" / f"{name}_{digest.hexdigest()[:16]}{suffix}"
 
 
-def build(force: bool = False) -> Path:
-    """Compiles the extension unless it is there already; returns its path (raises on failure)."""
-    target = library_path()
+def build(force: bool = False) -> list[Path]:
+    """Compiles the extensions not there already; returns their paths (raises on failure)."""
+    return [build_one(name, force) for name in EXTENSIONS]
+
+
+def build_one(name: str, force: bool = False) -> Path:
+    target = library_path(name)
     if target.exists() and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -42,9 +47,9 @@ def build(force: bool = False) -> Path:
     include = sysconfig.get_paths()["include"]
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
-        subprocess.run([cc, *CFLAGS, f"-I{include}", str(SOURCE), "-o", str(partial)], check=True)
+        subprocess.run([cc, *CFLAGS, f"-I{include}", str(HERE / f"{name}.c"), "-o", str(partial)], check=True)
         partial.replace(target)
-    for stale in target.parent.glob("block_ops_*"):
+    for stale in target.parent.glob(f"{name}_*"):
         if stale != target:
             stale.unlink(missing_ok=True)
     return target
@@ -57,7 +62,7 @@ def main() -> None:
                         help="a failed build only warns (the allocator then runs its Python code)")
     args = parser.parse_args()
     try:
-        print(build(force=args.force))
+        print("\n".join(str(path) for path in build(force=args.force)))
     except (OSError, subprocess.CalledProcessError) as error:
         if not args.optional:
             raise

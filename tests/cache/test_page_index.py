@@ -1,6 +1,7 @@
 """The model-wide page index (page_index.py, fleet_pages.py): one walk of a prompt's hash chain
 gives every pool's cached and promised leading pages, as each pool's own tree and routed prompts
-would; Route on a large fleet ranks only the pools likely best."""
+would; Route on a large fleet ranks only the pools likely best. Every test runs against the C core
+(cache_service/native/page_ops.c) and the Python code, which must give the same answers."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import random
 
 import pytest
 
-from cache_service import routing
+from cache_service import native, page_index, routing
 from cache_service.page_hash import iter_page_hashes, page_hashes
 from cache_service.page_index import PageIndex
 from cache_service.pool_registry import PoolRegistry
@@ -16,8 +17,57 @@ from cache_service.routing import RouteQuery
 from cache_service.schema import Admit, Extend, Finish, ReplicaLoad, StepInput
 from common.token_bytes import encode_tokens
 from tests.cache.conftest import ManualClock
+from tests.native_required import SKIP_PREFIX
 
 BS = 4
+
+
+@pytest.fixture(autouse=True, params=["c", "python"])
+def core(request, monkeypatch) -> str:
+    """Which implementation every page index of the test uses (the registry's too)."""
+    if request.param == "c":
+        if native.page_ops() is None:
+            pytest.skip(f"{SKIP_PREFIX}: the cache manager's C core ({native.unavailable_reason()})")
+    else:
+        monkeypatch.setattr(page_index.native, "page_ops", lambda: None)
+    return request.param
+
+
+def test_the_core_asked_for_runs(core) -> None:
+    assert (PageIndex()._ops is not None) is (core == "c")
+
+
+def test_a_fleet_of_many_holders_gives_what_the_python_loops_give(core) -> None:
+    """Masks past 64 bits (two bits a pool: 48 pools are 96), random adds and removes, chains
+    walked whole and lazily: both cores agree on every answer and every stored mask."""
+    if core == "python":
+        pytest.skip("compares the C core with the Python code")
+    rng = random.Random(11)
+    fast, slow = PageIndex(native_core=True), PageIndex(native_core=False)
+    holders = [(fast.holder(), slow.holder()) for _ in range(100)]
+    chains = [page_hashes(0, ns, [rng.randrange(50) for _ in range(24)] * 2, BS) for ns in ("", "t") for _ in range(6)]
+    for _ in range(400):
+        (f, s), chain = rng.choice(holders), rng.choice(chains)
+        ns = rng.choice(("", "t"))
+        cut = rng.randrange(len(chain) + 1)
+        if rng.random() < 0.6:
+            f.added(ns, iter(chain[:cut]))
+            s.added(ns, chain[:cut])
+        else:
+            f.removed(ns, chain[cut:])
+            s.removed(ns, iter(chain[cut:]))
+        assert (f.num_pages, fast.snapshot()) == (s.num_pages, slow.snapshot())
+        mask = rng.choice((-1, rng.getrandbits(200)))
+        walk = rng.choice(chains)
+        assert fast.depths(ns, iter(walk), mask) == slow.depths(ns, walk, mask)
+    assert fast.depths("", iter(())) == slow.depths("", ()) == {}
+    holders[0][0].added("", chains[0])
+    holders[0][1].added("", chains[0])
+    for index in (fast, slow):  # what is not a chain is refused alike
+        with pytest.raises(TypeError):
+            index.depths("", None)
+        with pytest.raises(TypeError):
+            index.depths("", chains[0], None)
 
 
 def test_depths_follow_each_holders_leading_run_and_stop_where_nobody_holds() -> None:

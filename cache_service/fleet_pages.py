@@ -39,6 +39,9 @@ class ModelPages:
         self._bits: dict[str, PoolBits] = {}
         self._owners: dict[int, tuple[str, bool]] = {}  # bit -> (pool id, device?)
         self.device_bits = 0  # the bits of every pool's tree
+        # The most blocks any pool of the group has (lease running or not): a bound on what a
+        # Route may carry, kept as pools join and leave (routing.check_route_size is exact).
+        self.max_blocks = 0
 
     def join(self, pool: Pool) -> None:
         """Take `pool` in with the pages it holds now (again: nothing; a pool of the same id that
@@ -56,6 +59,7 @@ class ModelPages:
         self.device_bits |= bits.device.bit
         pool.tree.set_listener(bits.device)
         pool.routing.routed.set_listener(bits.routed)
+        self.max_blocks = max(self.max_blocks, pool.num_blocks)
 
     def leave(self, pool: Pool) -> None:
         bits = self._bits.pop(pool.pool_id)
@@ -66,6 +70,7 @@ class ModelPages:
         for holder in bits:
             del self._owners[holder.bit]
             self.index.release(holder)
+        self.max_blocks = max((p.num_blocks for p in self.pools.values()), default=0)
 
     def held(self, namespace: str, hashes: Iterable[int], mask: int = -1) -> HeldPages:
         """Leading pages of the chain `hashes` each pool holds and was promised (see PageIndex.depths)."""

@@ -35,7 +35,7 @@ from cache_service.peer_pulls import DEFAULT_PIN_SECONDS, PullJournal, TransferE
 from cache_service.pool import Pool
 from cache_service.registry_limits import RegistryLimits
 from cache_service.routed import RouteJournal
-from cache_service.routing import RouteQuery, RouteResult, check_route_size, route
+from cache_service.routing import RouteQuery, RouteResult, check_route_size, route, within_group_sizes
 from cache_service.schema import ReplicaLoad, TierSpec
 from cache_service.tiers.lower_tier import TIER_DISK
 from common.limits import quote_id
@@ -345,9 +345,11 @@ class PoolRegistry:
         return route(self.pages.of_model(query.model_fingerprint), query, self._clock())
 
     def check_route_size(self, model_fingerprint: str, num_tokens: int, num_pages: int) -> None:
-        """InvalidArgument when a Route prompt is larger than the largest live pool of the model
-        holds (`route` checks it too; this lets a caller refuse before copying the prompt)."""
-        check_route_size(self.live_pools(model_fingerprint), num_tokens, num_pages)
+        """InvalidArgument for a Route prompt larger than any pool of the model holds, lease
+        running or not, with `route`'s message: a caller refuses it before copying the prompt.
+        `route` checks it exactly (against the live pools)."""
+        if not within_group_sizes(self.pages.of_model(model_fingerprint), num_tokens, num_pages):
+            check_route_size(self.live_pools(model_fingerprint), num_tokens, num_pages)
 
     def expire_routed(self) -> None:
         """End reservations and routed requests whose time has come, in every pool."""

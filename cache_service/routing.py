@@ -139,6 +139,14 @@ def check_route_size(pools: Iterable[Pool], num_tokens: int, num_pages: int) -> 
                               f"({why})")
 
 
+def within_group_sizes(groups: Sequence[ModelPages], num_tokens: int, num_pages: int) -> bool:
+    """Whether a prompt of `num_tokens` / `num_pages` fits the largest pool of `groups`, lease
+    running or not (every live pool is among them: False means `check_route_size` refuses it)."""
+    max_tokens = max((g.max_blocks * g.page_size for g in groups), default=0)
+    max_pages = max((g.max_blocks for g in groups), default=0)
+    return bool(max_pages) and num_tokens <= max_tokens and num_pages <= max_pages
+
+
 def route(groups: Sequence[ModelPages], query: RouteQuery, now: float) -> RouteResult:
     """Rank the live pools of `groups` (those without a serving address are skipped).
 
@@ -147,7 +155,9 @@ def route(groups: Sequence[ModelPages], query: RouteQuery, now: float) -> RouteR
     it, and the LEAST_LOADED_OTHERS least loaded of the rest: a pool outside those would compute
     the whole prompt, so one of the least loaded is at least as good."""
     pools = [p for g in groups for p in g.pools.values() if now < p.lease_deadline]
-    check_route_size(pools, len(query.token_ids), len(query.page_hashes))
+    if len(pools) != sum(len(g.pools) for g in groups) or not within_group_sizes(
+            groups, len(query.token_ids), len(query.page_hashes)):
+        check_route_size(pools, len(query.token_ids), len(query.page_hashes))  # exact (the groups' bound is, when all are live)
     if bool(query.token_ids) == bool(query.page_hashes):
         raise InvalidArgument("give either token_ids or page_hashes (exactly one of them, non-empty; "
                               "packed_token_ids are token_ids)")
@@ -170,7 +180,6 @@ def route(groups: Sequence[ModelPages], query: RouteQuery, now: float) -> RouteR
     keys: dict[int, bytes] = {}  # per block size: the cacheable prompt prefix, sliced once
     encoded = encode_tokens(query.token_ids) if query.token_ids else b""  # encoded once for all pools
     wp = weights.prefill_weight
-    num_pages = 0
 
     def cacheable(bs: int) -> tuple[int, int, bytes]:
         """(prompt tokens, pages that may be cached, their key) for pools of page size `bs`."""
@@ -217,20 +226,25 @@ def route(groups: Sequence[ModelPages], query: RouteQuery, now: float) -> RouteR
     # (score, -free, pool_id, pool, matched tokens, promised tokens, prefill tokens, evictable,
     #  host tokens, disk tokens, peer tokens, peer worker id)
     scored: list[tuple[float, int, str, Pool, int, int, int, int, int, int, int, str]] = []
-    for pool in candidates:
-        routed = pool.routing.routed
+    sizes: dict[int, tuple[int, int, bytes]] = {}  # cacheable(bs) per page size of the candidates
+    queue_weight, running_weight = weights.queue_weight, weights.running_weight
+    for pool in candidates:  # every pool of a small fleet, every Route: kept lean (no calls a pool)
         bs = pool.block_size
-        num_tokens, max_cached, key = cacheable(bs)
-        matched = min(device.get(pool.pool_id, 0), max_cached)
-        num_pages = max(num_pages, num_tokens // bs)
-        effective = max(matched, min(promised.get(pool.pool_id, 0), max_cached)) if len(routed) else matched
-        host = disk = 0
+        sized = sizes.get(bs)
+        if sized is None:
+            sized = sizes[bs] = cacheable(bs)
+        num_tokens, max_cached, key = sized
+        pid = pool.pool_id
+        routed = pool.routing.routed
+        matched = min(device.get(pid, 0), max_cached)
+        effective = max(matched, min(promised.get(pid, 0), max_cached)) if len(routed) else matched
+        host = disk = peer = 0
+        peer_id = ""
         tier_cost = 0.0
         if pool.tiers is not None:  # pages a lower tier holds are loaded, at their measured cost
             host, disk = (pool.tiers.peek(key, query.namespace, effective) if query.token_ids else
                           pool.tiers.peek_hashes(query.page_hashes, query.namespace, effective))
             tier_cost = bs * (host * pool.tiers.load_cost(TIER_HOST) + disk * pool.tiers.load_cost(TIER_DISK))
-        peer, peer_id = 0, ""
         if pool.pulls.enabled and pool.pulls.brokered and peer_load_cost(pool) < 1.0:
             covered = effective + host + disk
             for pages, source_bs, source in sources:
@@ -240,13 +254,19 @@ def route(groups: Sequence[ModelPages], query: RouteQuery, now: float) -> RouteR
                     break
             tier_cost += bs * peer * peer_load_cost(pool)
         prefill = num_tokens - (effective + host + disk + peer) * bs
-        free, evictable = visible_blocks(pool, query.all_namespaces)
-        score = wp * (prefill + tier_cost) + queue_score(pool, weights)
+        # visible_blocks and queue_score, written out
+        free, evictable = pool.allocator.num_free_blocks, pool.tree.evictable_size
+        if not query.all_namespaces:
+            free, evictable = free + evictable, 0
+        load = pool.load
+        score = (wp * (prefill + tier_cost) + queue_weight * (load.num_waiting_tokens + routed.queued_tokens)
+                 + running_weight * load.num_running_requests)
         if -(-(num_tokens + 1) // bs) - matched > free + evictable:
             score += POOL_FULL_PENALTY
-        scored.append((score, -free, pool.pool_id, pool, matched * bs, (effective - matched) * bs, prefill,
+        scored.append((score, -free, pid, pool, matched * bs, (effective - matched) * bs, prefill,
                        evictable, host * bs, disk * bs, peer * bs, peer_id))
-    scored.sort(key=lambda item: item[:3])
+    num_pages = max((num_tokens // bs for bs, (num_tokens, _, _) in sizes.items()), default=0)
+    scored.sort()  # by (score, -free, pool id): pool ids are unique, so the pools are never compared
     if query.max_candidates:
         scored = scored[: query.max_candidates]
     ranked = [

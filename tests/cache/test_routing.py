@@ -184,3 +184,23 @@ def test_miss_reasons_name_evicted_other_replica_and_new(fleet) -> None:
     (adm,) = pool.step(StepInput(admits=[Admit("e", PREFIX + [1, 2, 3], "", 0, True)])).admits
     assert adm.miss is None  # resumed admissions carry no breakdown
     assert pool.stats().num_remembered_evicted_pages >= 8
+
+
+def test_a_route_larger_than_every_live_pool_is_refused_though_a_lapsed_one_is_larger() -> None:
+    """The size limit is the largest live pool's: a pool whose lease ran out (not yet retired)
+    does not raise it, in Route and in the registry's check before the prompt is copied."""
+    clock = ManualClock()
+    registry = PoolRegistry(lease_seconds=30, clock=clock)
+    registry.register("big", 64, BS, "fp", 0, "127.0.0.1:1")
+    clock.now += 20
+    registry.register("small", 8, BS, "fp", 0, "127.0.0.1:2")
+    prompt = tuple(range(40))  # 40 tokens: more than small's 32, less than big's 256
+    assert ranked(registry, list(prompt), dry_run=True)[0].pool_id == "big"
+    registry.check_route_size("fp", len(prompt), 0)
+    clock.now += 15  # big's lease ran out; small's runs
+    with pytest.raises(InvalidArgument, match="at most 32 token ids"):
+        registry.route(RouteQuery(token_ids=prompt, model_fingerprint="fp", dry_run=True))
+    registry.check_route_size("fp", len(prompt), 0)  # within the lapsed pool: left to Route
+    with pytest.raises(InvalidArgument, match="at most 32 token ids"):
+        registry.check_route_size("fp", 257, 0)  # larger than every pool: refused before the copy, as Route would
+    assert [c.pool_id for c in ranked(registry, list(range(20)), dry_run=True)] == ["small"]

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from cache_service import native
 from cache_service.page_index import PageListener
 from cache_service.radix_tree import TreeNode
 
@@ -79,6 +80,7 @@ class RoutedRequests:
         self.num_pages = 0  # page hashes remembered
         # Told when a page becomes promised here, or no longer is (a fleet's page index).
         self._listener: PageListener | None = None
+        self._ops = native.page_ops()  # the counting loops in C where it is built (page_ops.c)
 
     def set_listener(self, listener: PageListener | None) -> None:
         """Tell `listener` of every promised page now and of every change from now on."""
@@ -105,12 +107,15 @@ class RoutedRequests:
         self._entries[key] = entry
         if entry.page_hashes:  # a namespace's counts exist while it has a hash (see drop)
             counts = self._hash_counts.setdefault(entry.namespace, {})
-            fresh = []
-            for h in entry.page_hashes:
-                n = counts.get(h, 0)
-                counts[h] = n + 1
-                if not n:
-                    fresh.append(h)
+            if self._ops is not None:
+                fresh = self._ops.count_add(counts, entry.page_hashes)
+            else:
+                fresh = []
+                for h in entry.page_hashes:
+                    n = counts.get(h, 0)
+                    counts[h] = n + 1
+                    if not n:
+                        fresh.append(h)
             if self._listener is not None and fresh:
                 self._listener.added(entry.namespace, fresh)
         self.num_pages += len(entry.page_hashes)
@@ -161,14 +166,17 @@ class RoutedRequests:
             return []
         if entry.page_hashes:
             counts = self._hash_counts[namespace]
-            gone = []
-            for h in entry.page_hashes:
-                left = counts[h] - 1
-                if left:
-                    counts[h] = left
-                else:
-                    del counts[h]
-                    gone.append(h)
+            if self._ops is not None:
+                gone = self._ops.count_remove(counts, entry.page_hashes)
+            else:
+                gone = []
+                for h in entry.page_hashes:
+                    left = counts[h] - 1
+                    if left:
+                        counts[h] = left
+                    else:
+                        del counts[h]
+                        gone.append(h)
             if self._listener is not None and gone:
                 self._listener.removed(namespace, gone)
             if not counts:

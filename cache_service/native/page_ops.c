@@ -3,7 +3,8 @@
  * The index is a Python dict per namespace, page hash -> bit mask of the holders of that page
  * (a Python int: two bits per pool, so past 32 pools a mask outgrows 64 bits). Route walks a
  * prompt's hash chain in it, and every page a tree caches or evicts and every page a routed
- * prompt promises is added to or removed from it: at fleet scale these loops ran thousands of
+ * prompt promises is added to or removed from it (and counted: a page several routed prompts of
+ * one pool promise is that pool's once, cache_service/routed.py): at fleet scale these loops ran thousands of
  * times a second in bytecode. Here they run over the same dicts and ints through the C API, so
  * the Python code and this give the same answers on the same objects (tests/cache/test_page_index.py
  * runs both).
@@ -197,9 +198,88 @@ done:
     return out;
 }
 
+/* count_add(counts, hashes) -> the hashes whose count went from 0 to 1 (counts[h] += 1 each). */
+static PyObject *count_add(PyObject *self, PyObject *args) {
+    PyObject *counts, *hashes;
+    if (!PyArg_ParseTuple(args, "O!O", &PyDict_Type, &counts, &hashes))
+        return NULL;
+    PyObject *fresh = PyList_New(0);
+    PyObject *it = fresh != NULL ? PyObject_GetIter(hashes) : NULL;
+    if (it == NULL) {
+        Py_XDECREF(fresh);
+        return NULL;
+    }
+    PyObject *one = PyLong_FromLong(1);
+    PyObject *h;
+    int failed = one == NULL;
+    while (!failed && (h = PyIter_Next(it)) != NULL) {
+        PyObject *n = PyDict_GetItemWithError(counts, h); /* borrowed */
+        if (n != NULL) {
+            PyObject *more = PyNumber_Add(n, one);
+            failed = more == NULL || PyDict_SetItem(counts, h, more) < 0;
+            Py_XDECREF(more);
+        } else {
+            failed = PyErr_Occurred() != NULL || PyDict_SetItem(counts, h, one) < 0 || PyList_Append(fresh, h) < 0;
+        }
+        Py_DECREF(h);
+    }
+    Py_DECREF(it);
+    Py_XDECREF(one);
+    if (failed || PyErr_Occurred()) {
+        Py_DECREF(fresh);
+        return NULL;
+    }
+    return fresh;
+}
+
+/* count_remove(counts, hashes) -> the hashes whose count went to 0 (dropped from `counts`);
+ * KeyError for a hash not counted (after the hashes before it were taken off). */
+static PyObject *count_remove(PyObject *self, PyObject *args) {
+    PyObject *counts, *hashes;
+    if (!PyArg_ParseTuple(args, "O!O", &PyDict_Type, &counts, &hashes))
+        return NULL;
+    PyObject *gone = PyList_New(0);
+    PyObject *it = gone != NULL ? PyObject_GetIter(hashes) : NULL;
+    if (it == NULL) {
+        Py_XDECREF(gone);
+        return NULL;
+    }
+    PyObject *one = PyLong_FromLong(1);
+    PyObject *h;
+    int failed = one == NULL;
+    while (!failed && (h = PyIter_Next(it)) != NULL) {
+        PyObject *n = PyDict_GetItemWithError(counts, h); /* borrowed */
+        if (n == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetObject(PyExc_KeyError, h);
+            failed = 1;
+        } else {
+            PyObject *left = PyNumber_Subtract(n, one);
+            int nonzero = left != NULL ? PyObject_IsTrue(left) : -1;
+            if (nonzero < 0)
+                failed = 1;
+            else if (nonzero)
+                failed = PyDict_SetItem(counts, h, left) < 0;
+            else
+                failed = PyDict_DelItem(counts, h) < 0 || PyList_Append(gone, h) < 0;
+            Py_XDECREF(left);
+        }
+        Py_DECREF(h);
+    }
+    Py_DECREF(it);
+    Py_XDECREF(one);
+    if (failed || PyErr_Occurred()) {
+        Py_DECREF(gone);
+        return NULL;
+    }
+    return gone;
+}
+
 static PyMethodDef methods[] = {
     {"add", add, METH_VARARGS, "add(pages, hashes, bit) -> count: each page's holders gain `bit`"},
     {"remove", remove_bits, METH_VARARGS, "remove(pages, hashes, keep) -> count: each page's holders & keep"},
+    {"count_add", count_add, METH_VARARGS, "count_add(counts, hashes) -> hashes counted for the first time"},
+    {"count_remove", count_remove, METH_VARARGS, "count_remove(counts, hashes) -> hashes no longer counted"},
     {"depths", depths, METH_VARARGS, "depths(pages, hashes, mask) -> {holder bit: leading pages held}"},
     {NULL, NULL, 0, NULL},
 };

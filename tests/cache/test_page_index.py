@@ -222,3 +222,32 @@ def test_a_promise_whose_time_is_up_counts_for_nothing_in_the_route_that_finds_i
     again = registry.route(RouteQuery(token_ids=tuple(old + [2]), model_fingerprint="fp", dry_run=True))
     assert {c.pool_id: c.routed_prefix_tokens for c in again.candidates}["a"] == 0
     registry.check_integrity()
+
+
+def test_routed_prompts_count_each_promised_page_once_in_both_cores(core) -> None:
+    """A pool's routed prompts that share pages promise each page once (the index hears of a page
+    when the first prompt promises it and when the last one goes), counted in C or in Python."""
+    from cache_service.routed import RoutedRequest, RoutedRequests
+
+    heard: list[tuple[str, str, list[int]]] = []
+
+    class Listener:
+        def added(self, namespace, hashes):
+            heard.append(("added", namespace, list(hashes)))
+
+        def removed(self, namespace, hashes):
+            heard.append(("removed", namespace, list(hashes)))
+
+    routed = RoutedRequests(max_entries=8, max_pages=64)
+    assert (routed._ops is not None) is (core == "c")
+    routed.set_listener(Listener())
+    routed.add(RoutedRequest("a", "", [1, 2, 3], 10, 100.0))
+    routed.add(RoutedRequest("b", "", [1, 2, 4], 10, 100.0))
+    routed.add(RoutedRequest("c", "t", [1], 10, 100.0))
+    assert routed.promised_pages("", [1, 2, 4]) == 3 and routed.promised_pages("t", [1, 2]) == 1
+    routed.drop("", "a")
+    routed.drop("", "b")
+    routed.drop("t", "c")
+    assert heard == [("added", "", [1, 2, 3]), ("added", "", [4]), ("added", "t", [1]),
+                     ("removed", "", [3]), ("removed", "", [1, 2, 4]), ("removed", "t", [1])]
+    assert routed.num_pages == 0 and routed.queued_tokens == 0 and routed.promised_pages("", [1]) == 0

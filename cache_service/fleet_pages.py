@@ -4,14 +4,21 @@ pages on device and which it was promised by Route (cache_service/page_index.py)
 Route and the miss breakdown read a prompt's holders here in one walk of its page hash chain,
 instead of walking every pool's tree. Each pool joins when the registry takes it in (its pages so
 far are added) and leaves when it is retired.
+
+Each group also keeps its pools in the order of their load (load_order.py), the ones that may
+lower a Route's prefill term other than by device and promised pages (`special`: lower tiers,
+peer pulls), and the deadlines of their routed prompts in one heap, so that Route ends the
+promises whose time is up without a look at every pool.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
 from typing import NamedTuple
 
 from cache_service.errors import IntegrityError
+from cache_service.load_order import LoadOrder
 from cache_service.page_index import PageHolder, PageIndex
 from cache_service.pool import Pool
 
@@ -39,9 +46,13 @@ class ModelPages:
         self._bits: dict[str, PoolBits] = {}
         self._owners: dict[int, tuple[str, bool]] = {}  # bit -> (pool id, device?)
         self.device_bits = 0  # the bits of every pool's tree
-        # The most blocks any pool of the group has (lease running or not): a bound on what a
-        # Route may carry, kept as pools join and leave (routing.check_route_size is exact).
+        # The most and the fewest blocks a pool of the group has (lease running or not): bounds on
+        # what a Route may carry, kept as pools join and leave (routing.check_route_size is exact).
         self.max_blocks = 0
+        self.min_blocks = 0
+        self.order = LoadOrder()
+        self.special: set[str] = set()  # pools with lower tiers or peer pulls (`note_special`)
+        self._deadlines: list[tuple[float, str]] = []  # lazy: (time, pool id) of routed deadlines
 
     def join(self, pool: Pool) -> None:
         """Take `pool` in with the pages it holds now (again: nothing; a pool of the same id that
@@ -58,19 +69,61 @@ class ModelPages:
         self.pools[pool.pool_id] = pool
         self.device_bits |= bits.device.bit
         pool.tree.set_listener(bits.device)
-        pool.routing.routed.set_listener(bits.routed)
+        routed = pool.routing.routed
+        routed.set_listener(bits.routed)
         self.max_blocks = max(self.max_blocks, pool.num_blocks)
+        self.min_blocks = min(self.min_blocks, pool.num_blocks) if len(self.pools) > 1 else pool.num_blocks
+        self.order.add(pool)
+        pool.on_load_change = self.order.update
+        routed.on_queue_change = lambda: self.order.update(pool)
+        pool_id = pool.pool_id
+        routed.on_deadline = lambda when: heapq.heappush(self._deadlines, (when, pool_id))
+        for when in routed.deadlines():  # restored ones
+            heapq.heappush(self._deadlines, (when, pool_id))
+        self.note_special(pool)
 
     def leave(self, pool: Pool) -> None:
         bits = self._bits.pop(pool.pool_id)
         del self.pools[pool.pool_id]
         self.device_bits &= ~bits.device.bit
         pool.tree.set_listener(None)
-        pool.routing.routed.set_listener(None)
+        routed = pool.routing.routed
+        routed.set_listener(None)
+        self.order.remove(pool.pool_id)
+        pool.on_load_change = routed.on_queue_change = routed.on_deadline = None
+        self.special.discard(pool.pool_id)
         for holder in bits:
             del self._owners[holder.bit]
             self.index.release(holder)
         self.max_blocks = max((p.num_blocks for p in self.pools.values()), default=0)
+        self.min_blocks = min((p.num_blocks for p in self.pools.values()), default=0)
+
+    def note_special(self, pool: Pool) -> None:
+        """Whether `pool` has lower tiers or a peer-pull endpoint (at join, and when a re-attach
+        changes its endpoint)."""
+        if pool.tiers is not None or pool.pulls.enabled:
+            self.special.add(pool.pool_id)
+        else:
+            self.special.discard(pool.pool_id)
+
+    def expire_due(self, now: float) -> None:
+        """End the routed prompts and reservations whose time has come, in the pools that have one."""
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, pool_id = heapq.heappop(heap)
+            pool = self.pools.get(pool_id)
+            if pool is not None and pool.routing.routed.next_deadline <= now:
+                pool.expire_routed(now)
+        # Only Route adds deadlines, and each is popped here once due: the heap holds those of
+        # the last routed TTL (routed.DEFAULT_ROUTED_TTL_SECONDS, or a longer reservation).
+
+    def depth_bits(self, namespace: str, hashes: Iterable[int]) -> dict[int, int]:
+        """{holder bit: leading pages of the chain it holds} (PageIndex.depths); `bits(pool_id)`
+        names a pool's two holders."""
+        return self.index.depths(namespace, hashes)
+
+    def bits(self, pool_id: str) -> PoolBits:
+        return self._bits[pool_id]
 
     def held(self, namespace: str, hashes: Iterable[int], mask: int = -1) -> HeldPages:
         """Leading pages of the chain `hashes` each pool holds and was promised (see PageIndex.depths)."""
@@ -104,6 +157,8 @@ class ModelPages:
                 routed.added(namespace, hashes)
         if rebuilt.snapshot() != self.index.snapshot():
             raise IntegrityError(f"page index of model {self.model_fingerprint!r} differs from its pools")
+        if not self.order.check(self.pools):
+            raise IntegrityError(f"load order of model {self.model_fingerprint!r} differs from its pools' loads")
 
 
 class FleetPages:

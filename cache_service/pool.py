@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -138,7 +138,9 @@ class Pool:
         self._finished_ids: OrderedDict[str, None] = OrderedDict()
         self._max_finished_ids = max_finished_ids
         self.serving_addr = serving_addr
-        self.load = ReplicaLoad()
+        # Told when `load` or the routed tokens change (its model group's load order; the registry wires it).
+        self.on_load_change: Callable[[Pool], None] | None = None
+        self._load = ReplicaLoad()
         self.evicted_pages = EvictedPages(2 * num_blocks)
         # Routed requests, reservations and what the registry wires in (cache_service/routed.py).
         self.routing = RoutingState(RoutedRequests(max_pages=max(2 * num_blocks, MIN_MAX_ROUTED_PAGES)),
@@ -150,6 +152,17 @@ class Pool:
         self.tiers = PoolTiers(self.tier_spec, block_size, self._publish) if self.tier_spec.enabled else None
         # Peer pulls: as a puller and as a source (cache_service/peer_pulls.py); the registry wires it.
         self.pulls = PeerPulls(transfer, pool_id)
+
+    @property
+    def load(self) -> ReplicaLoad:
+        """The replica's last reported load."""
+        return self._load
+
+    @load.setter
+    def load(self, load: ReplicaLoad) -> None:
+        self._load = load
+        if self.on_load_change is not None:
+            self.on_load_change(self)
 
     @property
     def num_charged_pages(self) -> int:

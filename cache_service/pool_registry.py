@@ -219,6 +219,7 @@ class PoolRegistry:
                 old.tiers.drop_pending()
             old.pulls.drop()  # pulls too: their pins end now
             old.pulls.endpoint = transfer
+            self.pages.of_pool(old).note_special(old)
             if self.journal is not None:
                 self.journal.registered(old, True)
             log.info("pool re-attached pool=%s epoch=%d restored=%s running_requests=%d cached_blocks=%d",

@@ -74,13 +74,28 @@ class RoutedRequests:
         self._entries: dict[tuple[str, str], RoutedRequest] = {}
         self._hash_counts: dict[str, dict[int, int]] = {}  # namespace -> page hash -> entries
         self._deadlines: list[tuple[float, str, str]] = []  # lazy: (time, namespace, request_id)
-        self.queued_tokens = 0  # prefill_tokens of routed requests not admitted yet
+        self._queued_tokens = 0
         self.num_pins = 0
         self.pinned_pages = 0  # pages held by live pins (overlapping pins count each)
         self.num_pages = 0  # page hashes remembered
         # Told when a page becomes promised here, or no longer is (a fleet's page index).
         self._listener: PageListener | None = None
         self._ops = native.page_ops()  # the counting loops in C where it is built (page_ops.c)
+        # Told when queued_tokens changes, and of each deadline added (its model group's load
+        # order and deadline heap: cache_service/fleet_pages.py).
+        self.on_queue_change: Callable[[], None] | None = None
+        self.on_deadline: Callable[[float], None] | None = None
+
+    @property
+    def queued_tokens(self) -> int:
+        """prefill_tokens of routed requests not admitted yet."""
+        return self._queued_tokens
+
+    @queued_tokens.setter
+    def queued_tokens(self, tokens: int) -> None:
+        self._queued_tokens = tokens
+        if self.on_queue_change is not None:
+            self.on_queue_change()
 
     def set_listener(self, listener: PageListener | None) -> None:
         """Tell `listener` of every promised page now and of every change from now on."""
@@ -121,11 +136,15 @@ class RoutedRequests:
         self.num_pages += len(entry.page_hashes)
         self.queued_tokens += entry.prefill_tokens
         heapq.heappush(self._deadlines, (entry.expires_at, *key))
+        if self.on_deadline is not None:
+            self.on_deadline(entry.expires_at)
         if entry.pin is not None:
             entry.pin_pages = path_pages(entry.pin)
             self.num_pins += 1
             self.pinned_pages += entry.pin_pages
             heapq.heappush(self._deadlines, (entry.pin_expires_at, *key))
+            if self.on_deadline is not None:
+                self.on_deadline(entry.pin_expires_at)
         if len(self._deadlines) > 4 * len(self._entries) + 1024:
             self._compact_deadlines()  # dropped and replaced entries leave stale deadlines behind
         return unlock
@@ -189,6 +208,10 @@ class RoutedRequests:
     @property
     def next_deadline(self) -> float:
         return self._deadlines[0][0] if self._deadlines else float("inf")
+
+    def deadlines(self) -> list[float]:
+        """Every deadline still to come (some may be of entries gone since)."""
+        return [d[0] for d in self._deadlines]
 
     def expire(self, now: float) -> list[TreeNode]:
         """End every pin and entry whose time has come; returns the pins to unlock."""

@@ -20,9 +20,13 @@ a request where its prefix is costs the fleet only its suffix, recomputing it el
 whole prefix again, and every other request pays for that work.
 
 Each call walks the prompt's page hash chain once in the model's page index (fleet_pages.py):
-every pool's cached and promised pages at once, however many pools. A fleet larger than
-FULL_RANK_POOLS is ranked over the pools that hold or were promised the prompt's first page,
-those whose lower tiers hold it, and a few least loaded others (see `route`).
+every pool's cached and promised pages at once, however many pools. A Route that asks for at most
+`max_candidates` (the router does) over pools without lower tiers or peer pulls, at the default
+weights, reads the pools from the least loaded up and stops once no further pool could enter its
+answer (`_least_loaded_first`): a fixed number of pools however large the fleet, with the answer
+a full ranking would give. Otherwise a fleet larger than FULL_RANK_POOLS is ranked over the pools
+that hold or were promised the prompt's first page, those whose lower tiers hold it, and a few
+least loaded others (see `route`).
 
 Namespaces: every lookup is made in the query's namespace only (the tree's root of that namespace,
 its page-hash index, its routed requests), so an answer never depends on what another namespace
@@ -41,12 +45,14 @@ reservation pins only while the pool's pinned pages stay within its cap (`Pool.m
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from bisect import insort
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from cache_service.errors import InvalidArgument
 from cache_service.fleet_pages import ModelPages
+from cache_service.load_order import QUEUE_WEIGHT, RUNNING_WEIGHT
 from cache_service.page_hash import iter_page_hashes, page_hashes
 from cache_service.peer_pulls import held_pages, peer_load_cost
 from cache_service.pool import Pool
@@ -68,8 +74,11 @@ DEFAULT_MAX_ROUTE_TOKENS = 1 << 16
 @dataclass(slots=True)
 class RouteWeights:
     prefill_weight: float = 2.0
-    queue_weight: float = 1.0
-    running_weight: float = 16.0
+    queue_weight: float = QUEUE_WEIGHT
+    running_weight: float = RUNNING_WEIGHT
+
+
+DEFAULT_WEIGHTS = RouteWeights()
 
 
 @dataclass(slots=True)
@@ -147,17 +156,24 @@ def within_group_sizes(groups: Sequence[ModelPages], num_tokens: int, num_pages:
     return bool(max_pages) and num_tokens <= max_tokens and num_pages <= max_pages
 
 
+def fits_every_pool(groups: Sequence[ModelPages], num_tokens: int, num_pages: int) -> bool:
+    """Whether `check_route_size` surely passes a prompt of `num_tokens` / `num_pages`: it fits the
+    smallest pool of every group, and the default limit (what applies when no pool is live)."""
+    return (bool(groups) and num_tokens <= DEFAULT_MAX_ROUTE_TOKENS and num_pages <= DEFAULT_MAX_ROUTE_TOKENS
+            and all(num_tokens <= g.min_blocks * g.page_size and num_pages <= g.min_blocks for g in groups))
+
+
 def route(groups: Sequence[ModelPages], query: RouteQuery, now: float) -> RouteResult:
     """Rank the live pools of `groups` (those without a serving address are skipped).
 
-    A fleet of at most FULL_RANK_POOLS candidates is ranked whole. A larger one is ranked over
+    The best `max_candidates` of plain pools at the default weights: `_least_loaded_first`.
+    Else a fleet of at most FULL_RANK_POOLS candidates is ranked whole. A larger one is ranked over
     the pools that hold or were promised the prompt's first page, those whose lower tiers hold
     it, and the LEAST_LOADED_OTHERS least loaded of the rest: a pool outside those would compute
     the whole prompt, so one of the least loaded is at least as good."""
-    pools = [p for g in groups for p in g.pools.values() if now < p.lease_deadline]
-    if len(pools) != sum(len(g.pools) for g in groups) or not within_group_sizes(
-            groups, len(query.token_ids), len(query.page_hashes)):
-        check_route_size(pools, len(query.token_ids), len(query.page_hashes))  # exact (the groups' bound is, when all are live)
+    num_tokens, num_hashes = len(query.token_ids), len(query.page_hashes)
+    if not fits_every_pool(groups, num_tokens, num_hashes):
+        check_route_size([p for g in groups for p in g.pools.values() if now < p.lease_deadline], num_tokens, num_hashes)
     if bool(query.token_ids) == bool(query.page_hashes):
         raise InvalidArgument("give either token_ids or page_hashes (exactly one of them, non-empty; "
                               "packed_token_ids are token_ids)")
@@ -166,8 +182,6 @@ def route(groups: Sequence[ModelPages], query: RouteQuery, now: float) -> RouteR
     if query.reserve_ms and not query.request_id:
         raise InvalidArgument("reserve_ms needs the request_id the request will carry")
     weights = query.weights or RouteWeights()
-    candidates = [p for p in pools if p.serving_addr and (not query.model_fingerprint
-                                                          or p.model_fingerprint == query.model_fingerprint)]
     hash_chains: dict[int, list[int]] = {}  # per block size, computed only when needed
     recording = bool(query.request_id) and not query.dry_run
 
@@ -198,9 +212,16 @@ def route(groups: Sequence[ModelPages], query: RouteQuery, now: float) -> RouteR
             return chain(bs)
         return iter_page_hashes(0, query.namespace, cacheable(bs)[2], bs)
 
-    for pool in candidates:  # routed prompts whose time is up promise nothing (before the walk)
-        if pool.routing.routed.next_deadline <= now:
-            pool.expire_routed(now)
+    for group in groups:  # routed prompts whose time is up promise nothing (before the walk)
+        group.expire_due(now)
+    if (query.max_candidates and len(groups) == 1 and not groups[0].special
+            and (query.weights is None or query.weights == DEFAULT_WEIGHTS)):
+        group = groups[0]
+        scored = _least_loaded_first(group, query, now, cacheable(group.page_size), walk(group.page_size))
+        num_pages = cacheable(group.page_size)[0] // group.page_size if scored else 0
+        return _answer(scored, query, now, recording, chain, num_pages)
+    candidates = [p for g in groups for p in g.pools.values() if now < p.lease_deadline and p.serving_addr
+                  and (not query.model_fingerprint or p.model_fingerprint == query.model_fingerprint)]
     # One walk of the page index per group: every pool's cached and promised leading pages.
     device: dict[str, int] = {}
     promised: dict[str, int] = {}
@@ -223,9 +244,7 @@ def route(groups: Sequence[ModelPages], query: RouteQuery, now: float) -> RouteR
     sources = sorted(((held_pages(p, lambda tree, p=p: device.get(p.pool_id, 0) if tree is p.tree
                                   else held_by(tree, p.block_size))[0], p.block_size, p)
                       for p in candidates if p.pulls.enabled and p.pulls.brokered), key=lambda item: -item[0])[:2]
-    # (score, -free, pool_id, pool, matched tokens, promised tokens, prefill tokens, evictable,
-    #  host tokens, disk tokens, peer tokens, peer worker id)
-    scored: list[tuple[float, int, str, Pool, int, int, int, int, int, int, int, str]] = []
+    scored: list[Scored] = []
     sizes: dict[int, tuple[int, int, bytes]] = {}  # cacheable(bs) per page size of the candidates
     queue_weight, running_weight = weights.queue_weight, weights.running_weight
     for pool in candidates:  # every pool of a small fleet, every Route: kept lean (no calls a pool)
@@ -269,6 +288,17 @@ def route(groups: Sequence[ModelPages], query: RouteQuery, now: float) -> RouteR
     scored.sort()  # by (score, -free, pool id): pool ids are unique, so the pools are never compared
     if query.max_candidates:
         scored = scored[: query.max_candidates]
+    return _answer(scored, query, now, recording, chain, num_pages)
+
+
+# (score, -free, pool_id, pool, matched tokens, promised tokens, prefill tokens, evictable,
+#  host tokens, disk tokens, peer tokens, peer worker id)
+Scored = tuple[float, int, str, Pool, int, int, int, int, int, int, int, str]
+
+
+def _answer(scored: list[Scored], query: RouteQuery, now: float, recording: bool,
+            chain: Callable[[int], list[int]], num_pages: int) -> RouteResult:
+    """The ranked candidates of `scored` (best first), the best one recorded when asked to."""
     ranked = [
         RouteCandidate(pool.pool_id, pool.worker_id, pool.serving_addr, matched, promised, prefill, pool.load,
                        pool.routing.routed.queued_tokens, -neg_free, evictable, pool.num_blocks, score,
@@ -280,6 +310,52 @@ def route(groups: Sequence[ModelPages], query: RouteQuery, now: float) -> RouteR
         pool = scored[0][3]
         ranked[0] = _record(pool, ranked[0], query, chain(pool.block_size), now)
     return RouteResult(ranked, num_pages)
+
+
+def _least_loaded_first(group: ModelPages, query: RouteQuery, now: float, cacheable: tuple[int, int, bytes],
+                        hashes: Iterable[int]) -> list[Scored]:
+    """The best `query.max_candidates` pools of a group without lower tiers or peer pulls, at the
+    default weights, as a full ranking would give them, reading pools from the least loaded up.
+
+    Such a pool's score is its load terms (the order's key) plus the prefill weight times what it
+    would compute, and no pool computes less than the prompt minus the deepest hit of any pool.
+    So once that floor plus the next pool's load exceeds the worst score kept, neither it nor any
+    pool after it can enter the answer. With a popular prefix cached everywhere, a few pools past
+    the k least loaded are read, however large the fleet."""
+    num_tokens, max_cached, _ = cacheable
+    bs = group.page_size
+    depths = group.depth_bits(query.namespace, hashes)
+    deepest = min(max(depths.values(), default=0), max_cached)
+    wp = DEFAULT_WEIGHTS.prefill_weight
+    floor = wp * (num_tokens - deepest * bs)
+    k = query.max_candidates
+    need_blocks = -(-(num_tokens + 1) // bs)
+    best: list[Scored] = []  # ascending, at most k
+    pools = group.pools
+    for load, pool_id in group.order:
+        if len(best) == k:
+            worst = best[-1][0]
+            if floor + load > worst + abs(worst) * 1e-12:  # the slack: rounding of huge reported loads
+                break
+        pool = pools[pool_id]
+        if now >= pool.lease_deadline or not pool.serving_addr:
+            continue
+        bits = group.bits(pool_id)
+        routed = pool.routing.routed
+        matched = min(depths.get(bits.device.bit, 0), max_cached)
+        effective = max(matched, min(depths.get(bits.routed.bit, 0), max_cached)) if len(routed) else matched
+        prefill = num_tokens - effective * bs
+        free, evictable = visible_blocks(pool, query.all_namespaces)
+        load_now = pool.load
+        score = (wp * (prefill + 0.0) + QUEUE_WEIGHT * (load_now.num_waiting_tokens + routed.queued_tokens)
+                 + RUNNING_WEIGHT * load_now.num_running_requests)  # as `route` computes it, to the bit
+        if need_blocks - matched > free + evictable:
+            score += POOL_FULL_PENALTY
+        insort(best, (score, -free, pool_id, pool, matched * bs, (effective - matched) * bs, prefill, evictable,
+                      0, 0, 0, ""))
+        if len(best) > k:
+            best.pop()
+    return best
 
 
 def _likely_best(candidates: list[Pool], device: dict[str, int], promised: dict[str, int], query: RouteQuery,

@@ -251,3 +251,38 @@ def test_routed_prompts_count_each_promised_page_once_in_both_cores(core) -> Non
     assert heard == [("added", "", [1, 2, 3]), ("added", "", [4]), ("added", "t", [1]),
                      ("removed", "", [3]), ("removed", "", [1, 2, 4]), ("removed", "t", [1])]
     assert routed.num_pages == 0 and routed.queued_tokens == 0 and routed.promised_pages("", [1]) == 0
+
+
+def test_the_least_loaded_first_answer_is_the_full_rankings_head(monkeypatch) -> None:
+    """Route with max_candidates over a group of plain pools reads pools from the least loaded up
+    and stops early; its answer must be the first k of ranking every pool, whatever the loads,
+    the cached and promised prefixes, lapsed leases, pools without an address and full pools."""
+    monkeypatch.setattr(routing, "FULL_RANK_POOLS", 1 << 20)  # the reference ranks every pool
+    rng = random.Random(7)
+    clock = ManualClock()
+    registry = PoolRegistry(lease_seconds=30, clock=clock)
+    stems = [[rng.randrange(1000) for _ in range(40)] for _ in range(4)]
+    for i in range(40):
+        addr = "" if i % 13 == 5 else f"p{i}:1"
+        pool = registry.register(f"p{i:02d}", rng.choice((12, 64)), BS, "fp", 0, addr)
+        for j in range(rng.randrange(4)):
+            prompt = rng.choice(stems)[: rng.randrange(4, 41)] + [i, j]
+            if pool.step(StepInput(admits=[Admit(f"s{j}", prompt)])).admits[0].admitted:
+                pool.step(StepInput(finishes=[Finish(f"s{j}", [], len(prompt))]))
+    lapsed = registry.pools["p07"]
+    for step in range(60):
+        clock.now += 0.4
+        if step == 20:
+            lapsed.lease_deadline = clock.now  # lapsed, not yet retired
+        for pool in rng.sample(sorted(registry.pools.values(), key=lambda p: p.pool_id), 8):
+            pool.step(StepInput(load=ReplicaLoad(0, rng.choice((0, 50, 50, 400)), rng.randrange(3))))
+        prompt = tuple(rng.choice(stems)[: rng.randrange(4, 41)] + [rng.randrange(1000) for _ in range(5)])
+        if rng.random() < 0.5:  # a recorded Route: a promise, routed tokens and a pin move the order
+            registry.route(RouteQuery(token_ids=prompt, model_fingerprint="fp", request_id=f"q{step}",
+                                      reserve_ms=rng.choice((0, 500)), max_candidates=rng.choice((0, 2))))
+        for k in (1, 3, 8):
+            fast = registry.route(RouteQuery(token_ids=prompt, model_fingerprint="fp", dry_run=True, max_candidates=k))
+            full = registry.route(RouteQuery(token_ids=prompt, model_fingerprint="fp", dry_run=True))
+            assert fast.candidates == full.candidates[:k]
+            assert fast.num_prompt_pages == full.num_prompt_pages
+        registry.check_integrity()  # the load order among the rest

@@ -41,13 +41,15 @@ def _finish(msg: cache_pb2.Finish) -> Finish:
     return Finish(msg.request_id, tuple(msg.output_token_ids[:]), msg.num_computed_tokens, msg.block_table[:])
 
 
+_INF = float("inf")
+
+
 def replica_load(msg: cache_pb2.ReplicaLoad) -> ReplicaLoad:
-    for name in ("host_load_cost", "disk_load_cost", "peer_load_cost"):
-        value = getattr(msg, name)
-        if not 0.0 <= value < float("inf"):  # NaN fails this too
+    host, disk, peer = msg.host_load_cost, msg.disk_load_cost, msg.peer_load_cost
+    for name, value in (("host_load_cost", host), ("disk_load_cost", disk), ("peer_load_cost", peer)):
+        if not 0.0 <= value < _INF:  # NaN fails this too
             raise InvalidArgument(f"load.{name} must be a finite number >= 0")
-    return ReplicaLoad(msg.num_waiting_requests, msg.num_waiting_tokens, msg.num_running_requests,
-                       msg.host_load_cost, msg.disk_load_cost, msg.peer_load_cost)
+    return ReplicaLoad(msg.num_waiting_requests, msg.num_waiting_tokens, msg.num_running_requests, host, disk, peer)
 
 
 def replica_load_proto(load: ReplicaLoad) -> cache_pb2.ReplicaLoad:
@@ -84,16 +86,19 @@ def step_input(msg: cache_pb2.StepRequest) -> StepInput:
     # Token lists become tuples (or arrays) once here: the core scans them several times
     # (validation, matching, hashing), and native sequences are much faster to scan than
     # repeated fields.
+    # A Step of a busy replica is mostly a few extends: an empty repeated field is tested (a
+    # length) rather than iterated, which costs a container object each.
     return StepInput(
-        releases=[_finish(f) for f in msg.releases],
-        finishes=[_finish(f) for f in msg.finishes],
-        extends=[Extend(e.request_id, e.num_tokens, e.num_lookahead_tokens) for e in msg.extends],
-        admits=[Admit(a.request_id, _admit_tokens(a), a.namespace, a.num_lookahead_tokens, a.resumed)
-                for a in msg.admits],
-        commits=[Commit(c.request_id, c.num_computed_tokens, tuple(c.output_token_ids[:])) for c in msg.commits],
-        load=replica_load(msg.load) if msg.HasField("load") else None,
-        copy_outcomes=[CopyOutcome(o.copy_id, o.num_pages_copied) for o in msg.copy_outcomes],
-        pull_outcomes=[CopyOutcome(o.copy_id, o.num_pages_copied) for o in msg.pull_outcomes],
+        [_finish(f) for f in msg.releases] if msg.releases else [],
+        [_finish(f) for f in msg.finishes] if msg.finishes else [],
+        [Extend(e.request_id, e.num_tokens, e.num_lookahead_tokens) for e in msg.extends] if msg.extends else [],
+        [Admit(a.request_id, _admit_tokens(a), a.namespace, a.num_lookahead_tokens, a.resumed)
+         for a in msg.admits] if msg.admits else [],
+        [Commit(c.request_id, c.num_computed_tokens, tuple(c.output_token_ids[:]))
+         for c in msg.commits] if msg.commits else [],
+        replica_load(msg.load) if msg.HasField("load") else None,
+        [CopyOutcome(o.copy_id, o.num_pages_copied) for o in msg.copy_outcomes] if msg.copy_outcomes else [],
+        [CopyOutcome(o.copy_id, o.num_pages_copied) for o in msg.pull_outcomes] if msg.pull_outcomes else [],
     )
 
 
@@ -156,33 +161,28 @@ def _miss(miss: MissBreakdown | None) -> cache_pb2.MissBreakdown | None:
 
 
 def step_response(result: StepResult) -> cache_pb2.StepResponse:
-    admitted, no_space = cache_pb2.ADMIT_STATUS_ADMITTED, cache_pb2.ADMIT_STATUS_NO_SPACE
-    return cache_pb2.StepResponse(
-        admits=[
-            cache_pb2.AdmitResult(
-                request_id=a.request_id,
-                status=admitted if a.admitted else no_space,
-                cached_tokens=a.cached_tokens,
-                block_table=a.block_table,
-                miss=_miss(a.miss),
-                loads=[tier_copy(c) for c in a.loads],
-                pulls=[peer_pull(p) for p in a.pulls],
-            )
-            for a in result.admits
-        ],
-        extends=[
-            cache_pb2.ExtendResult(request_id=e.request_id, ok=e.ok, new_block_ids=e.new_block_ids)
-            for e in result.extends
-        ],
-        commits=[
-            cache_pb2.CommitResult(request_id=c.request_id, cached_tokens=c.cached_tokens,
-                                   cached_block_ids=c.cached_block_ids)
-            for c in result.commits
-        ],
-        num_evicted_blocks=result.num_evicted_blocks,
-        num_free_blocks=result.num_free_blocks,
-        offloads=[tier_copy(c) for c in result.offloads],
-    )
+    # Fields set only when there is something in them (most Steps: a few extends), as step_input.
+    reply = cache_pb2.StepResponse(num_evicted_blocks=result.num_evicted_blocks,
+                                   num_free_blocks=result.num_free_blocks)
+    if result.admits:
+        admitted, no_space = cache_pb2.ADMIT_STATUS_ADMITTED, cache_pb2.ADMIT_STATUS_NO_SPACE
+        add = reply.admits.add
+        for a in result.admits:
+            add(request_id=a.request_id, status=admitted if a.admitted else no_space, cached_tokens=a.cached_tokens,
+                block_table=a.block_table, miss=_miss(a.miss),
+                loads=[tier_copy(c) for c in a.loads] if a.loads else None,
+                pulls=[peer_pull(p) for p in a.pulls] if a.pulls else None)
+    if result.extends:  # add(): built in place, where extend() would copy each message in
+        add = reply.extends.add
+        for e in result.extends:
+            add(request_id=e.request_id, ok=e.ok, new_block_ids=e.new_block_ids)
+    if result.commits:
+        add = reply.commits.add
+        for c in result.commits:
+            add(request_id=c.request_id, cached_tokens=c.cached_tokens, cached_block_ids=c.cached_block_ids)
+    if result.offloads:
+        reply.offloads.extend(tier_copy(c) for c in result.offloads)
+    return reply
 
 
 def pool_stats(s: PoolStats) -> cache_pb2.PoolStats:
@@ -236,21 +236,24 @@ def route_size(msg: cache_pb2.RouteRequest) -> tuple[int, int]:
 
 
 def route_response(result: RouteResult) -> cache_pb2.RouteResponse:
-    return cache_pb2.RouteResponse(
-        candidates=[
-            cache_pb2.RouteCandidate(
-                pool_id=c.pool_id, worker_id=c.worker_id, serving_addr=c.serving_addr,
-                matched_tokens=c.matched_tokens, routed_prefix_tokens=c.routed_prefix_tokens,
-                prefill_tokens=c.prefill_tokens, load=replica_load_proto(c.load), routed_tokens=c.routed_tokens,
-                num_free_blocks=c.num_free_blocks, num_evictable_blocks=c.num_evictable_blocks,
-                num_blocks=c.num_blocks, score=c.score, reserved=c.reserved,
-                matched_host_tokens=c.matched_host_tokens, matched_disk_tokens=c.matched_disk_tokens,
-                matched_peer_tokens=c.matched_peer_tokens, pull_from_worker_id=c.pull_from_worker_id,
-            )
-            for c in result.candidates
-        ],
-        num_prompt_pages=result.num_prompt_pages,
-    )
+    reply = cache_pb2.RouteResponse(num_prompt_pages=result.num_prompt_pages)
+    add = reply.candidates.add  # built in place (see step_response)
+    for c in result.candidates:
+        candidate = add(pool_id=c.pool_id, worker_id=c.worker_id, serving_addr=c.serving_addr,
+                        matched_tokens=c.matched_tokens, routed_prefix_tokens=c.routed_prefix_tokens,
+                        prefill_tokens=c.prefill_tokens, routed_tokens=c.routed_tokens,
+                        num_free_blocks=c.num_free_blocks, num_evictable_blocks=c.num_evictable_blocks,
+                        num_blocks=c.num_blocks, score=c.score, reserved=c.reserved,
+                        matched_host_tokens=c.matched_host_tokens, matched_disk_tokens=c.matched_disk_tokens,
+                        matched_peer_tokens=c.matched_peer_tokens, pull_from_worker_id=c.pull_from_worker_id)
+        load, out = c.load, candidate.load
+        out.num_waiting_requests = load.num_waiting_requests
+        out.num_waiting_tokens = load.num_waiting_tokens
+        out.num_running_requests = load.num_running_requests
+        out.host_load_cost = load.host_load_cost
+        out.disk_load_cost = load.disk_load_cost
+        out.peer_load_cost = load.peer_load_cost
+    return reply
 
 
 def pool_match(pool: Pool, found: MatchInfo, all_namespaces: bool) -> cache_pb2.PoolMatch:

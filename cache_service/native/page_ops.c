@@ -13,80 +13,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-/* add(pages, hashes, bit) -> count: pages[h] = bit, or held | bit, for each h of `hashes`. */
-static PyObject *add(PyObject *self, PyObject *args) {
-    PyObject *pages, *hashes, *bit;
-    if (!PyArg_ParseTuple(args, "O!OO", &PyDict_Type, &pages, &hashes, &bit))
-        return NULL;
-    PyObject *it = PyObject_GetIter(hashes);
-    if (it == NULL)
-        return NULL;
-    Py_ssize_t n = 0;
-    PyObject *h;
-    while ((h = PyIter_Next(it)) != NULL) {
-        PyObject *held = PyDict_GetItemWithError(pages, h); /* borrowed */
-        int rc = -1;
-        if (held != NULL) {
-            PyObject *mask = PyNumber_Or(held, bit);
-            if (mask != NULL) {
-                rc = PyDict_SetItem(pages, h, mask);
-                Py_DECREF(mask);
-            }
-        } else if (!PyErr_Occurred()) {
-            rc = PyDict_SetItem(pages, h, bit); /* one holder: its own bit object, no new int */
-        }
-        Py_DECREF(h);
-        if (rc < 0) {
-            Py_DECREF(it);
-            return NULL;
-        }
-        n++;
-    }
-    Py_DECREF(it);
-    if (PyErr_Occurred())
-        return NULL;
-    return PyLong_FromSsize_t(n);
-}
-
-/* remove(pages, hashes, keep) -> count: pages[h] &= keep (keep = ~bit), the entry dropped when
- * no holder is left, for each h of `hashes`. */
-static PyObject *remove_bits(PyObject *self, PyObject *args) {
-    PyObject *pages, *hashes, *keep;
-    if (!PyArg_ParseTuple(args, "O!OO", &PyDict_Type, &pages, &hashes, &keep))
-        return NULL;
-    PyObject *it = PyObject_GetIter(hashes);
-    if (it == NULL)
-        return NULL;
-    Py_ssize_t n = 0;
-    PyObject *h;
-    while ((h = PyIter_Next(it)) != NULL) {
-        PyObject *held = PyDict_GetItemWithError(pages, h); /* borrowed */
-        int rc = 0;
-        if (held != NULL) {
-            PyObject *mask = PyNumber_And(held, keep);
-            if (mask == NULL) {
-                rc = -1;
-            } else {
-                int nonzero = PyObject_IsTrue(mask);
-                rc = nonzero < 0 ? -1 : nonzero ? PyDict_SetItem(pages, h, mask) : PyDict_DelItem(pages, h);
-                Py_DECREF(mask);
-            }
-        } else if (PyErr_Occurred()) {
-            rc = -1;
-        }
-        Py_DECREF(h);
-        if (rc < 0) {
-            Py_DECREF(it);
-            return NULL;
-        }
-        n++;
-    }
-    Py_DECREF(it);
-    if (PyErr_Occurred())
-        return NULL;
-    return PyLong_FromSsize_t(n);
-}
-
 /* out[bit] = depth for each set bit of `mask` (steals nothing). */
 static int put_bits(PyObject *out, PyObject *mask, Py_ssize_t depth) {
     PyObject *value = PyLong_FromSsize_t(depth);
@@ -198,37 +124,112 @@ done:
     return out;
 }
 
+/* One change per hash of `hashes` to `dict` (`step`, with `arg`; `out`: a list it may append
+ * to, or NULL). Returns the number of hashes, or `out` when one is kept; NULL on an error. */
+typedef int (*HashStep)(PyObject *dict, PyObject *h, PyObject *arg, PyObject *out);
+
+static PyObject *each_hash(PyObject *dict, PyObject *hashes, PyObject *arg, HashStep step, int keep_out) {
+    PyObject *out = keep_out ? PyList_New(0) : NULL;
+    if (keep_out && out == NULL)
+        return NULL;
+    PyObject *it = PyObject_GetIter(hashes);
+    if (it == NULL) {
+        Py_XDECREF(out);
+        return NULL;
+    }
+    Py_ssize_t n = 0;
+    int failed = 0;
+    PyObject *h;
+    while (!failed && (h = PyIter_Next(it)) != NULL) {
+        failed = step(dict, h, arg, out) < 0;
+        Py_DECREF(h);
+        n++;
+    }
+    Py_DECREF(it);
+    if (failed || PyErr_Occurred()) {
+        Py_XDECREF(out);
+        return NULL;
+    }
+    return keep_out ? out : PyLong_FromSsize_t(n);
+}
+
+/* dict[h] = value, or dict[h] op value where h is there already (op: PyNumber_Or, PyNumber_Add). */
+static int merge(PyObject *dict, PyObject *h, PyObject *value, binaryfunc op, PyObject *fresh) {
+    PyObject *held = PyDict_GetItemWithError(dict, h); /* borrowed */
+    if (held == NULL) {
+        if (PyErr_Occurred() || PyDict_SetItem(dict, h, value) < 0)
+            return -1;
+        return fresh != NULL ? PyList_Append(fresh, h) : 0;
+    }
+    PyObject *merged = op(held, value);
+    int rc = merged != NULL ? PyDict_SetItem(dict, h, merged) : -1;
+    Py_XDECREF(merged);
+    return rc;
+}
+
+/* dict[h] = dict[h] op value, the entry dropped (and h appended to `gone`) when that is 0;
+ * a missing h: nothing when `missing_ok`, else KeyError (op: PyNumber_And, PyNumber_Subtract). */
+static int reduce(PyObject *dict, PyObject *h, PyObject *value, binaryfunc op, PyObject *gone, int missing_ok) {
+    PyObject *held = PyDict_GetItemWithError(dict, h); /* borrowed */
+    if (held == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        if (missing_ok)
+            return 0;
+        PyErr_SetObject(PyExc_KeyError, h);
+        return -1;
+    }
+    PyObject *left = op(held, value);
+    int nonzero = left != NULL ? PyObject_IsTrue(left) : -1;
+    int rc = nonzero < 0 ? -1
+             : nonzero ? PyDict_SetItem(dict, h, left)
+             : PyDict_DelItem(dict, h) < 0 ? -1
+             : gone != NULL ? PyList_Append(gone, h) : 0;
+    Py_XDECREF(left);
+    return rc;
+}
+
+static int add_step(PyObject *pages, PyObject *h, PyObject *bit, PyObject *out) {
+    return merge(pages, h, bit, PyNumber_Or, NULL); /* one holder: its own bit object, no new int */
+}
+
+static int remove_step(PyObject *pages, PyObject *h, PyObject *keep, PyObject *out) {
+    return reduce(pages, h, keep, PyNumber_And, NULL, 1);
+}
+
+static int count_add_step(PyObject *counts, PyObject *h, PyObject *one, PyObject *fresh) {
+    return merge(counts, h, one, PyNumber_Add, fresh);
+}
+
+static int count_remove_step(PyObject *counts, PyObject *h, PyObject *one, PyObject *gone) {
+    return reduce(counts, h, one, PyNumber_Subtract, gone, 0);
+}
+
+/* add(pages, hashes, bit) -> count: pages[h] = bit, or held | bit, for each h of `hashes`. */
+static PyObject *add(PyObject *self, PyObject *args) {
+    PyObject *pages, *hashes, *bit;
+    if (!PyArg_ParseTuple(args, "O!OO", &PyDict_Type, &pages, &hashes, &bit))
+        return NULL;
+    return each_hash(pages, hashes, bit, add_step, 0);
+}
+
+/* remove(pages, hashes, keep) -> count: pages[h] &= keep (keep = ~bit), the entry dropped when
+ * no holder is left, for each h of `hashes`. */
+static PyObject *remove_bits(PyObject *self, PyObject *args) {
+    PyObject *pages, *hashes, *keep;
+    if (!PyArg_ParseTuple(args, "O!OO", &PyDict_Type, &pages, &hashes, &keep))
+        return NULL;
+    return each_hash(pages, hashes, keep, remove_step, 0);
+}
+
 /* count_add(counts, hashes) -> the hashes whose count went from 0 to 1 (counts[h] += 1 each). */
 static PyObject *count_add(PyObject *self, PyObject *args) {
     PyObject *counts, *hashes;
     if (!PyArg_ParseTuple(args, "O!O", &PyDict_Type, &counts, &hashes))
         return NULL;
-    PyObject *fresh = PyList_New(0);
-    PyObject *it = fresh != NULL ? PyObject_GetIter(hashes) : NULL;
-    if (it == NULL) {
-        Py_XDECREF(fresh);
-        return NULL;
-    }
     PyObject *one = PyLong_FromLong(1);
-    PyObject *h;
-    int failed = one == NULL;
-    while (!failed && (h = PyIter_Next(it)) != NULL) {
-        PyObject *n = PyDict_GetItemWithError(counts, h); /* borrowed */
-        if (n != NULL) {
-            PyObject *more = PyNumber_Add(n, one);
-            failed = more == NULL || PyDict_SetItem(counts, h, more) < 0;
-            Py_XDECREF(more);
-        } else {
-            failed = PyErr_Occurred() != NULL || PyDict_SetItem(counts, h, one) < 0 || PyList_Append(fresh, h) < 0;
-        }
-        Py_DECREF(h);
-    }
-    Py_DECREF(it);
+    PyObject *fresh = one != NULL ? each_hash(counts, hashes, one, count_add_step, 1) : NULL;
     Py_XDECREF(one);
-    if (failed || PyErr_Occurred()) {
-        Py_DECREF(fresh);
-        return NULL;
-    }
     return fresh;
 }
 
@@ -238,40 +239,9 @@ static PyObject *count_remove(PyObject *self, PyObject *args) {
     PyObject *counts, *hashes;
     if (!PyArg_ParseTuple(args, "O!O", &PyDict_Type, &counts, &hashes))
         return NULL;
-    PyObject *gone = PyList_New(0);
-    PyObject *it = gone != NULL ? PyObject_GetIter(hashes) : NULL;
-    if (it == NULL) {
-        Py_XDECREF(gone);
-        return NULL;
-    }
     PyObject *one = PyLong_FromLong(1);
-    PyObject *h;
-    int failed = one == NULL;
-    while (!failed && (h = PyIter_Next(it)) != NULL) {
-        PyObject *n = PyDict_GetItemWithError(counts, h); /* borrowed */
-        if (n == NULL) {
-            if (!PyErr_Occurred())
-                PyErr_SetObject(PyExc_KeyError, h);
-            failed = 1;
-        } else {
-            PyObject *left = PyNumber_Subtract(n, one);
-            int nonzero = left != NULL ? PyObject_IsTrue(left) : -1;
-            if (nonzero < 0)
-                failed = 1;
-            else if (nonzero)
-                failed = PyDict_SetItem(counts, h, left) < 0;
-            else
-                failed = PyDict_DelItem(counts, h) < 0 || PyList_Append(gone, h) < 0;
-            Py_XDECREF(left);
-        }
-        Py_DECREF(h);
-    }
-    Py_DECREF(it);
+    PyObject *gone = one != NULL ? each_hash(counts, hashes, one, count_remove_step, 1) : NULL;
     Py_XDECREF(one);
-    if (failed || PyErr_Occurred()) {
-        Py_DECREF(gone);
-        return NULL;
-    }
     return gone;
 }
 

@@ -155,7 +155,7 @@ async def serve(
                  registry_limits.max_pools, registry_limits.max_pools_per_owner,
                  registry_limits.max_memory_bytes >> 20)
         reason = native.unavailable_reason()
-        log.info("block allocator: %s", "C core" if reason is None else f"Python code (C core {reason})")
+        log.info("block allocator and page index: %s", "C core" if reason is None else f"Python code (C core {reason})")
 
     async def stopping() -> None:  # no lease runs out while the server drains
         await cancel_and_wait(expiry)

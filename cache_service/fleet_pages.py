@@ -135,15 +135,16 @@ class ModelPages:
             (device if on_device else routed)[pool_id] = pages
         return HeldPages(device, routed)
 
-    def deepest_other(self, pool_id: str, namespace: str, hashes: Iterable[int], now: float) -> int:
-        """The most leading pages of the chain `hashes` the tree of a live pool (lease running at
-        `now`) other than `pool_id` holds."""
+    def deepest_other(self, pool_id: str, namespace: str, hashes: Iterable[int], now: float, skip: int = 0) -> int:
+        """The most leading pages of a chain the tree of a live pool (lease running at `now`)
+        other than `pool_id` holds, of the pools that hold page `skip`: `hashes` is the chain
+        from that page on (0: the whole chain)."""
         mask = self.device_bits & ~self._bits[pool_id].device.bit
         best = 0
         for bit, pages in self.index.depths(namespace, hashes, mask).items():
             if pages > best and now < self.pools[self._owners[bit][0]].lease_deadline:
                 best = pages
-        return best
+        return skip + best if best else 0
 
     def check_integrity(self) -> None:
         """The index equals one rebuilt from the pools' trees and routed prompts."""

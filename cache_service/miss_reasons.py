@@ -12,6 +12,7 @@ apart (`MissClassification.other_namespace_tokens`) for the operator's aggregate
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
@@ -87,7 +88,7 @@ class EvictedPages:
 def classify_miss(
     tree: RadixTree,
     evicted: EvictedPages,
-    peer_pages: Callable[[str, Iterable[int]], int],
+    peer_pages: Callable[[str, Iterable[int], int], int],
     tokens: Sequence[int],
     namespace: str,
     num_cached_pages: int,
@@ -98,8 +99,10 @@ def classify_miss(
 
     `parent_hash` is the hash of the last cached page (0 when nothing is cached); `encoded`, if
     given, is `encode_tokens(tokens)` (saves encoding the prompt again). `peer_pages(namespace,
-    chain)`: the most leading pages of a page hash chain another live pool of the model holds
-    (RoutingState.peer_pages); the chain is given lazily, from the prompt's first page.
+    chain, skip)`: the most leading pages of the prompt another live pool of the model holds
+    (RoutingState.peer_pages), of those that hold page `skip`; the chain is given lazily, from
+    that page on (the pages before it are explained already, and a pool that holds a page holds
+    the pages before it: page_index.py).
     """
     ps = tree.page_size
     uncached = len(tokens) - num_cached_pages * ps
@@ -109,13 +112,20 @@ def classify_miss(
     prefix = (encoded or encode_tokens(tokens))[: cacheable * ps * TOKEN_BYTES]  # once for every lookup
     covered = num_cached_pages
     evicted_pages = 0
-    if len(evicted):  # hashed page by page (chained from `namespace`): most misses stop at the first page
-        for h in iter_page_hashes(parent_hash, namespace, prefix[covered * ps * TOKEN_BYTES :], ps):
+    last = parent_hash  # the hash of page covered - 1
+    # The uncached pages' hashes, chained from `namespace`, computed once as the lookups go.
+    rest: Iterable[int] = iter_page_hashes(parent_hash, namespace, prefix[covered * ps * TOKEN_BYTES :], ps)
+    if len(evicted):  # most misses stop at the first page
+        for h in rest:
             if h not in evicted:
+                rest = itertools.chain((h,), rest)
                 break
             evicted_pages += 1
+            last = h
         covered += evicted_pages
-    elsewhere = peer_pages(namespace, iter_page_hashes(0, namespace, prefix, ps))
+    # Another pool can explain more only if it holds page covered - 1: walk from there.
+    elsewhere = peer_pages(namespace, itertools.chain((last,), rest), covered - 1) if covered else \
+        peer_pages(namespace, rest, 0)
     other_replica_pages = max(0, elsewhere - covered)
     covered += other_replica_pages
     other_namespace_pages = max(0, tree.peek_other_namespaces(prefix, namespace) // ps - covered)

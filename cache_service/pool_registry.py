@@ -287,7 +287,8 @@ class PoolRegistry:
         routing = pool.routing
         model = self.pages.of_pool(pool)
         pool_id = pool.pool_id
-        routing.peer_pages = lambda namespace, hashes: model.deepest_other(pool_id, namespace, hashes, self._clock())
+        routing.peer_pages = lambda namespace, hashes, skip: model.deepest_other(pool_id, namespace, hashes,
+                                                                                 self._clock(), skip)
         pulls = pool.pulls
         pulls.sources = lambda: self.live_pools(model_fingerprint)
         pulls.brokered = self._peer_pulls

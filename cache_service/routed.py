@@ -251,7 +251,7 @@ class RoutedRequests:
         return [pin]
 
 
-def _no_peer_pages(namespace: str, hashes: Iterable[int]) -> int:
+def _no_peer_pages(namespace: str, hashes: Iterable[int], skip: int) -> int:
     return 0
 
 
@@ -266,7 +266,7 @@ class RoutingState:
     max_pinned_blocks: int  # blocks Route reservations may pin at once (--max-pinned-fraction)
     # (namespace, a prompt's page hash chain) -> the most leading pages of it another live pool
     # of the same model holds on device: where else a miss was cached.
-    peer_pages: Callable[[str, Iterable[int]], int] = _no_peer_pages
+    peer_pages: Callable[[str, Iterable[int], int], int] = _no_peer_pages
     journal: RouteJournal | None = None  # records routed requests and their expiry
 
     def may_pin(self, num_pages: int) -> bool:

@@ -204,3 +204,43 @@ def test_a_route_larger_than_every_live_pool_is_refused_though_a_lapsed_one_is_l
     with pytest.raises(InvalidArgument, match="at most 32 token ids"):
         registry.check_route_size("fp", 257, 0)  # larger than every pool: refused before the copy, as Route would
     assert [c.pool_id for c in ranked(registry, list(range(20)), dry_run=True)] == ["small"]
+
+
+def test_the_miss_breakdown_matches_each_pools_own_tree_in_random_fleets() -> None:
+    """Evicted here, then held by another live pool, then new: checked against the pools' trees
+    and the pool's evicted pages directly, after random caching, eviction and lapsed leases."""
+    import random
+
+    from common.token_bytes import encode_tokens
+    rng = random.Random(5)
+    clock = ManualClock()
+    registry = PoolRegistry(lease_seconds=30, clock=clock)
+    for name in "abcd":
+        registry.register(name, 20, BS, "fp", 0, f"127.0.0.1:{ord(name)}")
+    stems = [[rng.randrange(500) for _ in range(48)] for _ in range(3)]
+    seen = [0, 0]  # admissions with evicted, with other-replica pages
+    for i in range(150):
+        pool = registry.pools[rng.choice("abcd")]
+        prompt = rng.choice(stems)[: rng.randrange(1, 49)] + [rng.randrange(500) for _ in range(rng.randrange(1, 9))]
+        if i == 90:
+            registry.pools["d"].lease_deadline = clock.now  # lapsed: its pages explain nothing
+        key = encode_tokens(prompt)
+        cacheable = (len(prompt) - 1) // BS
+        chain = page_hashes(0, "", key[: cacheable * BS * 4], BS)
+        others = [p for p in registry.pools.values() if p is not pool and clock.now < p.lease_deadline]
+        held_elsewhere = max((p.tree.peek_key(key[: cacheable * BS * 4]) // BS for p in others), default=0)
+        (adm,) = pool.step(StepInput(admits=[Admit(f"r{i}", prompt)])).admits
+        if not adm.admitted:
+            continue
+        cached = adm.cached_tokens // BS
+        run = 0
+        while cached + run < cacheable and chain[cached + run] in pool.evicted_pages:  # as of the admission
+            run += 1
+        other = max(0, held_elsewhere - cached - run)
+        assert (adm.miss.evicted_tokens, adm.miss.other_replica_tokens) == (run * BS, other * BS), i
+        seen[0] += run > 0
+        seen[1] += other > 0
+        pool.step(StepInput(finishes=[Finish(f"r{i}", [], len(prompt))]))
+        clock.now += 0.1
+    assert min(seen) >= 5, seen
+    registry.check_integrity()

@@ -67,6 +67,9 @@ MAX_RESERVE_MS = 60_000
 # Route ranks every live pool of a fleet this size or smaller; a larger one, those likely best.
 FULL_RANK_POOLS = 16
 LEAST_LOADED_OTHERS = 4
+# Route's answers of at most this many candidates read pools least loaded first (`_least_loaded_first`:
+# a sorted insert per pool read; a longer answer is a full ranking's anyway).
+LEAST_LOADED_FIRST_MAX_CANDIDATES = 64
 # The size limit of a Route when no live pool of its model is registered (the answer is empty then).
 DEFAULT_MAX_ROUTE_TOKENS = 1 << 16
 
@@ -214,8 +217,8 @@ def route(groups: Sequence[ModelPages], query: RouteQuery, now: float) -> RouteR
 
     for group in groups:  # routed prompts whose time is up promise nothing (before the walk)
         group.expire_due(now)
-    if (query.max_candidates and len(groups) == 1 and not groups[0].special
-            and (query.weights is None or query.weights == DEFAULT_WEIGHTS)):
+    if (0 < query.max_candidates <= LEAST_LOADED_FIRST_MAX_CANDIDATES and len(groups) == 1 and not groups[0].special
+            and query.max_candidates < len(groups[0].pools) and (query.weights is None or query.weights == DEFAULT_WEIGHTS)):
         group = groups[0]
         scored = _least_loaded_first(group, query, now, cacheable(group.page_size), walk(group.page_size))
         num_pages = cacheable(group.page_size)[0] // group.page_size if scored else 0

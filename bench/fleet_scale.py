@@ -433,6 +433,14 @@ def run(quick: bool, echo: Callable[[str], object] = print, sizes: Sequence[int]
     result: dict = {"config": asdict(cfg), "shards": shards, "rows": rows, "knee_replicas": knee(rows),
                     "p99_target_ms": P99_TARGET_MS}
     echo(f"knee: {result['knee_replicas']} replicas with Step p99 < {P99_TARGET_MS:.0f} ms (target: 48 on one shard)")
+    if shards == 1:  # the handlers' own cost, without gRPC: far steadier than the latencies above
+        from bench import fleet_handlers
+
+        n = 16 if quick else 48
+        result["handlers"] = handlers = fleet_handlers.run(n, measure_s=4.0 if quick else 10.0)
+        echo(f"in-process handlers at {n} replicas (bench.fleet_handlers): Step {handlers['step_us']:.0f} µs x "
+             f"{handlers['steps_per_s']:,.0f}/s, Route {handlers['route_us']:.0f} µs x {handlers['routes_per_s']:,.0f}/s, "
+             f"{handlers['handler_cpu']:.0%} of a core")
     if shards == 1 and streams and not quick:
         echo("== the same with a unary call per Step and per Route (before StepStream and RouteStream)")
         unary = series([n for n in sizes if 16 <= n <= 32], warmup, seconds,

@@ -20,6 +20,10 @@ def flat_fleet_scale(d: Json) -> Json:
         n = row["replicas"]
         for key in ("steps_served_per_s", "step_p99_ms", "step_p999_ms", "route_p99_ms", "server_cpu"):
             out[f"fleet_scale_{n}_{key}"] = row[key]
+    handlers = r.get("handlers")
+    if handlers:
+        for key in ("step_us", "route_us", "handler_cpu"):
+            out[f"fleet_scale_handlers_{handlers['replicas']}_{key}"] = handlers[key]
     unary = r.get("unary_steps")
     if unary:
         out["fleet_scale_unary_knee_replicas"] = unary["knee_replicas"]

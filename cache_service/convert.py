@@ -52,12 +52,16 @@ def replica_load(msg: cache_pb2.ReplicaLoad) -> ReplicaLoad:
     return ReplicaLoad(msg.num_waiting_requests, msg.num_waiting_tokens, msg.num_running_requests, host, disk, peer)
 
 
-def replica_load_proto(load: ReplicaLoad) -> cache_pb2.ReplicaLoad:
-    return cache_pb2.ReplicaLoad(num_waiting_requests=load.num_waiting_requests,
-                                 num_waiting_tokens=load.num_waiting_tokens,
-                                 num_running_requests=load.num_running_requests,
-                                 host_load_cost=load.host_load_cost, disk_load_cost=load.disk_load_cost,
-                                 peer_load_cost=load.peer_load_cost)
+def replica_load_proto(load: ReplicaLoad, out: cache_pb2.ReplicaLoad | None = None) -> cache_pb2.ReplicaLoad:
+    """`load` as a message: `out` (a field of a message being built) filled in place, or a new one."""
+    out = cache_pb2.ReplicaLoad() if out is None else out
+    out.num_waiting_requests = load.num_waiting_requests
+    out.num_waiting_tokens = load.num_waiting_tokens
+    out.num_running_requests = load.num_running_requests
+    out.host_load_cost = load.host_load_cost
+    out.disk_load_cost = load.disk_load_cost
+    out.peer_load_cost = load.peer_load_cost
+    return out
 
 
 def _prompt_tokens(msg: cache_pb2.Admit | cache_pb2.RouteRequest, where: str = "") -> Sequence[int]:
@@ -246,13 +250,7 @@ def route_response(result: RouteResult) -> cache_pb2.RouteResponse:
                         num_blocks=c.num_blocks, score=c.score, reserved=c.reserved,
                         matched_host_tokens=c.matched_host_tokens, matched_disk_tokens=c.matched_disk_tokens,
                         matched_peer_tokens=c.matched_peer_tokens, pull_from_worker_id=c.pull_from_worker_id)
-        load, out = c.load, candidate.load
-        out.num_waiting_requests = load.num_waiting_requests
-        out.num_waiting_tokens = load.num_waiting_tokens
-        out.num_running_requests = load.num_running_requests
-        out.host_load_cost = load.host_load_cost
-        out.disk_load_cost = load.disk_load_cost
-        out.peer_load_cost = load.peer_load_cost
+        replica_load_proto(c.load, candidate.load)
     return reply
 
 

@@ -22,11 +22,16 @@ QUEUE_WEIGHT = 1.0
 RUNNING_WEIGHT = 16.0
 
 
-def queue_load(pool: Pool) -> float:
-    """The pool's load terms at the default weights (what routing.queue_score gives then)."""
+def load_terms(pool: Pool, queue_weight: float, running_weight: float) -> float:
+    """Route's load terms for `pool`: what it has queued (reported and routed) and running."""
     load = pool.load
-    return (QUEUE_WEIGHT * (load.num_waiting_tokens + pool.routing.routed.queued_tokens)
-            + RUNNING_WEIGHT * load.num_running_requests)
+    return (queue_weight * (load.num_waiting_tokens + pool.routing.routed.queued_tokens)
+            + running_weight * load.num_running_requests)
+
+
+def queue_load(pool: Pool) -> float:
+    """The pool's load terms at the default weights."""
+    return load_terms(pool, QUEUE_WEIGHT, RUNNING_WEIGHT)
 
 
 class LoadOrder:

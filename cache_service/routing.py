@@ -52,7 +52,7 @@ from typing import NamedTuple
 
 from cache_service.errors import InvalidArgument
 from cache_service.fleet_pages import ModelPages
-from cache_service.load_order import QUEUE_WEIGHT, RUNNING_WEIGHT
+from cache_service.load_order import QUEUE_WEIGHT, RUNNING_WEIGHT, load_terms
 from cache_service.page_hash import iter_page_hashes, page_hashes
 from cache_service.peer_pulls import held_pages, peer_load_cost
 from cache_service.pool import Pool
@@ -381,9 +381,7 @@ def _likely_best(candidates: list[Pool], device: dict[str, int], promised: dict[
 
 def queue_score(pool: Pool, weights: RouteWeights) -> float:
     """The score's load terms: what the pool has queued and running, whatever the prompt."""
-    load = pool.load
-    return (weights.queue_weight * (load.num_waiting_tokens + pool.routing.routed.queued_tokens)
-            + weights.running_weight * load.num_running_requests)
+    return load_terms(pool, weights.queue_weight, weights.running_weight)
 
 
 def visible_blocks(pool: Pool, all_namespaces: bool) -> tuple[int, int]:

@@ -41,7 +41,9 @@ def page_ops() -> ModuleType | None:
 
 def unavailable_reason() -> str | None:
     """None when the C core is loaded, else why it is not."""
-    for name in ("block_ops", "page_ops"):
+    from cache_service.native.build import EXTENSIONS
+
+    for name in EXTENSIONS:
         why = _load(name)[1]
         if why is not None:
             return why

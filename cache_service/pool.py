@@ -56,6 +56,19 @@ from common.token_bytes import TOKEN_BYTES, encode_tokens, max_token
 
 log = logging.getLogger(__name__)
 
+# Eviction on demand frees at least 1/EVICT_BATCH_FRACTION of the pool (at most MAX_EVICT_BATCH
+# blocks) at a time. In a full pool every new block is an eviction; one block at a time costs a
+# tree split, an event and an evicted-pages record per decode step, while a batch serves the next
+# dozens of extends from the free list. What goes early is the LRU end of the cache, <= 0.4% of
+# it; pools of under 2 * EVICT_BATCH_FRACTION blocks evict exactly what they need.
+EVICT_BATCH_FRACTION = 256
+MAX_EVICT_BATCH = 64
+
+
+def evict_batch(num_blocks: int) -> int:
+    """The fewest blocks an on-demand eviction frees in a pool of `num_blocks` blocks."""
+    return max(1, min(MAX_EVICT_BATCH, num_blocks // EVICT_BATCH_FRACTION))
+
 
 @dataclass(slots=True)
 class RequestState:
@@ -119,6 +132,7 @@ class Pool:
         self.vocab_size = vocab_size
         self.lease_deadline = float("inf")  # managed by the registry
         self.allocator = BlockAllocator(num_blocks)
+        self.evict_batch = evict_batch(num_blocks)  # from the shape alone: journal replay evicts the same
         self.tree = RadixTree(block_size)
         self.requests: dict[str, RequestState] = {}
         self.num_private_blocks = 0
@@ -475,13 +489,14 @@ class Pool:
     # ------------------------------------------------------------------ eviction
 
     def _make_free(self, n: int) -> bool:
-        """Ensure `n` free blocks, evicting LRU unlocked pages; False (and no eviction) if impossible."""
+        """Ensure `n` free blocks, evicting LRU unlocked pages (at least `evict_batch` when any);
+        False (and no eviction) if impossible."""
         short = n - self.allocator.num_free_blocks
         if short <= 0:
             return True
         if short > self.tree.evictable_size:
             return False
-        self._evict(short)
+        self._evict(min(max(short, self.evict_batch), self.tree.evictable_size))
         if self.allocator.num_free_blocks < n:  # never trust the counter: fail the item, not the Step
             log.error("pool %s: eviction freed fewer blocks than evictable_size promised (need %d, free %d)",
                       self.pool_id, n, self.allocator.num_free_blocks)

@@ -87,6 +87,9 @@ class Replayer:
                                             owner=r.get("owner", ""), tiers=tier_spec_of_record(r.get("tiers")))
             if reg.reattached != r["reattached"]:
                 self._drop(r["worker_id"], dropped, "re-attach did not replay")
+                return
+            # Absent from the records of older versions, whose pools evicted exactly what was needed.
+            reg.pool.evict_batch = r.get("evict_batch", 1)
             return
         if kind == Kind.RETIRE:
             r = json.loads(payload)

@@ -134,6 +134,7 @@ def dump_pool(pool: Pool) -> dict[str, Any]:
         "serving_addr": pool.serving_addr,
         "incarnation": pool.attach.incarnation,
         "owner": pool.attach.owner,
+        "evict_batch": pool.evict_batch,
         "counters": {name: getattr(pool, name) for name in _COUNTERS},
         "load": [load.num_waiting_requests, load.num_waiting_tokens, load.num_running_requests,
                  load.host_load_cost, load.disk_load_cost],
@@ -181,6 +182,7 @@ def _restore(data: dict[str, Any], events: EventLog | None) -> Pool:
                 tiers=tier_spec_of(tiers) if tiers else None)
     pool.attach.incarnation = data["incarnation"]
     pool.attach.owner = data.get("owner", "")  # absent from the snapshots of older versions: anonymous
+    pool.evict_batch = int(data.get("evict_batch", 1))  # older versions evicted exactly what was needed
     tree = pool.tree
     rows = restore_tree(tree, data["nodes"])
     by_last_block: dict[int, TreeNode] = {node.value[-1]: node for node in tree.iter_nodes()}

@@ -250,7 +250,7 @@ class DurableState:
             "worker_id": pool.worker_id, "num_blocks": pool.num_blocks, "block_size": pool.block_size,
             "model_fingerprint": pool.model_fingerprint, "vocab_size": pool.vocab_size,
             "serving_addr": pool.serving_addr, "incarnation": pool.attach.incarnation, "epoch": pool.epoch,
-            "reattached": reattached, "owner": pool.attach.owner,
+            "reattached": reattached, "owner": pool.attach.owner, "evict_batch": pool.evict_batch,
             "tiers": tier_record(pool.tier_spec) if pool.tier_spec.enabled else None,
         }).encode())
 

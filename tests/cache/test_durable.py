@@ -368,3 +368,28 @@ def test_background_snapshots_under_traffic_keep_the_log_bounded(tmp_path) -> No
     restored = new_registry()
     open_durable(path, restored).close()
     assert state(restored) == expected
+
+
+def test_a_pool_keeps_its_eviction_batch_across_restarts_and_older_records_evict_exactly(tmp_path) -> None:
+    """The eviction batch comes back from the journal and from a snapshot; records and snapshots
+    of older versions (no "evict_batch") replay as exact eviction, as those versions ran, so their
+    Steps replay to the same results."""
+    from cache_service.durable.replay import Replayer
+
+    live = new_registry()
+    durable = open_durable(str(tmp_path / "state"), live)
+    pool = live.register_replica("big", 1024, BS, "m", 3, "big:1", incarnation="inc-big").pool
+    assert pool.evict_batch == 4
+    crash(durable)
+    replayed = new_registry()
+    open_durable(str(tmp_path / "state"), replayed).close()
+    assert replayed.pools["big"].evict_batch == 4
+    data = dump_pool(replayed.pools["big"])
+    assert restore_pool(data, None).evict_batch == 4
+    del data["evict_batch"]
+    assert restore_pool(data, None).evict_batch == 1
+    older = new_registry()
+    Replayer(older, lambda pool_id, why: None).apply(Kind.REGISTER, json.dumps({
+        "worker_id": "old", "num_blocks": 1024, "block_size": BS, "model_fingerprint": "m", "vocab_size": 3,
+        "serving_addr": "old:1", "incarnation": "inc-old", "epoch": 1, "reattached": False}).encode())
+    assert older.pools["old"].evict_batch == 1

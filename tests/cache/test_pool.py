@@ -360,3 +360,42 @@ def test_the_extends_of_a_step_evict_together_the_pages_one_by_one_would(make_po
     one_by_one, events_one_by_one = run(batched=False)
     assert together == one_by_one and len(together) == 3
     assert (events_together, events_one_by_one) == (1, 3)
+
+
+@pytest.mark.parametrize("num_blocks, batch", [(511, 1), (1024, 4), (4096, 16), (1 << 16, 64)])
+def test_a_full_pool_evicts_a_batch_of_lru_pages_at_a_time(make_pool, num_blocks, batch) -> None:
+    """A full pool frees `evict_batch` blocks when one block is short (1/256 of the pool, at most
+    64; exactly what is needed under 512 blocks): the least recently used ones, oldest leaf first,
+    in one BlockRemoved; the next extends take blocks from the free list without evicting."""
+    from cache_service.pool import evict_batch
+
+    assert evict_batch(num_blocks) == batch
+    log = EventLog()
+    seen = []
+    log.subscribe(seen.append)
+    pool = make_pool(num_blocks=num_blocks, block_size=1, events=log)
+    assert pool.evict_batch == batch
+    sizes = [num_blocks - 3 - 2 * 64, 64, 64]  # three cached leaves, oldest first; 3 blocks left
+    leaves = []
+    for i, size in enumerate(sizes):
+        tokens = [i + 1] + [1000 + i] * (size - 1)
+        admit(pool, f"doc{i}", tokens + [7])
+        finish(pool, f"doc{i}", computed=size)
+        leaves.append(tokens)
+    admit(pool, "run", [5, 6])  # 2 blocks: 1 left free
+    assert pool.stats().num_free_blocks == 1
+    first = pool.step(StepInput(extends=[Extend("run", 3)])).extends[0]  # takes the free block
+    assert first.ok and pool.stats().num_free_blocks == 0
+    del seen[:]
+    step = pool.step(StepInput(extends=[Extend("run", 4)]))  # one block short
+    assert step.extends[0].ok and step.num_evicted_blocks == batch
+    assert pool.stats().num_free_blocks == batch - 1
+    removed = [e.payload for e in seen if isinstance(e.payload, BlockRemoved)]
+    assert len(removed) == 1 and len(removed[0].block_ids) == batch
+    # The oldest leaf lost its tail; the newer ones are whole.
+    assert pool.match(leaves[0] + [0], "").matched_tokens == sizes[0] - batch
+    assert pool.match(leaves[2] + [0], "").matched_tokens == sizes[2]
+    for n in range(5, 5 + batch - 1):  # the rest of the batch serves the next extends
+        assert pool.step(StepInput(extends=[Extend("run", n)])).num_evicted_blocks == 0
+    assert pool.stats().num_free_blocks == 0
+    assert pool.step(StepInput(extends=[Extend("run", 5 + batch - 1)])).num_evicted_blocks == batch

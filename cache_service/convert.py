@@ -239,8 +239,11 @@ def route_size(msg: cache_pb2.RouteRequest) -> tuple[int, int]:
     return len(msg.token_ids) or len(msg.packed_token_ids) // TOKEN_BYTES, len(msg.page_hashes)
 
 
-def route_response(result: RouteResult) -> cache_pb2.RouteResponse:
-    reply = cache_pb2.RouteResponse(num_prompt_pages=result.num_prompt_pages)
+def route_response(result: RouteResult, out: cache_pb2.RouteResponse | None = None) -> cache_pb2.RouteResponse:
+    """The RouteResponse of `result`; `out`: an empty message to fill in place (a RouteStreamReply's
+    `response`: no copy of the candidates)."""
+    reply = cache_pb2.RouteResponse() if out is None else out
+    reply.num_prompt_pages = result.num_prompt_pages
     add = reply.candidates.add  # built in place (see step_response)
     for c in result.candidates:
         candidate = add(pool_id=c.pool_id, worker_id=c.worker_id, serving_addr=c.serving_addr,

@@ -266,21 +266,24 @@ class CacheManagerServicer(cache_pb2_grpc.CacheManagerServicer):
                     await reader
 
     def _route_reply(self, request: cache_pb2.RouteRequest) -> cache_pb2.RouteStreamReply:
+        reply = cache_pb2.RouteStreamReply()
         try:
-            return cache_pb2.RouteStreamReply(response=self._route(request, "stream"))
+            self._route(request, "stream", reply.response)
+            return reply
         except Exception as err:
             code, message = _refusal("RouteStream", err)
             self._count_error("RouteStream", code)
             return cache_pb2.RouteStreamReply(code=code.value[0], message=message)
 
-    def _route(self, request: cache_pb2.RouteRequest, transport: str) -> cache_pb2.RouteResponse:
+    def _route(self, request: cache_pb2.RouteRequest, transport: str,
+               out: cache_pb2.RouteResponse | None = None) -> cache_pb2.RouteResponse:
         if self.metrics is not None:
             self.metrics.routes.labels(transport).inc()
         _check_namespace(request.namespace)
         _check_route_records(request)
         # Before the prompt is copied out of the message: an oversized one costs nothing more.
         self.registry.check_route_size(request.model_fingerprint, *convert.route_size(request))
-        return convert.route_response(self.registry.route(convert.route_query(request, _sees_all_namespaces())))
+        return convert.route_response(self.registry.route(convert.route_query(request, _sees_all_namespaces())), out)
 
     @_rpc
     async def Stats(self, request: cache_pb2.StatsRequest, context) -> cache_pb2.StatsResponse:

@@ -34,6 +34,7 @@ class _Timed:
         self.seconds = 0.0
         self.calls = 0
         self.on = False
+        self.durations: list[float] = []  # each call's, for the tail (amortized upkeep shows there)
 
     def __call__(self, handler: Callable, request):
         if not self.on:
@@ -42,8 +43,16 @@ class _Timed:
         try:
             return handler(request)
         finally:
-            self.seconds += time.perf_counter() - start
+            took = time.perf_counter() - start
+            self.seconds += took
             self.calls += 1
+            self.durations.append(took)
+
+    def tail_us(self) -> dict[str, float]:
+        """p99, p99.9 and the longest call, in µs."""
+        d = sorted(self.durations) or [0.0]
+        return {"p99": round(1e6 * d[int(0.99 * (len(d) - 1))], 1),
+                "p999": round(1e6 * d[int(0.999 * (len(d) - 1))], 1), "max": round(1e6 * d[-1], 1)}
 
 
 class _InProcessStub:
@@ -96,6 +105,7 @@ async def _drive(replicas: int, warmup_s: float, measure_s: float, cfg: SimConfi
         "step_us": round(1e6 * steps.seconds / max(steps.calls, 1), 1),
         "route_us": round(1e6 * routes.seconds / max(routes.calls, 1), 1),
         "handler_cpu": round((steps.seconds + routes.seconds) / wall, 3),
+        "step_tail_us": steps.tail_us(), "route_tail_us": routes.tail_us(),
     }
 
 

@@ -10,7 +10,7 @@ PROTO_OUT := protos/cache_pb2.py protos/cache_pb2_grpc.py protos/model_pb2.py pr
 NODE_STAMP := client/node/node_modules/.installed
 NATIVE_SRC := $(wildcard model_service/native/*.cpp model_service/native/*.h) model_service/native/build.py
 NATIVE_STAMP := model_service/native/_build/.built
-CACHE_NATIVE_SRC := cache_service/native/block_ops.c cache_service/native/page_ops.c cache_service/native/build.py
+CACHE_NATIVE_SRC := $(wildcard cache_service/native/*.c cache_service/native/third_party/*.h) cache_service/native/build.py
 CACHE_NATIVE_STAMP := cache_service/native/_build/.built
 
 HOST ?= 127.0.0.1

@@ -1,11 +1,11 @@
-"""The cache manager's C core: the block allocator's bulk operations (block_ops.c) and the page
-index's loops (page_ops.c).
+"""The cache manager's C core: the block allocator's bulk operations (block_ops.c), the page
+index's loops (page_ops.c) and the chained page hash (hash_ops.c).
 
 Built by `make install` (`python -m cache_service.native.build`) and loaded here on first use;
-`block_ops()` and `page_ops()` are the extension modules, or None where they are not built or do
-not load (`unavailable_reason()` says why), and the allocator and the page index then run their
-Python code, which gives the same answers (tests/cache/test_block_allocator.py and
-tests/cache/test_page_index.py run both).
+`block_ops()`, `page_ops()` and `hash_ops()` are the extension modules, or None where they are not
+built or do not load (`unavailable_reason()` says why), and the allocator, the page index and the
+page hash then run their Python code, which gives the same answers (tests/cache/
+test_block_allocator.py, test_page_index.py and test_page_hash.py run both).
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ def block_ops() -> ModuleType | None:
 
 def page_ops() -> ModuleType | None:
     return _load("page_ops")[0]
+
+
+def hash_ops() -> ModuleType | None:
+    return _load("hash_ops")[0]
 
 
 def unavailable_reason() -> str | None:

@@ -1,5 +1,6 @@
 """Builds the cache manager's C core into CPython extensions next to this file: block_ops.c (the
-block allocator's bulk operations) and page_ops.c (the page index's loops).
+block allocator's bulk operations), page_ops.c (the page index's loops) and hash_ops.c (the
+chained page hash, on the vendored xxHash header in third_party/).
 
 `make install` runs `python -m cache_service.native.build --optional`. Each file's name carries a
 hash of its source, the flags and the Python version, so a stale build is never loaded. It needs
@@ -20,13 +21,16 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-EXTENSIONS = ("block_ops", "page_ops")  # each NAME.c builds the module _NAME
+EXTENSIONS = ("block_ops", "page_ops", "hash_ops")  # each NAME.c builds the module _NAME
+HEADERS = {"hash_ops": ("third_party/xxhash.h",)}  # what a source includes besides Python's headers
 CFLAGS = ["-O2", "-shared", "-fPIC", "-std=c11", "-Wall", "-Werror=implicit-function-declaration"]
 
 
 def library_path(name: str = "block_ops") -> Path:
     """Where the extension `name` for its source, these flags and this Python lives."""
     digest = hashlib.sha256((HERE / f"{name}.c").read_bytes())
+    for header in HEADERS.get(name, ()):
+        digest.update((HERE / header).read_bytes())
     digest.update(" ".join(CFLAGS).encode())
     digest.update(sys.version.encode())
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from array import array
 
 import pytest
@@ -9,9 +10,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
-from cache_service.page_hash import namespace_seed, page_hash, page_hashes
+from cache_service import native
+from cache_service import page_hash as page_hash_module
+from cache_service.page_hash import iter_page_hashes, namespace_seed, page_hash, page_hashes
 from common.token_bytes import decode_tokens, encode_tokens, max_token, unpack_tokens
 from examples import kv_mirror
+from tests.native_required import SKIP_PREFIX
 
 token_lists = st.lists(st.integers(0, 2**32 - 1), max_size=80)
 namespaces = st.sampled_from(["", "tenant-a", "ténant-ü", "x" * 40])
@@ -81,3 +85,23 @@ def test_packed_tokens_unpack_to_the_same_ids(tokens: list[int]) -> None:
 def test_unpack_refuses_a_partial_token(size: int) -> None:
     with pytest.raises(ValueError, match="not a whole number"):
         unpack_tokens(bytes(size))
+
+
+@pytest.mark.parametrize("core", ["c", "python"])
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), max_size=700), namespace=namespaces,
+       page_size=st.sampled_from([1, 3, 16]), parent=st.integers(0, 2**64 - 1), stop=st.integers(0, 300))
+def test_both_cores_give_the_documented_chain_whole_and_lazily(core, tokens, namespace, page_size, parent, stop) -> None:
+    """The C core (cache_service/native/hash_ops.c) and the Python loop: the same hashes, whole
+    and page by page (the lazy walk hashes in growing runs; taking only the first `stop`)."""
+    if core == "c" and native.hash_ops() is None:
+        pytest.skip(f"{SKIP_PREFIX}: the cache manager's C core ({native.unavailable_reason()})")
+    expected = documented_chain(parent, namespace, tokens, page_size)
+    saved = page_hash_module._ops
+    page_hash_module._ops = native.hash_ops() if core == "c" else None
+    try:
+        raw = encode_tokens(tokens)
+        assert page_hashes(parent, namespace, tokens, page_size) == expected
+        assert list(iter_page_hashes(parent, namespace, raw, page_size)) == expected
+        assert list(itertools.islice(iter_page_hashes(parent, namespace, raw, page_size), stop)) == expected[:stop]
+    finally:
+        page_hash_module._ops = saved

@@ -14,6 +14,11 @@ one bit each, recycled when a pool leaves. Pages are kept per namespace: page ha
 (anyone can compute another namespace's chain), so a walk only ever sees the pages of the
 namespace it names, as each tree's own hash index does (radix_tree.py).
 
+A namespace's pages live in SHARDS dicts, chosen by the hash's low bits. A dict rebuilds its
+table now and then as entries come and go (every few hundred thousand changes), and one dict of
+a fleet's 300k pages took 15-17 ms to do it: a pause in the middle of some Step or Route. A
+shard's rebuild is 1/SHARDS of that, at the same cost in all.
+
 The loops over a chain (add, remove, depths) run in the cache manager's C core where it is built
 (cache_service/native/page_ops.c, on the same dicts and ints), else here.
 """
@@ -24,6 +29,9 @@ from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 from cache_service import native
+
+SHARDS = 64  # dicts per namespace (a power of two: page_ops.c picks one by hash & (SHARDS - 1))
+_LOW = SHARDS - 1
 
 
 class PageListener(Protocol):
@@ -47,17 +55,17 @@ class PageHolder:
     def added(self, namespace: str, hashes: Iterable[int]) -> None:
         pages = self._index._pages.get(namespace)
         if pages is None:
-            pages = self._index._pages[namespace] = {}
+            pages = self._index._pages[namespace] = [{} for _ in range(SHARDS)]
         bit = self.bit
         if self._index._ops is not None:
             self.num_pages += self._index._ops.add(pages, hashes, bit)
             return
-        get = pages.get
         n = 0
         for h in hashes:
-            held = get(h)
+            shard = pages[h & _LOW]
+            held = shard.get(h)
             # A page one pool holds stores that pool's own bit object: no new int per page.
-            pages[h] = bit if held is None else held | bit
+            shard[h] = bit if held is None else held | bit
             n += 1
         self.num_pages += n
 
@@ -68,20 +76,18 @@ class PageHolder:
         keep = ~self.bit
         if self._index._ops is not None:
             self.num_pages -= self._index._ops.remove(pages, hashes, keep)
-            if not pages:
-                del self._index._pages[namespace]
-            return
-        get = pages.get
-        n = 0
-        for h in hashes:
-            mask = get(h, 0) & keep
-            if mask:
-                pages[h] = mask
-            else:
-                pages.pop(h, None)
-            n += 1
-        self.num_pages -= n
-        if not pages:
+        else:
+            n = 0
+            for h in hashes:
+                shard = pages[h & _LOW]
+                mask = shard.get(h, 0) & keep
+                if mask:
+                    shard[h] = mask
+                else:
+                    shard.pop(h, None)
+                n += 1
+            self.num_pages -= n
+        if not any(pages):  # stops at the first shard with a page: one look, unless nearly empty
             del self._index._pages[namespace]
 
 
@@ -102,7 +108,7 @@ class PageIndex:
         self._ops = native.page_ops() if native_core is None or native_core else None
         if native_core and self._ops is None:
             raise RuntimeError(f"the cache manager's C core is unavailable: {native.unavailable_reason()}")
-        self._pages: dict[str, dict[int, int]] = {}
+        self._pages: dict[str, list[dict[int, int]]] = {}  # namespace -> SHARDS dicts
         self._free_bits: list[int] = []
         self._next_bit = 1
 
@@ -119,7 +125,7 @@ class PageIndex:
         emptied first) is taken out of every page: a scan of the whole index."""
         if holder.num_pages:
             for namespace, pages in list(self._pages.items()):
-                holder.removed(namespace, [h for h, mask in pages.items() if mask & holder.bit])
+                holder.removed(namespace, [h for shard in pages for h, mask in shard.items() if mask & holder.bit])
         holder.num_pages = 0
         self._free_bits.append(holder.bit)
 
@@ -133,11 +139,10 @@ class PageIndex:
             return out
         if self._ops is not None:
             return self._ops.depths(pages, hashes, mask)
-        get = pages.get
         held = mask
         depth = 0
         for h in hashes:
-            deeper = get(h, 0) & held
+            deeper = pages[h & _LOW].get(h, 0) & held
             if deeper != held:  # some holders end here (most pages: none do)
                 if depth:  # holders without the first page are left out
                     for bit in bits_of(held & ~deeper):
@@ -152,4 +157,4 @@ class PageIndex:
 
     def snapshot(self) -> dict[str, dict[int, int]]:
         """A copy of the index (integrity checks compare it with one rebuilt from the holders)."""
-        return {ns: dict(pages) for ns, pages in self._pages.items()}
+        return {ns: {h: mask for shard in pages for h, mask in shard.items()} for ns, pages in self._pages.items()}

@@ -1,7 +1,8 @@
 /* The page index's loops (cache_service/page_index.py) in C.
  *
- * The index is a Python dict per namespace, page hash -> bit mask of the holders of that page
- * (a Python int: two bits per pool, so past 32 pools a mask outgrows 64 bits). Route walks a
+ * The index is a Python list of dicts per namespace (shards, chosen by the hash's low bits), page
+ * hash -> bit mask of the holders of that page (a Python int: two bits per pool, so past 32 pools
+ * a mask outgrows 64 bits). Route walks a
  * prompt's hash chain in it, and every page a tree caches or evicts and every page a routed
  * prompt promises is added to or removed from it (and counted: a page several routed prompts of
  * one pool promise is that pool's once, cache_service/routed.py): at fleet scale these loops ran thousands of
@@ -12,6 +13,34 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+/* The dict of `pages` that holds hash `h`: `pages` itself when it is a dict, else the shard
+ * h & (len - 1) of a list of dicts (its length a power of two; page_index.py). Borrowed. */
+static PyObject *shard_of(PyObject *pages, PyObject *h) {
+    if (PyDict_CheckExact(pages))
+        return pages;
+    unsigned long long key = PyLong_AsUnsignedLongLongMask(h);
+    if (key == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    PyObject *shard = PyList_GET_ITEM(pages, (Py_ssize_t)(key & (unsigned long long)(PyList_GET_SIZE(pages) - 1)));
+    if (!PyDict_CheckExact(shard)) {
+        PyErr_SetString(PyExc_TypeError, "a page index shard must be a dict");
+        return NULL;
+    }
+    return shard;
+}
+
+/* `pages` as the loops take it: a dict, or a non-empty list of dicts whose length is a power of two. */
+static int check_pages(PyObject *pages) {
+    if (PyDict_CheckExact(pages))
+        return 0;
+    Py_ssize_t n = PyList_CheckExact(pages) ? PyList_GET_SIZE(pages) : 0;
+    if (n <= 0 || (n & (n - 1))) {
+        PyErr_SetString(PyExc_TypeError, "pages must be a dict or a list of 2^k dicts");
+        return -1;
+    }
+    return 0;
+}
 
 /* out[bit] = depth for each set bit of `mask` (steals nothing). */
 static int put_bits(PyObject *out, PyObject *mask, Py_ssize_t depth) {
@@ -49,7 +78,7 @@ static int put_bits(PyObject *out, PyObject *mask, Py_ssize_t depth) {
  * holders in `mask` that hold the first page; stops at the first page no holder has. */
 static PyObject *depths(PyObject *self, PyObject *args) {
     PyObject *pages, *hashes, *mask;
-    if (!PyArg_ParseTuple(args, "O!OO", &PyDict_Type, &pages, &hashes, &mask))
+    if (!PyArg_ParseTuple(args, "OOO", &pages, &hashes, &mask) || check_pages(pages) < 0)
         return NULL;
     PyObject *out = PyDict_New();
     if (out == NULL)
@@ -66,7 +95,8 @@ static PyObject *depths(PyObject *self, PyObject *args) {
     PyObject *h;
     int failed = zero == NULL;
     while (!failed && (h = PyIter_Next(it)) != NULL) {
-        PyObject *got = PyDict_GetItemWithError(pages, h); /* borrowed */
+        PyObject *shard = shard_of(pages, h);
+        PyObject *got = shard != NULL ? PyDict_GetItemWithError(shard, h) : NULL; /* borrowed */
         Py_DECREF(h);
         if (got == NULL && PyErr_Occurred()) {
             failed = 1;
@@ -141,7 +171,8 @@ static PyObject *each_hash(PyObject *dict, PyObject *hashes, PyObject *arg, Hash
     int failed = 0;
     PyObject *h;
     while (!failed && (h = PyIter_Next(it)) != NULL) {
-        failed = step(dict, h, arg, out) < 0;
+        PyObject *shard = shard_of(dict, h);
+        failed = shard == NULL || step(shard, h, arg, out) < 0;
         Py_DECREF(h);
         n++;
     }
@@ -208,7 +239,7 @@ static int count_remove_step(PyObject *counts, PyObject *h, PyObject *one, PyObj
 /* add(pages, hashes, bit) -> count: pages[h] = bit, or held | bit, for each h of `hashes`. */
 static PyObject *add(PyObject *self, PyObject *args) {
     PyObject *pages, *hashes, *bit;
-    if (!PyArg_ParseTuple(args, "O!OO", &PyDict_Type, &pages, &hashes, &bit))
+    if (!PyArg_ParseTuple(args, "OOO", &pages, &hashes, &bit) || check_pages(pages) < 0)
         return NULL;
     return each_hash(pages, hashes, bit, add_step, 0);
 }
@@ -217,7 +248,7 @@ static PyObject *add(PyObject *self, PyObject *args) {
  * no holder is left, for each h of `hashes`. */
 static PyObject *remove_bits(PyObject *self, PyObject *args) {
     PyObject *pages, *hashes, *keep;
-    if (!PyArg_ParseTuple(args, "O!OO", &PyDict_Type, &pages, &hashes, &keep))
+    if (!PyArg_ParseTuple(args, "OOO", &pages, &hashes, &keep) || check_pages(pages) < 0)
         return NULL;
     return each_hash(pages, hashes, keep, remove_step, 0);
 }

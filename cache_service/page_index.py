@@ -14,10 +14,12 @@ one bit each, recycled when a pool leaves. Pages are kept per namespace: page ha
 (anyone can compute another namespace's chain), so a walk only ever sees the pages of the
 namespace it names, as each tree's own hash index does (radix_tree.py).
 
-A namespace's pages live in SHARDS dicts, chosen by the hash's low bits. A dict rebuilds its
-table now and then as entries come and go (every few hundred thousand changes), and one dict of
-a fleet's 300k pages took 15-17 ms to do it: a pause in the middle of some Step or Route. A
-shard's rebuild is 1/SHARDS of that, at the same cost in all.
+A namespace's pages live in one dict, and past SPLIT_PAGES pages in SHARDS dicts chosen by the
+hash's low bits (for good: a namespace that held that many keeps them until it is empty). A dict
+rebuilds its table now and then as entries come and go (every few hundred thousand changes), and
+one dict of a fleet's 300k pages took 15-17 ms to do it: a pause in the middle of some Step or
+Route. A shard's rebuild is 1/SHARDS of that, at the same cost in all. Small namespaces keep one
+dict: 64 empty dicts are ~5 KB, and a tenant may spread its pages over many namespaces.
 
 The loops over a chain (add, remove, depths) run in the cache manager's C core where it is built
 (cache_service/native/page_ops.c, on the same dicts and ints), else here.
@@ -30,8 +32,23 @@ from typing import Protocol
 
 from cache_service import native
 
-SHARDS = 64  # dicts per namespace (a power of two: page_ops.c picks one by hash & (SHARDS - 1))
+SHARDS = 64  # dicts of a large namespace (a power of two: page_ops.c picks one by hash & (SHARDS - 1))
+SPLIT_PAGES = 1 << 14  # a namespace's dict is split into SHARDS once it holds more pages than this
 _LOW = SHARDS - 1
+
+# A namespace's pages: one dict, or SHARDS of them (see the module docstring).
+Pages = dict[int, int] | list[dict[int, int]]
+
+
+def _shard(pages: Pages, h: int) -> dict[int, int]:
+    return pages if type(pages) is dict else pages[h & _LOW]
+
+
+def _split(pages: dict[int, int]) -> list[dict[int, int]]:
+    shards: list[dict[int, int]] = [{} for _ in range(SHARDS)]
+    for h, mask in pages.items():
+        shards[h & _LOW][h] = mask
+    return shards
 
 
 class PageListener(Protocol):
@@ -55,19 +72,21 @@ class PageHolder:
     def added(self, namespace: str, hashes: Iterable[int]) -> None:
         pages = self._index._pages.get(namespace)
         if pages is None:
-            pages = self._index._pages[namespace] = [{} for _ in range(SHARDS)]
+            pages = self._index._pages[namespace] = {}
         bit = self.bit
         if self._index._ops is not None:
             self.num_pages += self._index._ops.add(pages, hashes, bit)
-            return
-        n = 0
-        for h in hashes:
-            shard = pages[h & _LOW]
-            held = shard.get(h)
-            # A page one pool holds stores that pool's own bit object: no new int per page.
-            shard[h] = bit if held is None else held | bit
-            n += 1
-        self.num_pages += n
+        else:
+            n = 0
+            for h in hashes:
+                shard = _shard(pages, h)
+                held = shard.get(h)
+                # A page one pool holds stores that pool's own bit object: no new int per page.
+                shard[h] = bit if held is None else held | bit
+                n += 1
+            self.num_pages += n
+        if type(pages) is dict and len(pages) > SPLIT_PAGES:
+            self._index._pages[namespace] = _split(pages)
 
     def removed(self, namespace: str, hashes: Iterable[int]) -> None:
         pages = self._index._pages.get(namespace)
@@ -79,7 +98,7 @@ class PageHolder:
         else:
             n = 0
             for h in hashes:
-                shard = pages[h & _LOW]
+                shard = _shard(pages, h)
                 mask = shard.get(h, 0) & keep
                 if mask:
                     shard[h] = mask
@@ -87,7 +106,7 @@ class PageHolder:
                     shard.pop(h, None)
                 n += 1
             self.num_pages -= n
-        if not any(pages):  # stops at the first shard with a page: one look, unless nearly empty
+        if not (any(pages) if type(pages) is list else pages):  # any(): stops at the first shard with a page
             del self._index._pages[namespace]
 
 
@@ -108,7 +127,7 @@ class PageIndex:
         self._ops = native.page_ops() if native_core is None or native_core else None
         if native_core and self._ops is None:
             raise RuntimeError(f"the cache manager's C core is unavailable: {native.unavailable_reason()}")
-        self._pages: dict[str, list[dict[int, int]]] = {}  # namespace -> SHARDS dicts
+        self._pages: dict[str, Pages] = {}
         self._free_bits: list[int] = []
         self._next_bit = 1
 
@@ -125,7 +144,8 @@ class PageIndex:
         emptied first) is taken out of every page: a scan of the whole index."""
         if holder.num_pages:
             for namespace, pages in list(self._pages.items()):
-                holder.removed(namespace, [h for shard in pages for h, mask in shard.items() if mask & holder.bit])
+                holder.removed(namespace, [h for shard in _shards(pages) for h, mask in shard.items()
+                                           if mask & holder.bit])
         holder.num_pages = 0
         self._free_bits.append(holder.bit)
 
@@ -142,7 +162,7 @@ class PageIndex:
         held = mask
         depth = 0
         for h in hashes:
-            deeper = pages[h & _LOW].get(h, 0) & held
+            deeper = _shard(pages, h).get(h, 0) & held
             if deeper != held:  # some holders end here (most pages: none do)
                 if depth:  # holders without the first page are left out
                     for bit in bits_of(held & ~deeper):
@@ -157,4 +177,13 @@ class PageIndex:
 
     def snapshot(self) -> dict[str, dict[int, int]]:
         """A copy of the index (integrity checks compare it with one rebuilt from the holders)."""
-        return {ns: {h: mask for shard in pages for h, mask in shard.items()} for ns, pages in self._pages.items()}
+        return {ns: {h: mask for shard in _shards(pages) for h, mask in shard.items()}
+                for ns, pages in self._pages.items()}
+
+    def is_split(self, namespace: str) -> bool:
+        """Whether `namespace`'s pages are in SHARDS dicts (tests)."""
+        return type(self._pages.get(namespace)) is list
+
+
+def _shards(pages: Pages) -> list[dict[int, int]]:
+    return pages if type(pages) is list else [pages]

@@ -1,8 +1,8 @@
 /* The page index's loops (cache_service/page_index.py) in C.
  *
- * The index is a Python list of dicts per namespace (shards, chosen by the hash's low bits), page
- * hash -> bit mask of the holders of that page (a Python int: two bits per pool, so past 32 pools
- * a mask outgrows 64 bits). Route walks a
+ * The index is a Python dict per namespace (for a large namespace a list of dicts, shards chosen
+ * by the hash's low bits), page hash -> bit mask of the holders of that page (a Python int: two
+ * bits per pool, so past 32 pools a mask outgrows 64 bits). Route walks a
  * prompt's hash chain in it, and every page a tree caches or evicts and every page a routed
  * prompt promises is added to or removed from it (and counted: a page several routed prompts of
  * one pool promise is that pool's once, cache_service/routed.py): at fleet scale these loops ran thousands of

@@ -286,3 +286,29 @@ def test_the_least_loaded_first_answer_is_the_full_rankings_head(monkeypatch) ->
             assert fast.candidates == full.candidates[:k]
             assert fast.num_prompt_pages == full.num_prompt_pages
         registry.check_integrity()  # the load order among the rest
+
+
+def test_a_large_namespace_is_split_into_shards_and_answers_the_same(core) -> None:
+    """Past SPLIT_PAGES pages a namespace's dict becomes SHARDS dicts (a dict's rebuild under churn
+    is a pause of its size); depths, removal, snapshot and emptying work across the split; a small
+    namespace keeps one dict."""
+    rng = random.Random(5)
+    index = PageIndex()
+    a, b = index.holder(), index.holder()
+    chain = page_hashes(0, "big", list(range(400)), BS)  # 100 pages
+    filler = [rng.getrandbits(64) for _ in range(page_index.SPLIT_PAGES)]
+    a.added("small", chain[:3])
+    a.added("big", chain)
+    assert not index.is_split("big")
+    a.added("big", filler)
+    assert index.is_split("big") and not index.is_split("small")
+    b.added("big", chain[:50])
+    assert index.depths("big", chain) == {a.bit: 100, b.bit: 50}
+    assert index.depths("big", iter(chain), mask=b.bit) == {b.bit: 50}
+    assert index.depths("small", chain) == {a.bit: 3}
+    snap = index.snapshot()["big"]
+    assert len(snap) == 100 + len(filler) and snap[chain[0]] == a.bit | b.bit and snap[chain[99]] == a.bit
+    a.removed("big", filler + chain)
+    assert index.is_split("big") and index.depths("big", chain) == {b.bit: 50}
+    b.removed("big", chain[:50])
+    assert "big" not in index.snapshot() and a.num_pages == 3 and b.num_pages == 0

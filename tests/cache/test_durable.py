@@ -370,26 +370,49 @@ def test_background_snapshots_under_traffic_keep_the_log_bounded(tmp_path) -> No
     assert state(restored) == expected
 
 
-def test_a_pool_keeps_its_eviction_batch_across_restarts_and_older_records_evict_exactly(tmp_path) -> None:
-    """The eviction batch comes back from the journal and from a snapshot; records and snapshots
-    of older versions (no "evict_batch") replay as exact eviction, as those versions ran, so their
-    Steps replay to the same results."""
-    from cache_service.durable.replay import Replayer
-
+@pytest.mark.parametrize("older", [False, True])
+def test_steps_that_evict_in_batches_replay_to_the_same_state_and_older_pools_evict_exactly(tmp_path, older) -> None:
+    """A full 1024-block pool evicts 4 blocks at a time; its Steps replay from the journal to the
+    same state, and its batch comes back from the journal and from a snapshot. A pool an older
+    version recorded (no "evict_batch" in its REGISTER record or snapshot) evicted exactly what it
+    needed: it replays with exact eviction, so its Steps replay to the same digests."""
     live = new_registry()
     durable = open_durable(str(tmp_path / "state"), live)
-    pool = live.register_replica("big", 1024, BS, "m", 3, "big:1", incarnation="inc-big").pool
-    assert pool.evict_batch == 4
+    if older:  # the record as an older version wrote it
+        append = durable._append
+
+        def older_append(kind, *parts) -> None:
+            if kind == Kind.REGISTER:
+                record = json.loads(parts[0])
+                del record["evict_batch"]
+                parts = (json.dumps(record).encode(), *parts[1:])
+            append(kind, *parts)
+
+        durable._append = older_append
+    pool = live.register_replica("big", 1024, BS, "m", 2000, "big:1", incarnation="inc-big").pool
+    if older:
+        pool.evict_batch = 1  # as that version ran it
+    batch = 1 if older else 4
+    evicted = []
+    for i in range(2000):  # 1-page prompts (plus one token), each finished: the pool fills, then evicts
+        request = cache_pb2.StepRequest(pool_id="big", epoch=pool.epoch)
+        if i:
+            request.finishes.add(request_id=f"r{i - 1}", num_computed_tokens=BS)
+        request.admits.add(request_id=f"r{i}", token_ids=[i % 3, i // 3 % 1000, 7])
+        result = pool.step(convert.step_input(request))
+        durable.step(request, result, pool)
+        assert result.admits[0].admitted
+        if result.num_evicted_blocks:
+            evicted.append(result.num_evicted_blocks)
+    assert evicted and set(evicted) == {batch}
+    expected = state(live)
     crash(durable)
     replayed = new_registry()
     open_durable(str(tmp_path / "state"), replayed).close()
-    assert replayed.pools["big"].evict_batch == 4
+    assert "big" in replayed.pools and replayed.pools["big"].evict_batch == batch
+    replayed.pools["big"].drop_routed()
+    assert state(replayed) == expected  # every Step replayed to its digest: the pool was kept
     data = dump_pool(replayed.pools["big"])
-    assert restore_pool(data, None).evict_batch == 4
-    del data["evict_batch"]
+    assert restore_pool(data, None).evict_batch == batch
+    del data["evict_batch"]  # a snapshot of an older version
     assert restore_pool(data, None).evict_batch == 1
-    older = new_registry()
-    Replayer(older, lambda pool_id, why: None).apply(Kind.REGISTER, json.dumps({
-        "worker_id": "old", "num_blocks": 1024, "block_size": BS, "model_fingerprint": "m", "vocab_size": 3,
-        "serving_addr": "old:1", "incarnation": "inc-old", "epoch": 1, "reattached": False}).encode())
-    assert older.pools["old"].evict_batch == 1

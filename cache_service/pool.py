@@ -132,7 +132,7 @@ class Pool:
         self.vocab_size = vocab_size
         self.lease_deadline = float("inf")  # managed by the registry
         self.allocator = BlockAllocator(num_blocks)
-        self.evict_batch = evict_batch(num_blocks)  # from the shape alone: journal replay evicts the same
+        self.evict_batch = evict_batch(num_blocks)  # kept in the journal and snapshots: replay evicts alike
         self.tree = RadixTree(block_size)
         self.requests: dict[str, RequestState] = {}
         self.num_private_blocks = 0

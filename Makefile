@@ -54,9 +54,9 @@ $(NATIVE_STAMP): $(NATIVE_SRC) $(STAMP)
 	$(BIN)/python -m model_service.native.build --optional
 	mkdir -p $(dir $(NATIVE_STAMP)) && touch $(NATIVE_STAMP)
 
-# The cache manager's C core (cache_service/native: block_ops.c, the block allocator's bulk calls, and
-# page_ops.c, the page index's loops; a cc call each, about a second). Without a compiler it warns and
-# the allocator and the page index run their Python code.
+# The cache manager's C core (cache_service/native: block_ops.c, the block allocator's bulk calls,
+# page_ops.c, the page index's loops, and hash_ops.c, the chained page hash on the vendored xxHash
+# header; a cc call each, about a second). Without a compiler it warns and their Python code runs.
 $(CACHE_NATIVE_STAMP): $(CACHE_NATIVE_SRC) $(STAMP)
 	$(BIN)/python -m cache_service.native.build --optional
 	mkdir -p $(dir $(CACHE_NATIVE_STAMP)) && touch $(CACHE_NATIVE_STAMP)

@@ -44,6 +44,10 @@ def _shard(pages: Pages, h: int) -> dict[int, int]:
     return pages if type(pages) is dict else pages[h & _LOW]
 
 
+def _shards(pages: Pages) -> list[dict[int, int]]:
+    return pages if type(pages) is list else [pages]
+
+
 def _split(pages: dict[int, int]) -> list[dict[int, int]]:
     shards: list[dict[int, int]] = [{} for _ in range(SHARDS)]
     for h, mask in pages.items():
@@ -184,6 +188,3 @@ class PageIndex:
         """Whether `namespace`'s pages are in SHARDS dicts (tests)."""
         return type(self._pages.get(namespace)) is list
 
-
-def _shards(pages: Pages) -> list[dict[int, int]]:
-    return pages if type(pages) is list else [pages]
